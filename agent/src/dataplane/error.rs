@@ -1,0 +1,68 @@
+use std::{io, path::PathBuf};
+
+/// Errors of the dataplane: loading, attaching, pinning and map access.
+#[derive(Debug, thiserror::Error)]
+pub enum DataplaneError {
+    #[error("interface {interface}: {source}")]
+    Interface {
+        interface: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "interface {interface} has link type {link_type}, which wgfence does not know \
+         (expected a WireGuard/TUN device or an Ethernet-like device)"
+    )]
+    UnsupportedLinkType { interface: String, link_type: u16 },
+    #[error("{path} is not a mounted BPF filesystem (mount it with `mount -t bpf bpf {path}`)")]
+    NotBpffs { path: PathBuf },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("loading the eBPF object: {0}")]
+    Load(#[from] aya::EbpfError),
+    #[error("program {program}: {source}")]
+    Program {
+        program: &'static str,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+    #[error("the eBPF object has no map named {0}")]
+    MissingMap(&'static str),
+    #[error("map {map}: {source}")]
+    Map {
+        map: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error(
+        "pinned map {map} has {found}, this agent expects {expected}; \
+         remove it with `wgfence detach` (this drops enforcement until the next start)"
+    )]
+    LayoutMismatch {
+        map: &'static str,
+        expected: String,
+        found: String,
+    },
+    #[error("pinning {path}: {source}")]
+    Pin {
+        path: PathBuf,
+        #[source]
+        source: aya::pin::PinError,
+    },
+    #[error("pinned link {path}: {source}")]
+    Link {
+        path: PathBuf,
+        #[source]
+        source: aya::programs::links::LinkError,
+    },
+    #[error("{field} out of range: {value}")]
+    OutOfRange { field: &'static str, value: u64 },
+    #[error("BPF_PROG_TEST_RUN: {0}")]
+    TestRun(#[source] io::Error),
+}
+
+pub type Result<T, E = DataplaneError> = std::result::Result<T, E>;

@@ -1,0 +1,334 @@
+//! Typed access to the datapath's maps: peers by address, policy entries by (policy id,
+//! prefix), counters. Every update and delete is counted, so the agent can report exactly how
+//! many kernel writes a reconcile cost.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    path::Path,
+};
+
+use aya::{
+    maps::{lpm_trie::Key, Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray},
+    Ebpf,
+};
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use wgfence_common::{
+    map_names, Counter, PeerCounters, PeerEntry, PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6,
+    PolicyValue, COUNTERS_LEN, POLICY_ID_BITS,
+};
+
+use super::{
+    error::{DataplaneError, Result},
+    layout,
+};
+
+/// One policy trie entry as stored in the kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicyEntry {
+    pub policy: u32,
+    pub prefix: IpNet,
+    pub value: PolicyValue,
+}
+
+/// Packet counters summed over all CPUs, indexed by [`Counter`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters([u64; COUNTERS_LEN as usize]);
+
+impl Counters {
+    pub fn get(&self, counter: Counter) -> u64 {
+        self.0[counter as usize]
+    }
+
+    pub fn passed(&self) -> u64 {
+        Counter::ALL
+            .iter()
+            .filter(|c| c.is_pass())
+            .map(|c| self.get(*c))
+            .sum()
+    }
+
+    pub fn dropped(&self) -> u64 {
+        Counter::ALL
+            .iter()
+            .filter(|c| !c.is_pass())
+            .map(|c| self.get(*c))
+            .sum()
+    }
+}
+
+/// The datapath's maps, opened from a loaded object or from their pins.
+pub struct Maps {
+    peers_v4: HashMap<MapData, PeerKeyV4, PeerEntry>,
+    peers_v6: HashMap<MapData, PeerKeyV6, PeerEntry>,
+    policy_v4: LpmTrie<MapData, PolicyKeyV4, PolicyValue>,
+    policy_v6: LpmTrie<MapData, PolicyKeyV6, PolicyValue>,
+    stats: PerCpuArray<MapData, u64>,
+    peer_stats: Array<MapData, PeerCounters>,
+    writes: u64,
+}
+
+fn map_err(map: &'static str) -> impl Fn(MapError) -> DataplaneError {
+    move |source| DataplaneError::Map { map, source }
+}
+
+/// `Ok(false)` for a delete of a key that is not there: deleting what is already gone is not
+/// an error.
+fn removed(map: &'static str, result: Result<(), MapError>) -> Result<bool> {
+    match result {
+        Ok(()) => Ok(true),
+        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+            Ok(false)
+        }
+        Err(MapError::KeyNotFound | MapError::ElementNotFound) => Ok(false),
+        Err(source) => Err(DataplaneError::Map { map, source }),
+    }
+}
+
+/// Takes one map out of `source`, checks its layout and converts it to its typed form.
+fn typed<T>(name: &'static str, data: MapData) -> Result<T>
+where
+    T: TryFrom<Map, Error = MapError>,
+{
+    let info = data.info().map_err(map_err(name))?;
+    layout::check(name, &info)?;
+    let map = Map::from_map_data(data).map_err(map_err(name))?;
+    T::try_from(map).map_err(map_err(name))
+}
+
+impl Maps {
+    /// Takes the maps out of a loaded object, checking each one's layout.
+    pub(crate) fn from_ebpf(ebpf: &mut Ebpf) -> Result<Self> {
+        Self::open(|name| {
+            ebpf.take_map(name)
+                .map(|map| match map {
+                    Map::HashMap(d) | Map::LpmTrie(d) | Map::PerCpuArray(d) | Map::Array(d) => {
+                        Ok(d)
+                    }
+                    _ => Err(DataplaneError::MissingMap(name)),
+                })
+                .unwrap_or(Err(DataplaneError::MissingMap(name)))
+        })
+    }
+
+    /// Opens the maps pinned in `dir`, checking each one's layout.
+    pub(crate) fn from_pins(dir: &Path) -> Result<Self> {
+        Self::open(|name| MapData::from_pin(dir.join(name)).map_err(map_err(name)))
+    }
+
+    fn open(mut data: impl FnMut(&'static str) -> Result<MapData>) -> Result<Self> {
+        Ok(Self {
+            peers_v4: typed(map_names::PEERS_V4, data(map_names::PEERS_V4)?)?,
+            peers_v6: typed(map_names::PEERS_V6, data(map_names::PEERS_V6)?)?,
+            policy_v4: typed(map_names::POLICY_V4, data(map_names::POLICY_V4)?)?,
+            policy_v6: typed(map_names::POLICY_V6, data(map_names::POLICY_V6)?)?,
+            stats: typed(map_names::STATS, data(map_names::STATS)?)?,
+            peer_stats: typed(map_names::PEER_STATS, data(map_names::PEER_STATS)?)?,
+            writes: 0,
+        })
+    }
+
+    /// Map updates and deletes issued through this handle.
+    pub fn writes(&self) -> u64 {
+        self.writes
+    }
+
+    /// Inserts or replaces the entry of one peer address. Switching a peer to another policy is
+    /// this one update: the next packet sees the new policy.
+    pub fn upsert_peer(&mut self, addr: IpAddr, entry: PeerEntry) -> Result<()> {
+        self.writes += 1;
+        match addr {
+            IpAddr::V4(a) => self
+                .peers_v4
+                .insert(PeerKeyV4 { addr: a.octets() }, entry, 0)
+                .map_err(map_err(map_names::PEERS_V4)),
+            IpAddr::V6(a) => self
+                .peers_v6
+                .insert(PeerKeyV6 { addr: a.octets() }, entry, 0)
+                .map_err(map_err(map_names::PEERS_V6)),
+        }
+    }
+
+    /// Deletes the entry of one peer address; `false` if there was none.
+    pub fn remove_peer(&mut self, addr: IpAddr) -> Result<bool> {
+        self.writes += 1;
+        match addr {
+            IpAddr::V4(a) => removed(
+                map_names::PEERS_V4,
+                self.peers_v4.remove(&PeerKeyV4 { addr: a.octets() }),
+            ),
+            IpAddr::V6(a) => removed(
+                map_names::PEERS_V6,
+                self.peers_v6.remove(&PeerKeyV6 { addr: a.octets() }),
+            ),
+        }
+    }
+
+    /// All peer entries, sorted by address.
+    pub fn peers(&self) -> Result<Vec<(IpAddr, PeerEntry)>> {
+        let mut peers = Vec::new();
+        for item in self.peers_v4.iter() {
+            let (key, entry) = item.map_err(map_err(map_names::PEERS_V4))?;
+            peers.push((IpAddr::V4(Ipv4Addr::from(key.addr)), entry));
+        }
+        for item in self.peers_v6.iter() {
+            let (key, entry) = item.map_err(map_err(map_names::PEERS_V6))?;
+            peers.push((IpAddr::V6(Ipv6Addr::from(key.addr)), entry));
+        }
+        peers.sort_unstable_by_key(|(addr, _)| *addr);
+        Ok(peers)
+    }
+
+    /// Inserts or replaces the trie entry of (policy, prefix). Host bits of `prefix` are
+    /// cleared: the kernel would keep them in the key and `policies()` would not round-trip.
+    pub fn upsert_policy(&mut self, policy: u32, prefix: IpNet, value: &PolicyValue) -> Result<()> {
+        self.writes += 1;
+        match prefix.trunc() {
+            IpNet::V4(net) => self
+                .policy_v4
+                .insert(&key_v4(policy, net), value, 0)
+                .map_err(map_err(map_names::POLICY_V4)),
+            IpNet::V6(net) => self
+                .policy_v6
+                .insert(&key_v6(policy, net), value, 0)
+                .map_err(map_err(map_names::POLICY_V6)),
+        }
+    }
+
+    /// Deletes the trie entry of (policy, prefix); `false` if there was none.
+    pub fn remove_policy(&mut self, policy: u32, prefix: IpNet) -> Result<bool> {
+        self.writes += 1;
+        match prefix.trunc() {
+            IpNet::V4(net) => removed(
+                map_names::POLICY_V4,
+                self.policy_v4.remove(&key_v4(policy, net)),
+            ),
+            IpNet::V6(net) => removed(
+                map_names::POLICY_V6,
+                self.policy_v6.remove(&key_v6(policy, net)),
+            ),
+        }
+    }
+
+    /// All policy trie entries, sorted by (policy, prefix).
+    pub fn policies(&self) -> Result<Vec<PolicyEntry>> {
+        let mut entries = Vec::new();
+        for item in self.policy_v4.iter() {
+            let (key, value) = item.map_err(map_err(map_names::POLICY_V4))?;
+            let data = key.data();
+            let len = prefix_len(key.prefix_len(), 32)?;
+            let prefix = Ipv4Net::new(Ipv4Addr::from(data.addr), len)
+                .map_err(|_| out_of_range(key.prefix_len()))?;
+            entries.push(PolicyEntry {
+                policy: data.policy,
+                prefix: IpNet::V4(prefix),
+                value,
+            });
+        }
+        for item in self.policy_v6.iter() {
+            let (key, value) = item.map_err(map_err(map_names::POLICY_V6))?;
+            let data = key.data();
+            let len = prefix_len(key.prefix_len(), 128)?;
+            let prefix = Ipv6Net::new(Ipv6Addr::from(data.addr), len)
+                .map_err(|_| out_of_range(key.prefix_len()))?;
+            entries.push(PolicyEntry {
+                policy: data.policy,
+                prefix: IpNet::V6(prefix),
+                value,
+            });
+        }
+        entries.sort_unstable_by_key(|e| (e.policy, e.prefix));
+        Ok(entries)
+    }
+
+    /// Packet counters summed over all CPUs.
+    pub fn counters(&self) -> Result<Counters> {
+        let mut counters = Counters::default();
+        for (index, total) in counters.0.iter_mut().enumerate() {
+            let index = index as u32;
+            let per_cpu = self
+                .stats
+                .get(&index, 0)
+                .map_err(map_err(map_names::STATS))?;
+            *total = per_cpu.iter().sum();
+        }
+        Ok(counters)
+    }
+
+    /// Counters of one peer slot.
+    pub fn peer_counters(&self, slot: u32) -> Result<PeerCounters> {
+        self.peer_stats
+            .get(&slot, 0)
+            .map_err(map_err(map_names::PEER_STATS))
+    }
+
+    /// Zeroes one peer slot's counters, e.g. before the slot is given to a new peer.
+    pub fn reset_peer_counters(&mut self, slot: u32) -> Result<()> {
+        self.writes += 1;
+        self.peer_stats
+            .set(slot, PeerCounters::default(), 0)
+            .map_err(map_err(map_names::PEER_STATS))
+    }
+}
+
+fn out_of_range(prefix_len: u32) -> DataplaneError {
+    DataplaneError::OutOfRange {
+        field: "policy trie prefix length",
+        value: u64::from(prefix_len),
+    }
+}
+
+/// Destination prefix length of a trie key whose prefix length counts the policy id too.
+fn prefix_len(key_prefix_len: u32, max: u8) -> Result<u8> {
+    key_prefix_len
+        .checked_sub(POLICY_ID_BITS)
+        .and_then(|len| u8::try_from(len).ok())
+        .filter(|len| *len <= max)
+        .ok_or_else(|| out_of_range(key_prefix_len))
+}
+
+fn key_v4(policy: u32, net: Ipv4Net) -> Key<PolicyKeyV4> {
+    Key::new(
+        POLICY_ID_BITS + u32::from(net.prefix_len()),
+        PolicyKeyV4 {
+            policy,
+            addr: net.network().octets(),
+        },
+    )
+}
+
+fn key_v6(policy: u32, net: Ipv6Net) -> Key<PolicyKeyV6> {
+    Key::new(
+        POLICY_ID_BITS + u32::from(net.prefix_len()),
+        PolicyKeyV6 {
+            policy,
+            addr: net.network().octets(),
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trie_keys_count_the_policy_id_bits() {
+        let net: Ipv4Net = "10.1.0.0/16".parse().unwrap_or_default();
+        let key = key_v4(7, net);
+        assert_eq!(key.prefix_len(), 48);
+        assert_eq!(key.data().policy, 7);
+        assert_eq!(key.data().addr, [10, 1, 0, 0]);
+        assert_eq!(prefix_len(key.prefix_len(), 32).ok(), Some(16));
+
+        let net: Ipv6Net = "fd00::/8".parse().unwrap_or_default();
+        let key = key_v6(9, net);
+        assert_eq!(key.prefix_len(), 40);
+        assert_eq!(prefix_len(key.prefix_len(), 128).ok(), Some(8));
+    }
+
+    #[test]
+    fn impossible_prefix_lengths_are_rejected() {
+        assert!(prefix_len(31, 32).is_err());
+        assert!(prefix_len(65, 32).is_err());
+        assert!(prefix_len(32 + 129, 128).is_err());
+    }
+}

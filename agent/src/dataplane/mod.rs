@@ -1,0 +1,324 @@
+//! The kernel side: load the embedded datapath, attach it with tcx to the WireGuard interface's
+//! ingress, pin its maps and link under `<bpffs>/wgfence/<interface>/`, adopt them on the next
+//! start, and give typed access to the maps.
+//!
+//! Restart safety: a second [`Dataplane::attach`] reuses the pinned maps (after checking their
+//! layout) and replaces the program through the pinned link with `bpf_link_update`, so there is
+//! no instant without a program or without the maps' contents.
+
+mod error;
+mod iface;
+mod layout;
+mod maps;
+mod test_run;
+
+use std::{
+    fs,
+    io::{self, ErrorKind},
+    os::unix::fs::DirBuilderExt as _,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    programs::{
+        links::{FdLink, LinkOrder, PinnedLink},
+        tc::{SchedClassifierLink, TcAttachOptions},
+        SchedClassifier, TcAttachType,
+    },
+    Ebpf, EbpfLoader,
+};
+use wgfence_common::{map_names, INGRESS_PROGRAM, L3_OFFSET_GLOBAL};
+
+pub use error::{DataplaneError, Result};
+pub use maps::{Counters, Maps, PolicyEntry};
+pub use test_run::{TestProgram, TestRun};
+
+/// The datapath object, built from `ebpf/` by `build.rs`.
+pub(crate) static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WGFENCE_BPF_OBJECT"));
+
+/// Where bpffs is normally mounted.
+pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
+/// File name of the pinned tcx link inside an interface's pin directory.
+pub const LINK_PIN: &str = "link_ingress";
+/// aya-log's global log level: 0 switches datapath logging off.
+const AYA_LOG_LEVEL: &str = "AYA_LOG_LEVEL";
+/// aya-log's `Level::Debug`.
+const LOG_LEVEL_DEBUG: u8 = 4;
+/// statfs(2) magic of a BPF filesystem.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// The pin directory of one interface: `<bpffs>/wgfence/<interface>`.
+pub fn pin_dir(bpffs: &Path, interface: &str) -> PathBuf {
+    bpffs.join("wgfence").join(interface)
+}
+
+#[derive(Debug, Clone)]
+pub struct AttachOptions {
+    pub interface: String,
+    pub bpffs: PathBuf,
+    /// Compile the datapath's debug log statements in (they cost a ring buffer write per drop).
+    pub datapath_debug: bool,
+}
+
+impl AttachOptions {
+    pub fn new(interface: impl Into<String>) -> Self {
+        Self {
+            interface: interface.into(),
+            bpffs: PathBuf::from(DEFAULT_BPFFS),
+            datapath_debug: false,
+        }
+    }
+
+    pub fn bpffs(mut self, bpffs: impl Into<PathBuf>) -> Self {
+        self.bpffs = bpffs.into();
+        self
+    }
+}
+
+/// How the program came to be on the interface.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attachment {
+    /// No pinned link existed: the program was attached and the link pinned.
+    Created,
+    /// A pinned link existed and now runs this program (atomic replacement).
+    Replaced,
+}
+
+/// The attached datapath of one interface and its maps.
+pub struct Dataplane {
+    interface: String,
+    pin_dir: PathBuf,
+    maps: Maps,
+    attachment: Attachment,
+    /// The loaded object; kept so the datapath's log ring buffer stays readable.
+    ebpf: Ebpf,
+}
+
+impl Dataplane {
+    /// Loads the datapath and attaches it to the interface's ingress, adopting whatever is
+    /// pinned for it: pinned maps keep their contents, a pinned link gets the new program.
+    ///
+    /// Must run in the interface's network namespace.
+    pub fn attach(options: &AttachOptions) -> Result<Self> {
+        let interface = options.interface.as_str();
+        let l3_offset = iface::l3_offset(interface)?;
+        ensure_bpffs(&options.bpffs)?;
+        let pin_dir = pin_dir(&options.bpffs, interface);
+        create_private_dir(&pin_dir)?;
+
+        let pins: Vec<(&'static str, PathBuf)> = map_names::ALL
+            .iter()
+            .map(|name| (*name, pin_dir.join(name)))
+            .collect();
+        let log_level: u8 = if options.datapath_debug {
+            LOG_LEVEL_DEBUG
+        } else {
+            0
+        };
+        let mut loader = EbpfLoader::new();
+        loader
+            .override_global(L3_OFFSET_GLOBAL, &l3_offset, true)
+            .override_global(AYA_LOG_LEVEL, &log_level, false);
+        for (name, path) in &pins {
+            // Reuses the pinned map if there is one, else creates and pins it.
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader.load(OBJECT)?;
+        // Before anything is attached: an adopted map of another layout is an error.
+        let maps = Maps::from_ebpf(&mut ebpf)?;
+
+        let program = ingress_program(&mut ebpf)?;
+        program.load().map_err(program_err)?;
+        let link_path = pin_dir.join(LINK_PIN);
+        let attachment = attach_or_replace(program, interface, &link_path)?;
+        tracing::info!(
+            interface,
+            pin_dir = %pin_dir.display(),
+            l3_offset,
+            ?attachment,
+            "datapath attached"
+        );
+        Ok(Self {
+            interface: interface.to_owned(),
+            pin_dir,
+            maps,
+            attachment,
+            ebpf,
+        })
+    }
+
+    /// Opens the maps pinned for an interface without loading or attaching anything (for
+    /// `status`, `dump` and tests).
+    pub fn open_maps(bpffs: &Path, interface: &str) -> Result<Maps> {
+        Maps::from_pins(&pin_dir(bpffs, interface))
+    }
+
+    /// Removes everything pinned for an interface: the link (which detaches the program) and
+    /// the maps. What is already gone is not an error. Returns whether anything was removed.
+    pub fn detach(bpffs: &Path, interface: &str) -> Result<bool> {
+        let dir = pin_dir(bpffs, interface);
+        let entries = match fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(false),
+            Err(source) => return Err(DataplaneError::Io { path: dir, source }),
+        };
+        // The link first: the program stops before its maps go.
+        let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        paths.sort_by_key(|p| p.file_name() != Some(LINK_PIN.as_ref()));
+        for path in paths {
+            remove_if_exists(&path)?;
+        }
+        match fs::remove_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(source) => return Err(DataplaneError::Io { path: dir, source }),
+        }
+        // Leave <bpffs>/wgfence itself once no interface uses it.
+        if let Some(parent) = dir.parent() {
+            let _ = fs::remove_dir(parent);
+        }
+        tracing::info!(interface, "datapath detached");
+        Ok(true)
+    }
+
+    pub fn interface(&self) -> &str {
+        &self.interface
+    }
+
+    pub fn pin_dir(&self) -> &Path {
+        &self.pin_dir
+    }
+
+    pub fn attachment(&self) -> Attachment {
+        self.attachment
+    }
+
+    pub fn maps(&self) -> &Maps {
+        &self.maps
+    }
+
+    pub fn maps_mut(&mut self) -> &mut Maps {
+        &mut self.maps
+    }
+
+    /// The loaded object, e.g. for `aya_log::EbpfLogger::init`.
+    pub fn ebpf_mut(&mut self) -> &mut Ebpf {
+        &mut self.ebpf
+    }
+}
+
+fn program_err(source: aya::programs::ProgramError) -> DataplaneError {
+    DataplaneError::Program {
+        program: INGRESS_PROGRAM,
+        source,
+    }
+}
+
+pub(crate) fn ingress_program(ebpf: &mut Ebpf) -> Result<&mut SchedClassifier> {
+    ebpf.program_mut(INGRESS_PROGRAM)
+        .ok_or(DataplaneError::Program {
+            program: INGRESS_PROGRAM,
+            source: aya::programs::ProgramError::UnexpectedProgramType,
+        })?
+        .try_into()
+        .map_err(program_err)
+}
+
+/// Replaces the program behind the pinned link if it is still attached; otherwise (no pin, or
+/// a pin whose interface went away) attaches anew and pins the new link.
+fn attach_or_replace(
+    program: &mut SchedClassifier,
+    interface: &str,
+    link_path: &Path,
+) -> Result<Attachment> {
+    if link_path.exists() {
+        let pinned = PinnedLink::from_pin(link_path).map_err(|source| DataplaneError::Link {
+            path: link_path.to_owned(),
+            source,
+        })?;
+        let link = SchedClassifierLink::try_from(FdLink::from(pinned)).map_err(|source| {
+            DataplaneError::Link {
+                path: link_path.to_owned(),
+                source,
+            }
+        })?;
+        match program.attach_to_link(link) {
+            Ok(_) => return Ok(Attachment::Replaced),
+            Err(e) => {
+                // ENOLINK: the interface the link was made for is gone (e.g. recreated).
+                tracing::warn!(
+                    interface,
+                    link = %link_path.display(),
+                    error = %e,
+                    "pinned link cannot take the program; attaching a new link"
+                );
+                remove_if_exists(link_path)?;
+            }
+        }
+    }
+    // First in the tcx chain: a program before ours could pass packets we must drop.
+    let id = program
+        .attach_with_options(
+            interface,
+            TcAttachType::Ingress,
+            TcAttachOptions::TcxOrder(LinkOrder::first()),
+        )
+        .map_err(program_err)?;
+    let link = program.take_link(id).map_err(program_err)?;
+    let link = FdLink::try_from(link).map_err(|source| DataplaneError::Link {
+        path: link_path.to_owned(),
+        source,
+    })?;
+    link.pin(link_path).map_err(|source| DataplaneError::Pin {
+        path: link_path.to_owned(),
+        source,
+    })?;
+    Ok(Attachment::Created)
+}
+
+fn ensure_bpffs(path: &Path) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| {
+        DataplaneError::NotBpffs {
+            path: path.to_owned(),
+        }
+    })?;
+    // SAFETY: statfs writes into the zeroed struct; c_path is NUL-terminated.
+    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut stat) } != 0 {
+        return Err(DataplaneError::Io {
+            path: path.to_owned(),
+            source: io::Error::last_os_error(),
+        });
+    }
+    #[allow(clippy::unnecessary_cast)] // f_type's width differs between libcs
+    if stat.f_type as i64 != BPF_FS_MAGIC {
+        return Err(DataplaneError::NotBpffs {
+            path: path.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// Creates the pin directory (and its parents) readable by root only.
+fn create_private_dir(dir: &Path) -> Result<()> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|source| DataplaneError::Io {
+            path: dir.to_owned(),
+            source,
+        })
+}
+
+fn remove_if_exists(path: &Path) -> Result<()> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(DataplaneError::Io {
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}

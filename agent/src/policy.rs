@@ -1,0 +1,527 @@
+//! The policy compiler: a peer's egress rules become the canonical trie entries the datapath
+//! looks up.
+//!
+//! The datapath does one longest-prefix-match lookup of the destination, so each entry must
+//! already hold everything any rule allows for destinations under that prefix:
+//!
+//! 1. every rule becomes (prefix, allows) with the prefix's host bits cleared;
+//! 2. each prefix's allows are folded into every more specific prefix it contains;
+//! 3. per prefix, overlapping and adjacent port ranges of a protocol merge, and `any` subsumes
+//!    everything; the result is sorted, so equal rule sets give equal output in any order;
+//! 4. a prefix whose folded allows equal those of the prefix that contains it adds nothing
+//!    (the lookup would find the same allows one level up) and is left out.
+//!
+//! A [`CompiledPolicy`] is its own content identity: peers whose rules compile to the same
+//! entries can share one set of trie entries.
+
+use std::collections::BTreeMap;
+
+use ipnet::IpNet;
+use wgfence_common::{
+    Allow, PolicyValue, MAX_ALLOWS, PROTO_ANY, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+};
+
+/// The protocol of a rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Protocol {
+    Any,
+    Tcp,
+    Udp,
+    /// ICMP for IPv4 destinations, ICMPv6 for IPv6 destinations.
+    Icmp,
+}
+
+/// An inclusive destination port range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PortRange {
+    pub lo: u16,
+    pub hi: u16,
+}
+
+impl PortRange {
+    pub const ALL: PortRange = PortRange {
+        lo: 0,
+        hi: u16::MAX,
+    };
+
+    pub const fn new(lo: u16, hi: u16) -> Self {
+        Self { lo, hi }
+    }
+
+    pub const fn single(port: u16) -> Self {
+        Self { lo: port, hi: port }
+    }
+}
+
+/// One egress rule: destinations in `cidr`, of `protocol`, to `ports` (empty: every port).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Rule {
+    pub cidr: IpNet,
+    pub protocol: Protocol,
+    pub ports: Vec<PortRange>,
+}
+
+impl Rule {
+    pub fn new(cidr: IpNet, protocol: Protocol, ports: Vec<PortRange>) -> Self {
+        Self {
+            cidr,
+            protocol,
+            ports,
+        }
+    }
+
+    /// The datapath entries this rule allows, before folding and merging.
+    fn allows(&self) -> Vec<Allow> {
+        let all = |protocol| vec![Allow::new(protocol, 0, u16::MAX)];
+        let ranges = |protocol| {
+            if self.ports.is_empty() {
+                all(protocol)
+            } else {
+                self.ports
+                    .iter()
+                    .map(|r| Allow::new(protocol, r.lo, r.hi))
+                    .collect()
+            }
+        };
+        match self.protocol {
+            Protocol::Any => all(PROTO_ANY),
+            Protocol::Tcp => ranges(PROTO_TCP),
+            Protocol::Udp => ranges(PROTO_UDP),
+            Protocol::Icmp => match self.cidr {
+                IpNet::V4(_) => all(PROTO_ICMP),
+                IpNet::V6(_) => all(PROTO_ICMPV6),
+            },
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    #[error(
+        "destination {prefix} needs {count} (protocol, port range) entries after folding in \
+         the rules of the prefixes that contain it; the datapath holds at most {max}"
+    )]
+    TooManyAllows {
+        prefix: IpNet,
+        count: usize,
+        max: usize,
+    },
+}
+
+/// A compiled, canonical policy: trie entries by destination prefix. No entries means every
+/// packet is denied; a peer without rules is unrestricted and has no compiled policy at all.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CompiledPolicy {
+    entries: BTreeMap<IpNet, Vec<Allow>>,
+}
+
+impl CompiledPolicy {
+    /// The trie entries, sorted by prefix.
+    pub fn entries(&self) -> impl ExactSizeIterator<Item = (IpNet, &[Allow])> + '_ {
+        self.entries.iter().map(|(p, a)| (*p, a.as_slice()))
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The map value of one entry.
+    pub fn value(allows: &[Allow]) -> PolicyValue {
+        let mut value = PolicyValue::default();
+        let n = allows.len().min(MAX_ALLOWS);
+        value.allows[..n].copy_from_slice(&allows[..n]);
+        value.count = n as u32;
+        value
+    }
+
+    /// Rebuilds a policy from trie entries read back from the kernel.
+    pub fn from_entries(entries: impl IntoIterator<Item = (IpNet, Vec<Allow>)>) -> Self {
+        Self {
+            entries: entries.into_iter().collect(),
+        }
+    }
+
+    /// What the datapath decides for a packet: the longest matching prefix's allows must
+    /// contain a match. A reference model for tests of the compiler and of the datapath.
+    pub fn permits(&self, dst: std::net::IpAddr, protocol: u8, port: Option<u16>) -> bool {
+        self.entries
+            .iter()
+            .filter(|(prefix, _)| prefix.contains(&dst))
+            .max_by_key(|(prefix, _)| prefix.prefix_len())
+            .is_some_and(|(_, allows)| allows.iter().any(|a| a.matches(protocol, port)))
+    }
+}
+
+/// Compiles a peer's rules. The result does not depend on the order of `rules`.
+pub fn compile(rules: &[Rule]) -> Result<CompiledPolicy, PolicyError> {
+    let mut by_prefix: BTreeMap<IpNet, Vec<Allow>> = BTreeMap::new();
+    for rule in rules {
+        by_prefix
+            .entry(rule.cidr.trunc())
+            .or_default()
+            .extend(rule.allows());
+    }
+
+    // Fold: each prefix gets the allows of every prefix that contains it (itself included).
+    let mut folded: BTreeMap<IpNet, Vec<Allow>> = BTreeMap::new();
+    for prefix in by_prefix.keys() {
+        let allows: Vec<Allow> = by_prefix
+            .iter()
+            .filter(|(outer, _)| outer.contains(prefix))
+            .flat_map(|(_, allows)| allows.iter().copied())
+            .collect();
+        folded.insert(*prefix, merge(allows));
+    }
+
+    // Drop entries that repeat their nearest enclosing entry.
+    let redundant: Vec<IpNet> = folded
+        .iter()
+        .filter(|(prefix, allows)| {
+            folded
+                .iter()
+                .filter(|(outer, _)| *outer != *prefix && outer.contains(*prefix))
+                .max_by_key(|(outer, _)| outer.prefix_len())
+                .is_some_and(|(_, outer_allows)| outer_allows == *allows)
+        })
+        .map(|(prefix, _)| *prefix)
+        .collect();
+    for prefix in redundant {
+        folded.remove(&prefix);
+    }
+
+    if let Some((prefix, allows)) = folded.iter().find(|(_, a)| a.len() > MAX_ALLOWS) {
+        return Err(PolicyError::TooManyAllows {
+            prefix: *prefix,
+            count: allows.len(),
+            max: MAX_ALLOWS,
+        });
+    }
+    Ok(CompiledPolicy { entries: folded })
+}
+
+/// Canonical form of a set of allows: `any` alone if present, else per protocol the union of
+/// the port ranges as disjoint, non-adjacent ranges, sorted by (protocol, port).
+fn merge(mut allows: Vec<Allow>) -> Vec<Allow> {
+    if allows.iter().any(|a| a.protocol == PROTO_ANY) {
+        return vec![Allow::new(PROTO_ANY, 0, u16::MAX)];
+    }
+    allows.sort_unstable();
+    let mut merged: Vec<Allow> = Vec::with_capacity(allows.len());
+    for allow in allows {
+        match merged.last_mut() {
+            Some(last)
+                if last.protocol == allow.protocol
+                    && u32::from(allow.port_lo) <= u32::from(last.port_hi) + 1 =>
+            {
+                last.port_hi = last.port_hi.max(allow.port_hi);
+            }
+            _ => merged.push(allow),
+        }
+    }
+    merged
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+
+    use super::*;
+
+    fn net(s: &str) -> IpNet {
+        s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+    }
+
+    fn tcp(cidr: &str, ports: &[(u16, u16)]) -> Rule {
+        let ports = ports
+            .iter()
+            .map(|&(lo, hi)| PortRange::new(lo, hi))
+            .collect();
+        Rule::new(net(cidr), Protocol::Tcp, ports)
+    }
+
+    #[test]
+    fn overlapping_and_adjacent_port_ranges_merge() {
+        let p = compile(&[tcp(
+            "10.0.0.0/8",
+            &[(443, 443), (8000, 8100), (8050, 8200), (444, 500)],
+        )])
+        .unwrap_or_default();
+        let entries: Vec<_> = p.entries().collect();
+        assert_eq!(
+            entries,
+            vec![(
+                net("10.0.0.0/8"),
+                &[
+                    Allow::new(PROTO_TCP, 443, 500),
+                    Allow::new(PROTO_TCP, 8000, 8200)
+                ][..]
+            )]
+        );
+    }
+
+    #[test]
+    fn any_protocol_subsumes_the_rest() {
+        let rules = [
+            tcp("10.0.0.0/8", &[(22, 22)]),
+            Rule::new(net("10.0.0.0/8"), Protocol::Any, vec![]),
+        ];
+        let p = compile(&rules).unwrap_or_default();
+        let entries: Vec<_> = p.entries().collect();
+        assert_eq!(
+            entries,
+            vec![(net("10.0.0.0/8"), &[Allow::new(PROTO_ANY, 0, u16::MAX)][..])]
+        );
+    }
+
+    #[test]
+    fn less_specific_prefixes_fold_into_more_specific_ones() {
+        let rules = [
+            Rule::new(net("0.0.0.0/0"), Protocol::Icmp, vec![]),
+            tcp("10.0.0.0/8", &[(443, 443)]),
+            Rule::new(
+                net("10.1.0.0/16"),
+                Protocol::Udp,
+                vec![PortRange::single(53)],
+            ),
+        ];
+        let p = compile(&rules).unwrap_or_default();
+        // 10.1.2.3 matches /16 longest: it keeps ICMP from /0 and TCP 443 from /8.
+        assert!(p.permits(ip("10.1.2.3"), PROTO_UDP, Some(53)));
+        assert!(p.permits(ip("10.1.2.3"), PROTO_TCP, Some(443)));
+        assert!(p.permits(ip("10.1.2.3"), PROTO_ICMP, None));
+        assert!(!p.permits(ip("10.1.2.3"), PROTO_TCP, Some(80)));
+        // 10.2.0.1 only matches /8 and /0.
+        assert!(!p.permits(ip("10.2.0.1"), PROTO_UDP, Some(53)));
+        assert!(p.permits(ip("10.2.0.1"), PROTO_TCP, Some(443)));
+        // Outside 10/8 only ICMP.
+        assert!(p.permits(ip("192.0.2.1"), PROTO_ICMP, None));
+        assert!(!p.permits(ip("192.0.2.1"), PROTO_TCP, Some(443)));
+        // ICMP rules are per family: no ICMPv6 from an IPv4 rule.
+        assert!(!p.permits(ip("fd00::1"), PROTO_ICMPV6, None));
+        let v16: Vec<_> = p
+            .entries()
+            .filter(|(prefix, _)| *prefix == net("10.1.0.0/16"))
+            .map(|(_, a)| a.to_vec())
+            .collect();
+        assert_eq!(
+            v16,
+            vec![vec![
+                Allow::new(PROTO_ICMP, 0, u16::MAX),
+                Allow::new(PROTO_TCP, 443, 443),
+                Allow::new(PROTO_UDP, 53, 53),
+            ]]
+        );
+    }
+
+    #[test]
+    fn a_nested_prefix_that_adds_nothing_is_left_out() {
+        let rules = [
+            tcp("10.0.0.0/8", &[(1, 1000)]),
+            tcp("10.1.0.0/16", &[(80, 80)]),
+        ];
+        let p = compile(&rules).unwrap_or_default();
+        assert_eq!(p.len(), 1);
+        assert!(p.permits(ip("10.1.0.1"), PROTO_TCP, Some(80)));
+    }
+
+    #[test]
+    fn host_bits_are_cleared() {
+        let p = compile(&[tcp("10.1.2.3/8", &[])]).unwrap_or_default();
+        assert_eq!(
+            p.entries().map(|(n, _)| n).collect::<Vec<_>>(),
+            vec![net("10.0.0.0/8")]
+        );
+    }
+
+    #[test]
+    fn only_port_less_entries_match_unknown_ports() {
+        let p = compile(&[tcp("10.0.0.0/8", &[(443, 443)]), tcp("10.9.0.0/16", &[])])
+            .unwrap_or_default();
+        assert!(!p.permits(ip("10.1.0.1"), PROTO_TCP, None));
+        assert!(p.permits(ip("10.9.0.1"), PROTO_TCP, None));
+    }
+
+    #[test]
+    fn too_many_allows_for_one_prefix_is_an_error() {
+        let ports: Vec<(u16, u16)> = (0..=MAX_ALLOWS as u16)
+            .map(|i| (i * 10 + 1, i * 10 + 1))
+            .collect();
+        let err = compile(&[tcp("10.0.0.0/8", &ports)]);
+        assert_eq!(
+            err,
+            Err(PolicyError::TooManyAllows {
+                prefix: net("10.0.0.0/8"),
+                count: MAX_ALLOWS + 1,
+                max: MAX_ALLOWS
+            })
+        );
+    }
+
+    #[test]
+    fn order_of_rules_does_not_matter() {
+        let mut rules = vec![
+            Rule::new(net("0.0.0.0/0"), Protocol::Icmp, vec![]),
+            tcp("10.0.0.0/8", &[(443, 443), (8000, 8100)]),
+            Rule::new(net("fd00::/8"), Protocol::Any, vec![]),
+            Rule::new(
+                net("10.1.0.0/16"),
+                Protocol::Udp,
+                vec![PortRange::single(53)],
+            ),
+        ];
+        let a = compile(&rules);
+        rules.reverse();
+        assert_eq!(a, compile(&rules));
+        rules.swap(0, 2);
+        assert_eq!(a, compile(&rules));
+    }
+
+    #[test]
+    fn value_holds_the_allows_in_order() {
+        let allows = [Allow::new(PROTO_TCP, 1, 2), Allow::new(PROTO_UDP, 3, 4)];
+        let v = CompiledPolicy::value(&allows);
+        assert_eq!(v.count, 2);
+        assert_eq!(v.allows(), &allows);
+    }
+}
+
+#[cfg(test)]
+mod properties {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+    use ipnet::{Ipv4Net, Ipv6Net};
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// The meaning of a rule set, straight from the schema: a packet passes if any rule matches.
+    fn reference(rules: &[Rule], dst: IpAddr, protocol: u8, port: Option<u16>) -> bool {
+        rules.iter().any(|r| {
+            let proto_ok = match r.protocol {
+                Protocol::Any => true,
+                Protocol::Tcp => protocol == PROTO_TCP,
+                Protocol::Udp => protocol == PROTO_UDP,
+                Protocol::Icmp => {
+                    protocol
+                        == if dst.is_ipv4() {
+                            PROTO_ICMP
+                        } else {
+                            PROTO_ICMPV6
+                        }
+                }
+            };
+            let port_ok = match (r.protocol, port) {
+                (Protocol::Tcp | Protocol::Udp, Some(p)) => {
+                    r.ports.is_empty() || r.ports.iter().any(|x| x.lo <= p && p <= x.hi)
+                }
+                (Protocol::Tcp | Protocol::Udp, None) => r.ports.is_empty(),
+                _ => true,
+            };
+            r.cidr.contains(&dst) && proto_ok && port_ok
+        })
+    }
+
+    // Small address spaces so that prefixes nest and destinations hit them often.
+    fn v4_net() -> impl Strategy<Value = IpNet> {
+        (0u8..4, 0u8..4, 0u8..=32).prop_map(|(a, b, len)| {
+            let addr = Ipv4Addr::new(10, a, b, a ^ b);
+            IpNet::V4(Ipv4Net::new(addr, len).unwrap_or_default().trunc())
+        })
+    }
+
+    fn v6_net() -> impl Strategy<Value = IpNet> {
+        (0u16..4, 0u16..4, 0u8..=128).prop_map(|(a, b, len)| {
+            let addr = Ipv6Addr::new(0xfd00, a, b, 0, 0, 0, 0, a ^ b);
+            IpNet::V6(Ipv6Net::new(addr, len).unwrap_or_default().trunc())
+        })
+    }
+
+    fn rule() -> impl Strategy<Value = Rule> {
+        let protocol = prop_oneof![
+            Just(Protocol::Any),
+            Just(Protocol::Tcp),
+            Just(Protocol::Udp),
+            Just(Protocol::Icmp)
+        ];
+        let range = (1u16..40, 0u16..10).prop_map(|(lo, len)| PortRange::new(lo, lo + len));
+        (
+            prop_oneof![v4_net(), v6_net()],
+            protocol,
+            prop::collection::vec(range, 0..3),
+        )
+            .prop_map(|(cidr, protocol, ports)| {
+                let ports = match protocol {
+                    Protocol::Tcp | Protocol::Udp => ports,
+                    _ => vec![],
+                };
+                Rule::new(cidr, protocol, ports)
+            })
+    }
+
+    fn packet() -> impl Strategy<Value = (IpAddr, u8, Option<u16>)> {
+        let dst = prop_oneof![
+            (0u8..4, 0u8..4, any::<u8>())
+                .prop_map(|(a, b, c)| IpAddr::V4(Ipv4Addr::new(10, a, b, c))),
+            any::<u32>().prop_map(|x| IpAddr::V4(Ipv4Addr::from(x))),
+            (0u16..4, 0u16..4, any::<u16>())
+                .prop_map(|(a, b, c)| IpAddr::V6(Ipv6Addr::new(0xfd00, a, b, 0, 0, 0, 0, c))),
+        ];
+        let protocol = prop_oneof![
+            Just(PROTO_TCP),
+            Just(PROTO_UDP),
+            Just(PROTO_ICMP),
+            Just(PROTO_ICMPV6),
+            Just(47u8)
+        ];
+        let port = prop_oneof![Just(None), (0u16..60).prop_map(Some)];
+        (dst, protocol, port).prop_map(|(dst, protocol, port)| {
+            // Only TCP and UDP carry a port the datapath reads.
+            let port = if protocol == PROTO_TCP || protocol == PROTO_UDP {
+                port
+            } else {
+                None
+            };
+            (dst, protocol, port)
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn compiled_policy_decides_like_the_rules(
+            rules in prop::collection::vec(rule(), 1..8),
+            packets in prop::collection::vec(packet(), 64),
+        ) {
+            let Ok(compiled) = compile(&rules) else { return Ok(()) };
+            for (dst, protocol, port) in packets {
+                prop_assert_eq!(
+                    compiled.permits(dst, protocol, port),
+                    reference(&rules, dst, protocol, port),
+                    "dst {} protocol {} port {:?}", dst, protocol, port
+                );
+            }
+        }
+
+        #[test]
+        fn compiled_policy_does_not_depend_on_rule_order(
+            rules in prop::collection::vec(rule(), 1..8),
+            seed in any::<u64>(),
+        ) {
+            let mut shuffled = rules.clone();
+            // A deterministic shuffle from the seed.
+            let n = shuffled.len();
+            for i in (1..n).rev() {
+                let j = (seed.rotate_left(i as u32) % (i as u64 + 1)) as usize;
+                shuffled.swap(i, j);
+            }
+            prop_assert_eq!(compile(&rules), compile(&shuffled));
+        }
+    }
+}

@@ -1,0 +1,211 @@
+//! The wgfence datapath: a tcx classifier on the ingress of a WireGuard interface, i.e. on
+//! packets that peers sent, after WireGuard decrypted them.
+//!
+//! It only looks things up. The agent compiles every policy into two maps per address family:
+//! a hash map from peer address to policy id, and an LPM trie keyed by (policy id, destination)
+//! whose value already holds every (protocol, port range) allowed for the longest matching prefix.
+//! A packet passes if its source is an unrestricted peer, or a restricted peer's trie entry for
+//! its destination has an entry matching its protocol and destination port. Everything else is
+//! dropped: unknown sources, malformed headers, too long IPv6 header chains (fail closed).
+//!
+//! The family-specific parsing lives in [`v4`] and [`v6`]; both return `Result<Pass, Drop>`,
+//! and [`wgfence_ingress`] turns that into counters and a tc verdict in one place.
+#![no_std]
+#![no_main]
+// `atomic_xadd`: the BPF target has no compare-and-swap, so `AtomicU64::fetch_add` does not exist
+// there, but an atomic add (BPF_XADD) does. The eBPF crate is built with build-std anyway.
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
+
+mod v4;
+mod v6;
+
+use core::intrinsics::{atomic_xadd, AtomicOrdering};
+
+use aya_ebpf::{
+    btf_maps::{Array, HashMap, LpmTrie, PerCpuArray},
+    macros::{btf_map, classifier},
+    programs::TcContext,
+    Global,
+};
+use aya_log_ebpf::debug;
+use wgfence_common::{
+    Counter, PeerCounters, PeerEntry, PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue,
+    COUNTERS_LEN, MAX_ALLOWS, MAX_PEERS, MAX_POLICY_ENTRIES, PROTO_TCP, PROTO_UDP,
+};
+
+/// tcx: let the next program (or the stack) decide; passing is never final, so wgfence composes
+/// with other tcx programs on the same interface.
+const TCX_NEXT: i32 = -1;
+/// tcx: drop the packet.
+const TCX_DROP: i32 = 2;
+
+/// Offset of the IP header in the packet data; set by the loader from the interface type
+/// (0 on WireGuard/TUN, 14 behind an Ethernet header and under `BPF_PROG_TEST_RUN`).
+#[unsafe(no_mangle)]
+static WGFENCE_L3_OFFSET: Global<u32> = Global::new(0);
+
+#[btf_map(name = "wgf1_peers_v4")]
+static PEERS_V4: HashMap<PeerKeyV4, PeerEntry, { MAX_PEERS as usize }> = HashMap::new();
+
+#[btf_map(name = "wgf1_peers_v6")]
+static PEERS_V6: HashMap<PeerKeyV6, PeerEntry, { MAX_PEERS as usize }> = HashMap::new();
+
+#[btf_map(name = "wgf1_policy_v4")]
+static POLICY_V4: LpmTrie<PolicyKeyV4, PolicyValue, { MAX_POLICY_ENTRIES as usize }> =
+    LpmTrie::new();
+
+#[btf_map(name = "wgf1_policy_v6")]
+static POLICY_V6: LpmTrie<PolicyKeyV6, PolicyValue, { MAX_POLICY_ENTRIES as usize }> =
+    LpmTrie::new();
+
+#[btf_map(name = "wgf1_stats")]
+static STATS: PerCpuArray<u64, { COUNTERS_LEN as usize }> = PerCpuArray::new();
+
+#[btf_map(name = "wgf1_peer_stats")]
+static PEER_STATS: Array<PeerCounters, { MAX_PEERS as usize }> = Array::new();
+
+/// The packet passes; `slot` is the peer's counter slot.
+pub(crate) struct Pass {
+    why: Counter,
+    slot: u32,
+}
+
+/// The packet is dropped; `slot` is the peer's counter slot when the source is a known peer.
+pub(crate) struct Drop {
+    why: Counter,
+    slot: Option<u32>,
+}
+
+impl Drop {
+    pub(crate) const fn new(why: Counter, slot: Option<u32>) -> Self {
+        Self { why, slot }
+    }
+
+    pub(crate) const fn peer(why: Counter, slot: u32) -> Self {
+        Self::new(why, Some(slot))
+    }
+}
+
+#[classifier]
+pub fn wgfence_ingress(ctx: TcContext) -> i32 {
+    let l3 = WGFENCE_L3_OFFSET.load() as usize;
+    let first: Result<u8, _> = ctx.load(l3);
+    let outcome = match first.map(|b| b >> 4) {
+        Ok(4) => v4::classify(&ctx, l3),
+        Ok(6) => v6::classify(&ctx, l3),
+        Ok(_) => Err(Drop::new(Counter::DropNotIp, None)),
+        Err(_) => Err(Drop::new(Counter::DropMalformed, None)),
+    };
+    let bytes = u64::from(ctx.len());
+    match outcome {
+        Ok(Pass { why, slot }) => {
+            count(why);
+            count_peer(slot, true, bytes);
+            TCX_NEXT
+        }
+        Err(Drop { why, slot }) => {
+            count(why);
+            if let Some(slot) = slot {
+                count_peer(slot, false, bytes);
+            }
+            // Compiled in, but switched off at load time (AYA_LOG_LEVEL = 0) unless the agent
+            // runs with datapath logging enabled; the verifier then removes this branch.
+            debug!(&ctx, "drop: reason {}", why as u32);
+            TCX_DROP
+        }
+    }
+}
+
+/// A restricted peer's verdict: the trie value for (policy, destination), if any, must hold an
+/// entry matching the protocol and destination port.
+#[inline(always)]
+pub(crate) fn decide(
+    value: Option<&PolicyValue>,
+    slot: u32,
+    protocol: u8,
+    port: Option<u16>,
+) -> Result<Pass, Drop> {
+    let Some(value) = value else {
+        return Err(Drop::peer(Counter::DropPolicy, slot));
+    };
+    let count = value.count as usize;
+    for i in 0..MAX_ALLOWS {
+        if i >= count {
+            break;
+        }
+        if value.allows[i].matches(protocol, port) {
+            return Ok(Pass {
+                why: Counter::PassPolicy,
+                slot,
+            });
+        }
+    }
+    Err(Drop::peer(Counter::DropPolicy, slot))
+}
+
+/// Pass for an unrestricted peer.
+#[inline(always)]
+pub(crate) const fn unrestricted(slot: u32) -> Pass {
+    Pass {
+        why: Counter::PassUnrestricted,
+        slot,
+    }
+}
+
+/// Whether the protocol carries a destination port the policy can match.
+#[inline(always)]
+pub(crate) const fn has_ports(protocol: u8) -> bool {
+    protocol == PROTO_TCP || protocol == PROTO_UDP
+}
+
+/// Destination port of the TCP or UDP header at `offset`; a truncated header is malformed.
+#[inline(always)]
+pub(crate) fn dst_port(ctx: &TcContext, offset: usize, slot: u32) -> Result<u16, Drop> {
+    let ports: [u8; 4] = ctx
+        .load(offset)
+        .map_err(|_| Drop::peer(Counter::DropMalformed, slot))?;
+    Ok(u16::from_be_bytes([ports[2], ports[3]]))
+}
+
+#[inline(always)]
+fn count(counter: Counter) {
+    if let Some(value) = STATS.get_ptr_mut(counter as u32) {
+        // SAFETY: a per-CPU array element, written only by this CPU.
+        unsafe { *value += 1 };
+    }
+}
+
+#[inline(always)]
+fn count_peer(slot: u32, pass: bool, bytes: u64) {
+    let Some(counters) = PEER_STATS.get_ptr_mut(slot) else {
+        return;
+    };
+    // SAFETY: `counters` points into a preallocated array element that lives as long as the
+    // map; the fields are 8-byte aligned u64s, updated only with atomic adds.
+    unsafe {
+        let (packets, total) = if pass {
+            (
+                &raw mut (*counters).pass_packets,
+                &raw mut (*counters).pass_bytes,
+            )
+        } else {
+            (
+                &raw mut (*counters).drop_packets,
+                &raw mut (*counters).drop_bytes,
+            )
+        };
+        atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(packets, 1);
+        atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(total, bytes);
+    }
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";

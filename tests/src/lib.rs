@@ -1,0 +1,30 @@
+//! Helpers for wgfence's privileged integration tests. Every test builds its own network
+//! namespaces, wireguard-go interfaces and bpffs pins with unique names, and removes them in
+//! `Drop`, so they are removed when a test fails too.
+
+pub mod packet;
+
+use wgfence::{
+    dataplane::Maps,
+    policy::{compile, CompiledPolicy, Rule},
+};
+
+/// Fails the test with a clear message unless it runs as root (as CI does).
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "the privileged integration tests need root (run `cargo xtask test` as root)"
+    );
+}
+
+/// Compiles `rules` and writes the policy's trie entries under `policy`.
+pub fn install_policy(maps: &mut Maps, policy: u32, rules: &[Rule]) -> CompiledPolicy {
+    let compiled = compile(rules).unwrap_or_else(|e| panic!("policy does not compile: {e}"));
+    for (prefix, allows) in compiled.entries() {
+        maps.upsert_policy(policy, prefix, &CompiledPolicy::value(allows))
+            .unwrap_or_else(|e| panic!("writing policy entry {prefix}: {e}"));
+    }
+    compiled
+}

@@ -1,0 +1,204 @@
+//! Crafted frames for `BPF_PROG_TEST_RUN`: an Ethernet header, then IPv4 or IPv6 with options,
+//! extension headers and fragments as asked, then a transport header. Checksums are left zero:
+//! the datapath does not read them.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+pub const TCP: u8 = 6;
+pub const UDP: u8 = 17;
+pub const ICMP: u8 = 1;
+pub const ICMPV6: u8 = 58;
+
+/// An IPv6 extension header to put before the transport header.
+#[derive(Debug, Clone, Copy)]
+pub enum Ext {
+    HopByHop,
+    Routing,
+    DestinationOptions,
+    /// Authentication header (its length counts 4-byte units).
+    Authentication,
+    /// Fragment header with this fragment offset (in 8-byte units) and more-fragments flag.
+    Fragment {
+        offset: u16,
+        more: bool,
+    },
+}
+
+impl Ext {
+    fn number(self) -> u8 {
+        match self {
+            Ext::HopByHop => 0,
+            Ext::Routing => 43,
+            Ext::Fragment { .. } => 44,
+            Ext::Authentication => 51,
+            Ext::DestinationOptions => 60,
+        }
+    }
+}
+
+/// A packet to build.
+#[derive(Debug, Clone)]
+pub struct Packet {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub protocol: u8,
+    pub dst_port: u16,
+    /// IPv4 options, in 4-byte words (IHL = 5 + this).
+    pub ipv4_option_words: u8,
+    /// IPv4 fragment offset (8-byte units) and more-fragments flag.
+    pub ipv4_fragment: Option<(u16, bool)>,
+    pub ipv6_ext: Vec<Ext>,
+    /// Bytes of transport header to include (None: the whole header).
+    pub transport_len: Option<usize>,
+}
+
+impl Packet {
+    pub fn new(src: &str, dst: &str, protocol: u8, dst_port: u16) -> Self {
+        Self {
+            src: parse(src),
+            dst: parse(dst),
+            protocol,
+            dst_port,
+            ipv4_option_words: 0,
+            ipv4_fragment: None,
+            ipv6_ext: Vec::new(),
+            transport_len: None,
+        }
+    }
+
+    pub fn options(mut self, words: u8) -> Self {
+        self.ipv4_option_words = words;
+        self
+    }
+
+    pub fn fragment(mut self, offset: u16, more: bool) -> Self {
+        self.ipv4_fragment = Some((offset, more));
+        self
+    }
+
+    pub fn ext(mut self, ext: Ext) -> Self {
+        self.ipv6_ext.push(ext);
+        self
+    }
+
+    pub fn transport_len(mut self, len: usize) -> Self {
+        self.transport_len = Some(len);
+        self
+    }
+
+    fn transport(&self) -> Vec<u8> {
+        let mut t = match self.protocol {
+            TCP => {
+                let mut h = vec![0u8; 20];
+                h[0..2].copy_from_slice(&40000u16.to_be_bytes());
+                h[2..4].copy_from_slice(&self.dst_port.to_be_bytes());
+                h[12] = 5 << 4;
+                h[13] = 0x02; // SYN
+                h
+            }
+            UDP => {
+                let mut h = vec![0u8; 8];
+                h[0..2].copy_from_slice(&40000u16.to_be_bytes());
+                h[2..4].copy_from_slice(&self.dst_port.to_be_bytes());
+                h[4..6].copy_from_slice(&8u16.to_be_bytes());
+                h
+            }
+            ICMP => vec![8, 0, 0, 0, 0, 1, 0, 1], // echo request
+            ICMPV6 => vec![128, 0, 0, 0, 0, 1, 0, 1], // echo request
+            _ => vec![0u8; 8],
+        };
+        if let Some(len) = self.transport_len {
+            t.truncate(len);
+        }
+        t
+    }
+
+    /// The frame, Ethernet header included.
+    pub fn frame(&self) -> Vec<u8> {
+        match (self.src, self.dst) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => self.frame_v4(s, d),
+            (IpAddr::V6(s), IpAddr::V6(d)) => self.frame_v6(s, d),
+            _ => panic!("mixed address families"),
+        }
+    }
+
+    fn frame_v4(&self, src: Ipv4Addr, dst: Ipv4Addr) -> Vec<u8> {
+        let transport = self.transport();
+        let ihl = 5 + self.ipv4_option_words;
+        let header_len = usize::from(ihl) * 4;
+        let total = header_len + transport.len();
+        let mut f = ethernet(0x0800);
+        let mut ip = vec![0u8; header_len];
+        ip[0] = 0x40 | ihl;
+        ip[2..4].copy_from_slice(&(total as u16).to_be_bytes());
+        if let Some((offset, more)) = self.ipv4_fragment {
+            let flags = if more { 0x2000 } else { 0 };
+            ip[6..8].copy_from_slice(&(flags | (offset & 0x1fff)).to_be_bytes());
+        }
+        ip[8] = 64;
+        ip[9] = self.protocol;
+        ip[12..16].copy_from_slice(&src.octets());
+        ip[16..20].copy_from_slice(&dst.octets());
+        for b in ip.iter_mut().skip(20) {
+            *b = 1; // NOP options
+        }
+        f.extend(ip);
+        f.extend(transport);
+        f
+    }
+
+    fn frame_v6(&self, src: Ipv6Addr, dst: Ipv6Addr) -> Vec<u8> {
+        let transport = self.transport();
+        let mut chain = Vec::new();
+        let numbers: Vec<u8> = self
+            .ipv6_ext
+            .iter()
+            .map(|e| e.number())
+            .chain(std::iter::once(self.protocol))
+            .collect();
+        for (i, ext) in self.ipv6_ext.iter().enumerate() {
+            let next = numbers[i + 1];
+            match ext {
+                Ext::Fragment { offset, more } => {
+                    let field = (offset << 3) | u16::from(*more);
+                    chain.extend([next, 0]);
+                    chain.extend(field.to_be_bytes());
+                    chain.extend([0, 0, 0, 1]);
+                }
+                Ext::Authentication => {
+                    // 12 bytes: length field 1 means (1 + 2) * 4.
+                    chain.extend([next, 1, 0, 0]);
+                    chain.extend([0u8; 8]);
+                }
+                _ => {
+                    // 16 bytes: length field 1 means (1 + 1) * 8, padded with PadN.
+                    chain.extend([next, 1, 1, 12]);
+                    chain.extend([0u8; 12]);
+                }
+            }
+        }
+        let payload = chain.len() + transport.len();
+        let mut f = ethernet(0x86dd);
+        let mut ip = vec![0u8; 40];
+        ip[0] = 0x60;
+        ip[4..6].copy_from_slice(&(payload as u16).to_be_bytes());
+        ip[6] = numbers[0];
+        ip[7] = 64;
+        ip[8..24].copy_from_slice(&src.octets());
+        ip[24..40].copy_from_slice(&dst.octets());
+        f.extend(ip);
+        f.extend(chain);
+        f.extend(transport);
+        f
+    }
+}
+
+fn ethernet(ethertype: u16) -> Vec<u8> {
+    let mut f = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2];
+    f.extend(ethertype.to_be_bytes());
+    f
+}
+
+fn parse(s: &str) -> IpAddr {
+    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+}
