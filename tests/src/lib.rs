@@ -2,7 +2,10 @@
 //! namespaces, wireguard-go interfaces and bpffs pins with unique names, and removes them in
 //! `Drop`, so they are removed when a test fails too.
 
+pub mod net;
 pub mod packet;
+pub mod probe;
+pub mod topology;
 
 use wgfence::{
     dataplane::Maps,

@@ -1,0 +1,272 @@
+//! Network namespaces, veth underlays and wireguard-go interfaces for the integration tests.
+//!
+//! Every name is unique on the machine (process id and a counter): the wireguard-go UAPI socket
+//! directory is shared by all namespaces, and tests run in parallel. Everything is removed in
+//! `Drop`, so also when a test fails.
+
+use std::{
+    fs,
+    io::Write as _,
+    net::IpAddr,
+    os::fd::AsRawFd as _,
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
+    thread,
+    time::{Duration, Instant},
+};
+
+static NEXT_ID: AtomicU32 = AtomicU32::new(0);
+
+/// A short name unique on this machine for the life of the test process.
+pub fn unique(prefix: &str) -> String {
+    let n = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}{:05}{n:03}", std::process::id() % 100_000)
+}
+
+/// Runs a command, panicking with its output when it fails.
+#[track_caller]
+pub fn run(args: &[&str]) -> Output {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {args:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{args:?} failed ({}): {}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Like [`run`], with stdin fed from `input`.
+#[track_caller]
+pub fn run_with_input(args: &[&str], input: &str) -> Output {
+    let mut child = Command::new(args[0])
+        .args(&args[1..])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {args:?}: {e}"));
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(input.as_bytes())
+            .unwrap_or_else(|e| panic!("writing to {args:?}: {e}"));
+    }
+    let out = child
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("waiting for {args:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// A network namespace, deleted on drop.
+#[derive(Debug)]
+pub struct Netns {
+    name: String,
+}
+
+impl Netns {
+    pub fn new(prefix: &str) -> Self {
+        let name = unique(prefix);
+        run(&["ip", "netns", "add", &name]);
+        let ns = Self { name };
+        ns.ip(&["link", "set", "lo", "up"]);
+        ns
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `ip netns exec <ns> args...`, panicking on failure.
+    #[track_caller]
+    pub fn exec(&self, args: &[&str]) -> Output {
+        let mut full = vec!["ip", "netns", "exec", &self.name];
+        full.extend_from_slice(args);
+        run(&full)
+    }
+
+    /// `ip netns exec <ns> args...` without checking the exit status.
+    pub fn try_exec(&self, args: &[&str]) -> Output {
+        Command::new("ip")
+            .args(["netns", "exec", &self.name])
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {args:?} in {}: {e}", self.name))
+    }
+
+    /// `ip -n <ns> args...`.
+    #[track_caller]
+    pub fn ip(&self, args: &[&str]) -> Output {
+        let mut full = vec!["ip", "-n", &self.name];
+        full.extend_from_slice(args);
+        run(&full)
+    }
+
+    /// Runs `f` on a thread that has entered this namespace: sockets it opens and interfaces it
+    /// looks up are this namespace's.
+    pub fn enter<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        let path = format!("/var/run/netns/{}", self.name);
+        thread::scope(|s| {
+            s.spawn(|| {
+                let file = fs::File::open(&path).unwrap_or_else(|e| panic!("opening {path}: {e}"));
+                // SAFETY: setns on this thread only, with a namespace fd we hold open.
+                let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+                assert_eq!(rc, 0, "setns {path}: {}", std::io::Error::last_os_error());
+                f()
+            })
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e))
+        })
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+/// A WireGuard key pair from `wg genkey` / `wg pubkey`.
+#[derive(Debug, Clone)]
+pub struct KeyPair {
+    pub private: String,
+    pub public: String,
+}
+
+impl KeyPair {
+    pub fn generate() -> Self {
+        let private = stdout(&run(&["wg", "genkey"]));
+        let public = stdout(&run_with_input(&["wg", "pubkey"], &private));
+        Self { private, public }
+    }
+}
+
+const UAPI_DIR: &str = "/var/run/wireguard";
+
+/// A wireguard-go interface in a namespace; the process is killed and its socket removed on
+/// drop (which also removes the TUN device).
+#[derive(Debug)]
+pub struct WireGuard {
+    pub name: String,
+    pub keys: KeyPair,
+    child: Child,
+}
+
+impl WireGuard {
+    /// Starts wireguard-go in `ns` and gives the interface a private key and listen port.
+    pub fn start(ns: &Netns, name: &str, listen_port: u16) -> Self {
+        let child = Command::new("ip")
+            .args(["netns", "exec", ns.name(), "wireguard-go", "-f", name])
+            // wireguard-go refuses to run on Linux without this (the kernel module is absent).
+            .env("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start wireguard-go (is it installed?): {e}"));
+        let keys = KeyPair::generate();
+        let wg = Self {
+            name: name.to_owned(),
+            keys,
+            child,
+        };
+        wait_for(Duration::from_secs(10), || wg.socket().exists())
+            .unwrap_or_else(|| panic!("wireguard-go did not create {}", wg.socket().display()));
+        let key_file = TempFile::new(&wg.keys.private);
+        run(&[
+            "wg",
+            "set",
+            name,
+            "private-key",
+            key_file.path_str(),
+            "listen-port",
+            &listen_port.to_string(),
+        ]);
+        ns.ip(&["link", "set", name, "up"]);
+        wg
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        Path::new(UAPI_DIR).join(format!("{}.sock", self.name))
+    }
+
+    /// `wg set <if> peer <key> args...`.
+    pub fn set_peer(&self, public_key: &str, args: &[&str]) {
+        let mut full = vec!["wg", "set", &self.name, "peer", public_key];
+        full.extend_from_slice(args);
+        run(&full);
+    }
+
+    /// Seconds since the epoch of each peer's latest handshake (0: none yet).
+    pub fn latest_handshakes(&self) -> Vec<(String, u64)> {
+        let out = run(&["wg", "show", &self.name, "latest-handshakes"]);
+        stdout(&out)
+            .lines()
+            .filter_map(|line| {
+                let mut parts = line.split_whitespace();
+                Some((parts.next()?.to_owned(), parts.next()?.parse().ok()?))
+            })
+            .collect()
+    }
+}
+
+impl Drop for WireGuard {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = fs::remove_file(self.socket());
+    }
+}
+
+/// A file in the temp directory, removed on drop (e.g. a private key for `wg set`).
+struct TempFile(PathBuf);
+
+impl TempFile {
+    fn new(contents: &str) -> Self {
+        let path = std::env::temp_dir().join(unique("wgfence-test-"));
+        fs::write(&path, contents).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        Self(path)
+    }
+
+    fn path_str(&self) -> &str {
+        self.0.to_str().unwrap_or_default()
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
+    }
+}
+
+/// Polls `cond` every 10 ms until it holds or `timeout` passes.
+pub fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if cond() {
+            return Some(start.elapsed());
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    None
+}
+
+/// Formats an address for `host:port` use.
+pub fn sockaddr(addr: IpAddr, port: u16) -> std::net::SocketAddr {
+    std::net::SocketAddr::new(addr, port)
+}

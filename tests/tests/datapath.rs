@@ -1,0 +1,242 @@
+//! The datapath on a real (userspace) WireGuard interface, with real traffic through the tunnel,
+//! filled directly through the agent's dataplane API.
+
+use std::{net::IpAddr, process::Stdio, thread, time::Duration};
+
+use wgfence::{
+    dataplane::Attachment,
+    policy::{PortRange, Protocol, Rule},
+};
+use wgfence_common::{Counter, PeerEntry, UNRESTRICTED};
+use wgfence_tests::{
+    install_policy,
+    probe::{check_all, probe, Expect, Kind, Reach},
+    topology::Gateway,
+};
+
+fn net(s: &str) -> ipnet::IpNet {
+    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+fn entry(policy: u32, slot: u32) -> PeerEntry {
+    PeerEntry { policy, slot }
+}
+
+#[test]
+fn enforces_unknown_unrestricted_and_restricted_peers() {
+    // Peer 0: restricted. Peer 1: unrestricted. Peer 2: known to WireGuard, not to the maps.
+    let gw = Gateway::new(3);
+    let mut dp = gw.attach();
+    assert_eq!(dp.attachment(), Attachment::Created);
+    let maps = dp.maps_mut();
+    install_policy(
+        maps,
+        1,
+        &[
+            // A longer prefix nested in a shorter one keeps both prefixes' allowances.
+            Rule::new(
+                net("10.0.0.0/8"),
+                Protocol::Tcp,
+                vec![PortRange::single(443), PortRange::new(8000, 8100)],
+            ),
+            Rule::new(
+                net("10.1.0.0/16"),
+                Protocol::Udp,
+                vec![PortRange::single(53)],
+            ),
+            Rule::new(net("192.0.2.0/24"), Protocol::Icmp, vec![]),
+            Rule::new(
+                net("fd00:1::/32"),
+                Protocol::Tcp,
+                vec![PortRange::single(22)],
+            ),
+            Rule::new(
+                net("fd00:9::/32"),
+                Protocol::Udp,
+                vec![PortRange::new(5000, 5010)],
+            ),
+            Rule::new(net("2001:db8::/32"), Protocol::Icmp, vec![]),
+        ],
+    );
+    for addr in gw.peers[0].addrs() {
+        maps.upsert_peer(addr, entry(1, 0))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    for addr in gw.peers[1].addrs() {
+        maps.upsert_peer(addr, entry(UNRESTRICTED, 1))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    let (r, o, u) = (&gw.peers[0].ns, &gw.peers[1].ns, &gw.peers[2].ns);
+    let case = |from, ns, kind, dst: &str, expect| Expect {
+        from,
+        ns,
+        kind,
+        dst: ip(dst),
+        expect,
+    };
+    use Kind::{Ping, Tcp, Udp};
+    use Reach::{Blocked, Reached};
+    let cases = [
+        // Unknown source: dropped whatever it sends.
+        case("unknown", u, Tcp(443), "10.1.2.3", Blocked),
+        case("unknown", u, Udp(53), "10.1.2.3", Blocked),
+        case("unknown", u, Ping, "192.0.2.1", Blocked),
+        case("unknown", u, Tcp(22), "fd00:1::1", Blocked),
+        case("unknown", u, Ping, "2001:db8::1", Blocked),
+        // Unrestricted: passes everything.
+        case("open", o, Tcp(80), "10.2.3.4", Reached),
+        case("open", o, Udp(9), "10.9.1.1", Reached),
+        case("open", o, Ping, "10.2.3.4", Reached),
+        case("open", o, Tcp(80), "fd00:9::1", Reached),
+        case("open", o, Ping, "fd00:1::1", Reached),
+        // Restricted, IPv4 TCP with a port range: lo, hi, hi + 1, below lo.
+        case("restricted", r, Tcp(443), "10.2.3.4", Reached),
+        case("restricted", r, Tcp(80), "10.2.3.4", Blocked),
+        case("restricted", r, Tcp(8000), "10.2.3.4", Reached),
+        case("restricted", r, Tcp(8100), "10.2.3.4", Reached),
+        case("restricted", r, Tcp(8101), "10.2.3.4", Blocked),
+        case("restricted", r, Tcp(7999), "10.2.3.4", Blocked),
+        // Nested prefix: 10.1.0.0/16 has UDP 53 and, folded in from 10/8, TCP 443.
+        case("restricted", r, Udp(53), "10.1.2.3", Reached),
+        case("restricted", r, Tcp(443), "10.1.2.3", Reached),
+        case("restricted", r, Udp(53), "10.2.3.4", Blocked),
+        case("restricted", r, Udp(54), "10.1.2.3", Blocked),
+        // ICMP only where a rule says so.
+        case("restricted", r, Ping, "192.0.2.1", Reached),
+        case("restricted", r, Ping, "10.2.3.4", Blocked),
+        case("restricted", r, Tcp(443), "192.0.2.1", Blocked),
+        // IPv6.
+        case("restricted", r, Tcp(22), "fd00:1::1", Reached),
+        case("restricted", r, Tcp(23), "fd00:1::1", Blocked),
+        case("restricted", r, Udp(5000), "fd00:9::1", Reached),
+        case("restricted", r, Udp(5010), "fd00:9::1", Reached),
+        case("restricted", r, Udp(5011), "fd00:9::1", Blocked),
+        case("restricted", r, Ping, "2001:db8::1", Reached),
+        case("restricted", r, Ping, "fd00:1::1", Blocked),
+        case("restricted", r, Tcp(22), "2001:db8::1", Blocked),
+    ];
+    check_all(&cases);
+
+    // Every probe was counted under the reason that explains it (at least once: a probe is
+    // one packet, retransmissions aside).
+    let probes = |from: &str, expect| {
+        cases
+            .iter()
+            .filter(|c| c.from == from && c.expect == expect)
+            .count() as u64
+    };
+    let counters = dp.maps().counters().unwrap_or_else(|e| panic!("{e}"));
+    let at_least = [
+        (Counter::DropUnknownSource, probes("unknown", Blocked)),
+        (Counter::PassUnrestricted, probes("open", Reached)),
+        (Counter::PassPolicy, probes("restricted", Reached)),
+        (Counter::DropPolicy, probes("restricted", Blocked)),
+    ];
+    for (counter, n) in at_least {
+        assert!(
+            counters.get(counter) >= n,
+            "{counter:?} < {n}: {counters:?}"
+        );
+    }
+    let restricted = dp.maps().peer_counters(0).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        restricted.pass_packets >= probes("restricted", Reached)
+            && restricted.drop_packets >= probes("restricted", Blocked),
+        "{restricted:?}"
+    );
+}
+
+#[test]
+fn a_policy_switch_applies_to_the_next_packet() {
+    let gw = Gateway::new(1);
+    let mut dp = gw.attach();
+    let maps = dp.maps_mut();
+    let web = |port| {
+        vec![Rule::new(
+            net("10.0.0.0/8"),
+            Protocol::Tcp,
+            vec![PortRange::single(port)],
+        )]
+    };
+    install_policy(maps, 1, &web(443));
+    install_policy(maps, 2, &web(80));
+    for addr in gw.peers[0].addrs() {
+        maps.upsert_peer(addr, entry(1, 0))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let ns = &gw.peers[0].ns;
+    let dst = ip("10.2.3.4");
+    assert_eq!(probe(ns, Kind::Tcp(443), dst), Reach::Reached);
+    assert_eq!(probe(ns, Kind::Tcp(80), dst), Reach::Blocked);
+
+    // One write per address switches the peer; the old policy's entries are still there.
+    let writes = dp.maps().writes();
+    dp.maps_mut()
+        .upsert_peer(gw.peers[0].v4.into(), entry(2, 0))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(dp.maps().writes(), writes + 1);
+    assert_eq!(probe(ns, Kind::Tcp(80), dst), Reach::Reached);
+    assert_eq!(probe(ns, Kind::Tcp(443), dst), Reach::Blocked);
+}
+
+#[test]
+fn adopting_pinned_objects_keeps_traffic_flowing() {
+    let gw = Gateway::new(1);
+    let peer = &gw.peers[0];
+    {
+        let mut dp = gw.attach();
+        for addr in peer.addrs() {
+            dp.maps_mut()
+                .upsert_peer(addr, entry(UNRESTRICTED, 0))
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        // The agent goes away: everything stays pinned and enforcing.
+    }
+
+    // 400 pings, 10 ms apart, across three reloads.
+    let count = 400;
+    let ping = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            peer.ns.name(),
+            "ping",
+            "-q",
+            "-i",
+            "0.01",
+            "-W",
+            "1",
+        ])
+        .args(["-c", &count.to_string(), "10.8.0.1"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("ping: {e}"));
+    let before = gw.attach().maps().peers().unwrap_or_else(|e| panic!("{e}"));
+    for _ in 0..3 {
+        thread::sleep(Duration::from_millis(700));
+        let dp = gw.attach();
+        assert_eq!(dp.attachment(), Attachment::Replaced);
+        assert_eq!(dp.maps().peers().unwrap_or_else(|e| panic!("{e}")), before);
+    }
+    let out = ping
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("ping: {e}"));
+    let summary = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        summary.contains(&format!("{count} packets transmitted, {count} received")),
+        "packets were lost across the reloads:\n{summary}"
+    );
+    // And the traffic went through the datapath, not around it.
+    let maps = wgfence::dataplane::Dataplane::open_maps(&gw.bpffs, gw.interface())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let counters = maps.counters().unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        counters.get(Counter::PassUnrestricted) >= count,
+        "{counters:?}"
+    );
+}
