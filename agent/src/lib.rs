@@ -4,4 +4,6 @@
 //! - [`dataplane`] loads, attaches, pins and adopts the datapath and gives typed map access.
 
 pub mod dataplane;
+pub mod plan;
 pub mod policy;
+pub mod state;

@@ -1,0 +1,891 @@
+//! The state file (schema version 1): parsing, validation, and the canonical [`DesiredState`].
+//!
+//! Validation collects every error it finds, each naming the peer and the field, and rejects
+//! the whole state if there is any: nothing is ever half-applied. The result does not depend
+//! on the order of peers or of rules: peers are sorted by name and rules are a sorted set.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    fmt,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    sync::Arc,
+};
+
+use ipnet::IpNet;
+use serde_json::{Map, Value};
+use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
+
+use crate::policy::{compile, CompiledPolicy, PortRange, Protocol, Rule};
+
+/// The schema version this agent reads.
+pub const SCHEMA_VERSION: u64 = 1;
+/// Rules one peer may have.
+pub const MAX_RULES_PER_PEER: usize = 1024;
+/// Longest peer name (also used as a metrics label).
+pub const MAX_NAME_LEN: usize = 253;
+
+/// A WireGuard key (public or preshared): 32 bytes, shown as base64.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WgKey(pub [u8; 32]);
+
+impl WgKey {
+    pub fn from_base64(s: &str) -> Option<Self> {
+        wireguard_control::Key::from_base64(s.trim())
+            .ok()
+            .map(|k| Self(k.0))
+    }
+
+    pub fn to_base64(&self) -> String {
+        wireguard_control::Key(self.0).to_base64()
+    }
+}
+
+impl fmt::Display for WgKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_base64())
+    }
+}
+
+impl fmt::Debug for WgKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "WgKey({self})")
+    }
+}
+
+/// One peer of the desired state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerSpec {
+    pub name: String,
+    pub public_key: WgKey,
+    pub address: Option<Ipv4Addr>,
+    pub address_v6: Option<Ipv6Addr>,
+    pub endpoint: Option<SocketAddr>,
+    pub preshared_key: Option<WgKey>,
+    /// Seconds; `None` (or 0 in the file) is off.
+    pub persistent_keepalive: Option<u16>,
+    /// Canonical rule set (sorted, deduplicated). Empty: unrestricted.
+    pub rules: Vec<Rule>,
+    /// The compiled rules, shared by peers with the same rule set; `None`: unrestricted.
+    pub policy: Option<Arc<CompiledPolicy>>,
+}
+
+impl PeerSpec {
+    /// The peer's tunnel addresses.
+    pub fn addrs(&self) -> impl Iterator<Item = IpAddr> {
+        self.address
+            .map(IpAddr::V4)
+            .into_iter()
+            .chain(self.address_v6.map(IpAddr::V6))
+    }
+}
+
+/// A validated state: peers sorted by name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DesiredState {
+    pub peers: Vec<PeerSpec>,
+}
+
+impl DesiredState {
+    pub fn restricted_peers(&self) -> usize {
+        self.peers.iter().filter(|p| p.policy.is_some()).count()
+    }
+}
+
+/// One validation error: where, and what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    /// `peer "alice" (peers[3])`, `peers[3]` when the peer has no usable name, or the top level.
+    pub location: String,
+    /// The field path inside the location, e.g. `egress[1].ports[0]`.
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for FieldError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.location.is_empty() {
+            write!(f, "{}: {}", self.field, self.message)
+        } else {
+            write!(
+                f,
+                "{}, field {}: {}",
+                self.location, self.field, self.message
+            )
+        }
+    }
+}
+
+/// Why a state was rejected: every problem found.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct StateError {
+    pub errors: Vec<FieldError>,
+}
+
+impl fmt::Display for StateError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.errors.len();
+        write!(
+            f,
+            "state rejected ({n} error{}):",
+            if n == 1 { "" } else { "s" }
+        )?;
+        for e in &self.errors {
+            write!(f, "\n  - {e}")?;
+        }
+        Ok(())
+    }
+}
+
+const PEER_FIELDS: [&str; 8] = [
+    "name",
+    "publicKey",
+    "address",
+    "addressV6",
+    "endpoint",
+    "presharedKey",
+    "persistentKeepalive",
+    "egress",
+];
+const RULE_FIELDS: [&str; 3] = ["cidr", "protocol", "ports"];
+
+/// Collects errors for one location.
+struct Errors<'a> {
+    all: &'a mut Vec<FieldError>,
+    location: String,
+}
+
+impl Errors<'_> {
+    fn add(&mut self, field: impl Into<String>, message: impl Into<String>) {
+        self.all.push(FieldError {
+            location: self.location.clone(),
+            field: field.into(),
+            message: message.into(),
+        });
+    }
+}
+
+/// Parses and validates a state file's contents.
+pub fn parse(text: &str) -> Result<DesiredState, StateError> {
+    let fail = |field: &str, message: String| StateError {
+        errors: vec![FieldError {
+            location: String::new(),
+            field: field.to_owned(),
+            message,
+        }],
+    };
+    let root: Value =
+        serde_json::from_str(text).map_err(|e| fail("(file)", format!("not valid JSON: {e}")))?;
+    let Value::Object(root) = root else {
+        return Err(fail("(file)", "must be a JSON object".into()));
+    };
+    let mut errors = Vec::new();
+    let mut top = Errors {
+        all: &mut errors,
+        location: String::new(),
+    };
+    for key in root.keys() {
+        if key != "version" && key != "peers" {
+            top.add(key.as_str(), "unknown field");
+        }
+    }
+    match root.get("version") {
+        None => top.add("version", "missing (this agent reads version 1)"),
+        Some(v) if v.as_u64() == Some(SCHEMA_VERSION) => {}
+        Some(v) => top.add(
+            "version",
+            format!("unsupported version {v} (this agent reads version 1)"),
+        ),
+    }
+    let raw_peers = match root.get("peers") {
+        Some(Value::Array(peers)) => peers.as_slice(),
+        Some(_) => {
+            top.add("peers", "must be an array");
+            &[]
+        }
+        None => {
+            top.add("peers", "missing");
+            &[]
+        }
+    };
+    if raw_peers.len() > MAX_PEERS as usize {
+        top.add(
+            "peers",
+            format!(
+                "{} peers, the maps hold at most {MAX_PEERS}",
+                raw_peers.len()
+            ),
+        );
+    }
+
+    let mut compiled: HashMap<Vec<Rule>, Arc<CompiledPolicy>> = HashMap::new();
+    let mut peers = Vec::with_capacity(raw_peers.len());
+    let mut names: HashMap<String, usize> = HashMap::new();
+    let mut keys: HashMap<WgKey, usize> = HashMap::new();
+    let mut addrs: HashMap<IpAddr, usize> = HashMap::new();
+    for (index, raw) in raw_peers.iter().enumerate() {
+        let name = raw
+            .get("name")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty());
+        let location = match name {
+            Some(name) => format!("peer {name:?} (peers[{index}])"),
+            None => format!("peers[{index}]"),
+        };
+        let mut e = Errors {
+            all: &mut errors,
+            location,
+        };
+        let Some(peer) = parse_peer(raw, &mut e, &mut compiled) else {
+            continue;
+        };
+        if let Some(first) = names.insert(peer.name.clone(), index) {
+            e.add(
+                "name",
+                format!("duplicate: peers[{first}] has the same name"),
+            );
+        }
+        if let Some(first) = keys.insert(peer.public_key, index) {
+            e.add(
+                "publicKey",
+                format!("duplicate: peers[{first}] has the same key"),
+            );
+        }
+        for (field, addr) in [
+            ("address", peer.address.map(IpAddr::V4)),
+            ("addressV6", peer.address_v6.map(IpAddr::V6)),
+        ] {
+            if let Some(addr) = addr {
+                if let Some(first) = addrs.insert(addr, index) {
+                    e.add(
+                        field,
+                        format!("duplicate: {addr} is also peers[{first}]'s address"),
+                    );
+                }
+            }
+        }
+        peers.push(peer);
+    }
+
+    // Capacity of the policy tries: distinct policies' entries per family.
+    let (mut v4_entries, mut v6_entries) = (0usize, 0usize);
+    for policy in compiled.values() {
+        for (prefix, _) in policy.entries() {
+            match prefix {
+                IpNet::V4(_) => v4_entries += 1,
+                IpNet::V6(_) => v6_entries += 1,
+            }
+        }
+    }
+    for (family, n) in [("IPv4", v4_entries), ("IPv6", v6_entries)] {
+        if n > MAX_POLICY_ENTRIES as usize {
+            Errors {
+                all: &mut errors,
+                location: String::new(),
+            }
+            .add(
+                "peers",
+                format!(
+                    "the distinct policies need {n} {family} trie entries, the map holds at most {MAX_POLICY_ENTRIES}"
+                ),
+            );
+        }
+    }
+
+    if !errors.is_empty() {
+        return Err(StateError { errors });
+    }
+    peers.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(DesiredState { peers })
+}
+
+fn parse_peer(
+    raw: &Value,
+    e: &mut Errors<'_>,
+    compiled: &mut HashMap<Vec<Rule>, Arc<CompiledPolicy>>,
+) -> Option<PeerSpec> {
+    let Value::Object(obj) = raw else {
+        e.add("(peer)", "must be a JSON object");
+        return None;
+    };
+    let before = e.all.len();
+    for key in obj.keys() {
+        if !PEER_FIELDS.contains(&key.as_str()) {
+            e.add(key.as_str(), "unknown field");
+        }
+    }
+    let name = match obj.get("name") {
+        Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_NAME_LEN => Some(s.clone()),
+        Some(Value::String(s)) if s.is_empty() => {
+            e.add("name", "must not be empty");
+            None
+        }
+        Some(Value::String(_)) => {
+            e.add("name", format!("longer than {MAX_NAME_LEN} characters"));
+            None
+        }
+        Some(_) => {
+            e.add("name", "must be a string");
+            None
+        }
+        None => {
+            e.add("name", "missing");
+            None
+        }
+    };
+    let public_key = key_field(obj, "publicKey", true, e);
+    let preshared_key = key_field(obj, "presharedKey", false, e);
+    let address: Option<Ipv4Addr> = addr_field(obj, "address", e);
+    let address_v6: Option<Ipv6Addr> = addr_field(obj, "addressV6", e);
+    let present = |k: &str| obj.get(k).is_some_and(|v| !v.is_null());
+    if !present("address") && !present("addressV6") {
+        e.add(
+            "address",
+            "missing: a peer needs address, addressV6 or both",
+        );
+    }
+    let endpoint = match obj.get("endpoint") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => match s.parse::<SocketAddr>() {
+            Ok(ep) if ep.port() != 0 && !ep.ip().is_unspecified() => Some(ep),
+            _ => {
+                e.add(
+                    "endpoint",
+                    format!(
+                        "{s:?} is not IP:port (e.g. 198.51.100.7:51820 or [2001:db8::7]:51820)"
+                    ),
+                );
+                None
+            }
+        },
+        Some(_) => {
+            e.add("endpoint", "must be a string");
+            None
+        }
+    };
+    let persistent_keepalive = match obj.get("persistentKeepalive") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64().map(u16::try_from) {
+            Some(Ok(0)) => None,
+            Some(Ok(secs)) => Some(secs),
+            _ => {
+                e.add(
+                    "persistentKeepalive",
+                    format!("{v} is not a number of seconds from 0 to 65535"),
+                );
+                None
+            }
+        },
+    };
+    let rules = match obj.get("egress") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(rules)) => {
+            if rules.len() > MAX_RULES_PER_PEER {
+                e.add(
+                    "egress",
+                    format!(
+                        "{} rules, at most {MAX_RULES_PER_PEER} per peer",
+                        rules.len()
+                    ),
+                );
+            }
+            let mut set = BTreeSet::new();
+            for (i, rule) in rules.iter().enumerate() {
+                if let Some(rule) = parse_rule(rule, &format!("egress[{i}]"), e) {
+                    set.insert(rule);
+                }
+            }
+            set.into_iter().collect()
+        }
+        Some(_) => {
+            e.add("egress", "must be an array of rules");
+            Vec::new()
+        }
+    };
+    if e.all.len() > before {
+        return None;
+    }
+    let policy = if rules.is_empty() {
+        None
+    } else if let Some(policy) = compiled.get(&rules) {
+        Some(Arc::clone(policy))
+    } else {
+        match compile(&rules) {
+            Ok(policy) => {
+                let policy = Arc::new(policy);
+                compiled.insert(rules.clone(), Arc::clone(&policy));
+                Some(policy)
+            }
+            Err(err) => {
+                e.add("egress", err.to_string());
+                return None;
+            }
+        }
+    };
+    Some(PeerSpec {
+        name: name?,
+        public_key: public_key?,
+        address,
+        address_v6,
+        endpoint,
+        preshared_key,
+        persistent_keepalive,
+        rules,
+        policy,
+    })
+}
+
+fn key_field(
+    obj: &Map<String, Value>,
+    field: &str,
+    required: bool,
+    e: &mut Errors<'_>,
+) -> Option<WgKey> {
+    match obj.get(field) {
+        None | Some(Value::Null) if !required => None,
+        None => {
+            e.add(field, "missing");
+            None
+        }
+        Some(Value::String(s)) => {
+            let key = WgKey::from_base64(s);
+            if key.is_none() {
+                e.add(field, "not a WireGuard key (32 bytes, base64)");
+            }
+            key
+        }
+        Some(_) => {
+            e.add(field, "must be a string (32 bytes, base64)");
+            None
+        }
+    }
+}
+
+fn addr_field<A>(obj: &Map<String, Value>, field: &str, e: &mut Errors<'_>) -> Option<A>
+where
+    A: std::str::FromStr + Into<IpAddr> + Copy,
+{
+    let family = if field == "address" { "IPv4" } else { "IPv6" };
+    match obj.get(field) {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => match s.parse::<A>() {
+            Ok(addr) => {
+                let ip: IpAddr = addr.into();
+                if ip.is_unspecified() || ip.is_multicast() || ip == IpAddr::V4(Ipv4Addr::BROADCAST)
+                {
+                    e.add(field, format!("{s} cannot be a peer's tunnel address"));
+                    None
+                } else {
+                    Some(addr)
+                }
+            }
+            Err(_) => {
+                e.add(field, format!("{s:?} is not an {family} address (no prefix length: the peer's allowed IP is exactly this address)"));
+                None
+            }
+        },
+        Some(_) => {
+            e.add(field, "must be a string");
+            None
+        }
+    }
+}
+
+fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
+    let Value::Object(obj) = raw else {
+        e.add(path, "must be a JSON object with cidr, protocol and ports");
+        return None;
+    };
+    let before = e.all.len();
+    for key in obj.keys() {
+        if !RULE_FIELDS.contains(&key.as_str()) {
+            e.add(format!("{path}.{key}"), "unknown field");
+        }
+    }
+    let cidr = match obj.get("cidr") {
+        Some(Value::String(s)) => match s.parse::<IpNet>() {
+            Ok(net) if net.trunc() == net => Some(net),
+            Ok(net) => {
+                e.add(
+                    format!("{path}.cidr"),
+                    format!("{s} has host bits set (did you mean {}?)", net.trunc()),
+                );
+                None
+            }
+            Err(_) => {
+                e.add(
+                    format!("{path}.cidr"),
+                    format!("{s:?} is not a CIDR prefix (e.g. 10.0.0.0/8, fd00::/8)"),
+                );
+                None
+            }
+        },
+        Some(_) => {
+            e.add(format!("{path}.cidr"), "must be a string");
+            None
+        }
+        None => {
+            e.add(format!("{path}.cidr"), "missing");
+            None
+        }
+    };
+    let protocol = match obj.get("protocol") {
+        None | Some(Value::Null) => Some(Protocol::Any),
+        Some(Value::String(s)) => match s.as_str() {
+            "any" => Some(Protocol::Any),
+            "tcp" => Some(Protocol::Tcp),
+            "udp" => Some(Protocol::Udp),
+            "icmp" => Some(Protocol::Icmp),
+            other => {
+                e.add(
+                    format!("{path}.protocol"),
+                    format!("{other:?} is not one of tcp, udp, icmp, any"),
+                );
+                None
+            }
+        },
+        Some(_) => {
+            e.add(
+                format!("{path}.protocol"),
+                "must be a string (tcp, udp, icmp or any)",
+            );
+            None
+        }
+    };
+    let mut ports = Vec::new();
+    match obj.get("ports") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(list)) => {
+            if matches!(protocol, Some(Protocol::Any | Protocol::Icmp)) {
+                e.add(
+                    format!("{path}.ports"),
+                    "ports are only allowed with tcp or udp",
+                );
+            }
+            if list.is_empty() {
+                e.add(
+                    format!("{path}.ports"),
+                    "empty: leave ports out to allow every port",
+                );
+            }
+            for (i, port) in list.iter().enumerate() {
+                match parse_port(port) {
+                    Ok(range) => ports.push(range),
+                    Err(msg) => e.add(format!("{path}.ports[{i}]"), msg),
+                }
+            }
+        }
+        Some(_) => e.add(
+            format!("{path}.ports"),
+            "must be an array of ports and \"lo-hi\" ranges",
+        ),
+    }
+    if e.all.len() > before {
+        return None;
+    }
+    ports.sort_unstable();
+    ports.dedup();
+    Some(Rule::new(cidr?, protocol?, ports))
+}
+
+fn parse_port(raw: &Value) -> Result<PortRange, String> {
+    let port = |v: u64| -> Result<u16, String> {
+        match u16::try_from(v) {
+            Ok(0) => Err("port 0 is not a destination port".into()),
+            Ok(p) => Ok(p),
+            Err(_) => Err(format!("{v} is not a port (1-65535)")),
+        }
+    };
+    match raw {
+        Value::Number(n) => match n.as_u64() {
+            Some(v) => port(v).map(PortRange::single),
+            None => Err(format!("{n} is not a port (1-65535)")),
+        },
+        Value::String(s) => {
+            let parsed = s.split_once('-').and_then(|(lo, hi)| {
+                Some((
+                    lo.trim().parse::<u64>().ok()?,
+                    hi.trim().parse::<u64>().ok()?,
+                ))
+            });
+            match parsed {
+                Some((lo, hi)) => {
+                    let (lo, hi) = (port(lo)?, port(hi)?);
+                    if lo > hi {
+                        Err(format!("range {s:?} is reversed"))
+                    } else {
+                        Ok(PortRange::new(lo, hi))
+                    }
+                }
+                None => match s.trim().parse::<u64>() {
+                    Ok(v) => port(v).map(PortRange::single),
+                    Err(_) => Err(format!("{s:?} is not a port or a \"lo-hi\" range")),
+                },
+            }
+        }
+        other => Err(format!("{other} is not a port or a \"lo-hi\" range")),
+    }
+}
+
+/// Policies of a state by content, for callers that need each distinct policy once.
+pub fn distinct_policies(state: &DesiredState) -> BTreeMap<&CompiledPolicy, usize> {
+    let mut policies = BTreeMap::new();
+    for policy in state.peers.iter().filter_map(|p| p.policy.as_deref()) {
+        *policies.entry(policy).or_insert(0) += 1;
+    }
+    policies
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn key(n: u8) -> String {
+        WgKey([n; 32]).to_base64()
+    }
+
+    fn peer(name: &str, n: u8) -> Value {
+        json!({ "name": name, "publicKey": key(n), "address": format!("10.8.0.{n}") })
+    }
+
+    fn state(peers: Vec<Value>) -> String {
+        json!({ "version": 1, "peers": peers }).to_string()
+    }
+
+    /// Parses a state that must be rejected and returns its errors as text.
+    fn rejected(text: &str) -> Vec<String> {
+        match parse(text) {
+            Ok(s) => panic!("accepted: {s:?}"),
+            Err(e) => e.errors.iter().map(ToString::to_string).collect(),
+        }
+    }
+
+    #[track_caller]
+    fn assert_error(text: &str, wanted: &str) {
+        let errors = rejected(text);
+        assert!(
+            errors.iter().any(|e| e.contains(wanted)),
+            "no error contains {wanted:?}: {errors:#?}"
+        );
+    }
+
+    #[test]
+    fn the_design_example_parses() {
+        let text = json!({
+            "version": 1,
+            "peers": [{
+                "name": "alice-laptop",
+                "publicKey": key(1),
+                "address": "10.8.0.2",
+                "addressV6": "fd00:8::2",
+                "endpoint": "198.51.100.7:51820",
+                "presharedKey": key(9),
+                "persistentKeepalive": 25,
+                "egress": [
+                    { "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443, "8000-8100"] },
+                    { "cidr": "fd00::/8",   "protocol": "any" },
+                    { "cidr": "0.0.0.0/0",  "protocol": "icmp" }
+                ]
+            }]
+        })
+        .to_string();
+        let s = parse(&text).unwrap_or_else(|e| panic!("{e}"));
+        let p = &s.peers[0];
+        assert_eq!(p.name, "alice-laptop");
+        assert_eq!(p.address, Some(Ipv4Addr::new(10, 8, 0, 2)));
+        assert_eq!(p.persistent_keepalive, Some(25));
+        assert_eq!(p.rules.len(), 3);
+        assert!(p.policy.is_some());
+        assert_eq!(s.restricted_peers(), 1);
+    }
+
+    #[test]
+    fn no_egress_means_unrestricted() {
+        let s = parse(&state(vec![peer("a", 2)])).unwrap_or_else(|e| panic!("{e}"));
+        assert!(s.peers[0].policy.is_none());
+        let mut empty = peer("a", 2);
+        empty["egress"] = json!([]);
+        let s = parse(&state(vec![empty])).unwrap_or_else(|e| panic!("{e}"));
+        assert!(s.peers[0].policy.is_none());
+    }
+
+    #[test]
+    fn malformed_json_and_versions() {
+        assert_error("{\"version\": 1, \"peers\": [", "not valid JSON");
+        assert_error("[]", "must be a JSON object");
+        assert_error(
+            &json!({ "version": 2, "peers": [] }).to_string(),
+            "unsupported version 2",
+        );
+        assert_error(&json!({ "peers": [] }).to_string(), "version: missing");
+        assert_error(&json!({ "version": 1 }).to_string(), "peers: missing");
+        assert_error(
+            &json!({ "version": 1, "peers": [], "peer": [] }).to_string(),
+            "peer: unknown field",
+        );
+    }
+
+    #[test]
+    fn missing_and_duplicate_names_and_keys() {
+        let mut nameless = peer("x", 3);
+        nameless.as_object_mut().map(|o| o.remove("name"));
+        assert_error(&state(vec![nameless]), "peers[0], field name: missing");
+        let mut keyless = peer("x", 3);
+        keyless.as_object_mut().map(|o| o.remove("publicKey"));
+        assert_error(
+            &state(vec![keyless]),
+            "peer \"x\" (peers[0]), field publicKey: missing",
+        );
+        assert_error(
+            &state(vec![peer("a", 2), peer("a", 3)]),
+            "peer \"a\" (peers[1]), field name: duplicate: peers[0] has the same name",
+        );
+        let mut same_key = peer("b", 3);
+        same_key["publicKey"] = json!(key(2));
+        assert_error(
+            &state(vec![peer("a", 2), same_key]),
+            "field publicKey: duplicate",
+        );
+    }
+
+    #[test]
+    fn keys_must_be_32_bytes_of_base64() {
+        for bad in ["not base64!", "AAAA", &WgKey([1; 32]).to_base64()[..40]] {
+            let mut p = peer("a", 2);
+            p["publicKey"] = json!(bad);
+            assert_error(&state(vec![p]), "publicKey: not a WireGuard key");
+        }
+        let mut p = peer("a", 2);
+        p["presharedKey"] = json!("short");
+        assert_error(&state(vec![p]), "presharedKey: not a WireGuard key");
+    }
+
+    #[test]
+    fn addresses_are_validated_and_unique_across_peers() {
+        let mut p = peer("a", 2);
+        p["address"] = json!("10.8.0.2/32");
+        assert_error(
+            &state(vec![p]),
+            "address: \"10.8.0.2/32\" is not an IPv4 address",
+        );
+        let mut p = peer("a", 2);
+        p["address"] = json!("fd00::2");
+        assert_error(&state(vec![p]), "is not an IPv4 address");
+        let mut p = peer("a", 2);
+        p.as_object_mut().map(|o| o.remove("address"));
+        assert_error(&state(vec![p]), "a peer needs address, addressV6 or both");
+        let mut p = peer("b", 3);
+        p["address"] = json!("10.8.0.2");
+        assert_error(
+            &state(vec![peer("a", 2), p]),
+            "duplicate: 10.8.0.2 is also peers[0]'s address",
+        );
+        let mut a = peer("a", 2);
+        a["addressV6"] = json!("fd00:8::2");
+        let mut b = peer("b", 3);
+        b["addressV6"] = json!("fd00:8::2");
+        assert_error(&state(vec![a, b]), "addressV6: duplicate");
+    }
+
+    #[test]
+    fn rules_are_validated() {
+        let cases = [
+            (
+                json!({ "cidr": "10.1.2.3/8" }),
+                "has host bits set (did you mean 10.0.0.0/8?)",
+            ),
+            (json!({ "cidr": "10.0.0.0/33" }), "is not a CIDR prefix"),
+            (json!({ "protocol": "tcp" }), "cidr: missing"),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "sctp" }),
+                "is not one of tcp, udp, icmp, any",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [0] }),
+                "port 0",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [70000] }),
+                "70000 is not a port",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": ["9000-8000"] }),
+                "reversed",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": ["http"] }),
+                "is not a port",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "icmp", "ports": [1] }),
+                "only allowed with tcp or udp",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "ports": [443] }),
+                "only allowed with tcp or udp",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "port": [443] }),
+                "egress[0].port: unknown field",
+            ),
+        ];
+        for (rule, wanted) in cases {
+            let mut p = peer("a", 2);
+            p["egress"] = json!([rule]);
+            assert_error(&state(vec![p]), wanted);
+        }
+    }
+
+    #[test]
+    fn every_error_is_reported_at_once() {
+        let mut a = peer("a", 2);
+        a["publicKey"] = json!("bad");
+        a["egress"] = json!([{ "cidr": "10.0.0.1/8" }, { "cidr": "fd00::/8", "protocol": "udp", "ports": [0] }]);
+        let mut b = peer("b", 3);
+        b["endpoint"] = json!("vpn.example.com:51820");
+        let errors = rejected(&state(vec![a, b]));
+        assert_eq!(errors.len(), 4, "{errors:#?}");
+    }
+
+    #[test]
+    fn too_many_allows_for_the_datapath_is_rejected_naming_the_peer() {
+        let ports: Vec<u64> = (1..=40).map(|i| i * 3).collect();
+        let mut p = peer("a", 2);
+        p["egress"] = json!([{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": ports }]);
+        assert_error(
+            &state(vec![p]),
+            "peer \"a\" (peers[0]), field egress: destination 10.0.0.0/8 needs 40",
+        );
+    }
+
+    #[test]
+    fn the_order_of_peers_and_rules_does_not_matter() {
+        let mut a = peer("a", 2);
+        a["egress"] = json!([
+            { "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443, "8000-8100"] },
+            { "cidr": "0.0.0.0/0", "protocol": "icmp" },
+        ]);
+        let mut a2 = a.clone();
+        a2["egress"] = json!([
+            { "cidr": "0.0.0.0/0", "protocol": "icmp" },
+            { "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": ["8000-8100", 443, 443] },
+        ]);
+        let one = parse(&state(vec![a, peer("b", 3), peer("c", 4)]));
+        let two = parse(&state(vec![peer("c", 4), a2, peer("b", 3)]));
+        assert_eq!(one, two);
+    }
+
+    #[test]
+    fn peers_with_equal_rules_share_one_compiled_policy() {
+        let rules = json!([{ "cidr": "10.0.0.0/8", "protocol": "tcp" }]);
+        let mut a = peer("a", 2);
+        a["egress"] = rules.clone();
+        let mut b = peer("b", 3);
+        b["egress"] = rules;
+        let s = parse(&state(vec![a, b])).unwrap_or_else(|e| panic!("{e}"));
+        let (pa, pb) = (s.peers[0].policy.as_ref(), s.peers[1].policy.as_ref());
+        assert!(matches!((pa, pb), (Some(x), Some(y)) if Arc::ptr_eq(x, y)));
+        assert_eq!(distinct_policies(&s).len(), 1);
+    }
+}
