@@ -1,1 +1,339 @@
-fn main() {}
+//! The `wgfence` command line.
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::ExitCode,
+    time::Duration,
+};
+
+use anyhow::{bail, Context as _, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use tracing_subscriber::{fmt, EnvFilter};
+use wgfence::{
+    daemon::{self, RunOptions},
+    dataplane::{pin_dir, Dataplane, DEFAULT_BPFFS},
+    plan::{plan, Actual, ActualMaps},
+    reconcile::read_maps,
+    state,
+    status::{self, Report},
+    wg::WireGuard,
+};
+
+/// Per-peer egress policy for WireGuard gateways, enforced in the kernel by a tcx eBPF program.
+///
+/// The agent keeps each peer's allowed destinations in BPF maps attached to the WireGuard
+/// interface and changes only the entries and WireGuard peers that differ from the state file.
+/// Its program, maps and link stay pinned (and enforcing) when the agent stops.
+#[derive(Debug, Parser)]
+#[command(name = "wgfence", version, propagate_version = true)]
+struct Cli {
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true, env = "WGFENCE_LOG_FORMAT")]
+    log_format: LogFormat,
+    /// Log filter (tracing's EnvFilter syntax, e.g. `info`, `wgfence=debug`).
+    #[arg(long, default_value = "info", global = true, env = "WGFENCE_LOG")]
+    log: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Attach to the interface (adopting what is pinned) and enforce the state file, following
+    /// its changes, until SIGTERM. The datapath stays attached when the agent stops.
+    Run {
+        /// The WireGuard interface (must exist; its key and port are yours to manage).
+        #[arg(long, short)]
+        interface: String,
+        /// The state file. Its directory is watched, so Kubernetes volume updates (a `..data`
+        /// symlink swap), in-place edits and renames all apply within a second.
+        #[arg(long, short)]
+        state: PathBuf,
+        /// Where bpffs is mounted; pins go to <bpffs>/wgfence/<interface>/.
+        #[arg(long, default_value = DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+        /// Serve /metrics, /healthz and /readyz here (use 0.0.0.0:9586 to expose beyond the node).
+        #[arg(long, default_value = "127.0.0.1:9586")]
+        metrics_addr: SocketAddr,
+        /// Don't serve metrics at all.
+        #[arg(long, conflicts_with = "metrics_addr")]
+        no_metrics: bool,
+        /// Seconds between full resyncs, which re-read the kernel and repair drift (a map
+        /// entry or WireGuard peer changed behind the agent's back).
+        #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+        resync: u64,
+        /// Export per-peer packet counters (a `peer` label per peer: costly at scale).
+        #[arg(long)]
+        peer_metrics: bool,
+        /// Compile the datapath's debug log in and forward it to this log (costs a ring buffer
+        /// write per dropped packet).
+        #[arg(long)]
+        datapath_debug: bool,
+    },
+    /// Validate a state file; exits non-zero and lists every error found.
+    Check {
+        #[arg(long, short)]
+        state: PathBuf,
+    },
+    /// Print what `run` would change right now; changes nothing.
+    Plan {
+        #[arg(long, short)]
+        interface: String,
+        #[arg(long, short)]
+        state: PathBuf,
+        #[arg(long, default_value = DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+    },
+    /// Program, link, peers and counters of an interface.
+    Status {
+        #[arg(long, short)]
+        interface: String,
+        /// Machine-readable output (schema in docs/operations.md).
+        #[arg(long)]
+        json: bool,
+        /// State file to name peers by (default: the running agent's).
+        #[arg(long, short)]
+        state: Option<PathBuf>,
+        #[arg(long, default_value = DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+    },
+    /// Remove the program, link and pinned maps of an interface. Peers lose their policy:
+    /// traffic is no longer filtered.
+    Detach {
+        #[arg(long, short)]
+        interface: String,
+        #[arg(long, default_value = DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+    },
+}
+
+fn init_logging(format: LogFormat, filter: &str) -> Result<()> {
+    let filter = EnvFilter::try_new(filter).with_context(|| format!("log filter {filter:?}"))?;
+    let builder = fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    }
+    .map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Err(e) = init_logging(cli.log_format, &cli.log) {
+        eprintln!("error: {e:#}");
+        return ExitCode::from(2);
+    }
+    match dispatch(cli.command) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn dispatch(command: Command) -> Result<ExitCode> {
+    match command {
+        Command::Run {
+            interface,
+            state,
+            bpffs,
+            metrics_addr,
+            no_metrics,
+            resync,
+            peer_metrics,
+            datapath_debug,
+        } => {
+            daemon::run(RunOptions {
+                interface: interface.clone(),
+                state,
+                bpffs,
+                metrics_addr: (!no_metrics).then_some(metrics_addr),
+                resync: Duration::from_secs(resync),
+                peer_metrics,
+                datapath_debug,
+            })
+            .with_context(|| format!("wgfence run on {interface}"))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Check { state } => check(&state),
+        Command::Plan {
+            interface,
+            state,
+            bpffs,
+        } => plan_command(&interface, &state, &bpffs),
+        Command::Status {
+            interface,
+            json,
+            state,
+            bpffs,
+        } => {
+            let report = status::report(&bpffs, &interface, state.as_deref())?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print_status(&report);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Detach { interface, bpffs } => {
+            if Dataplane::detach(&bpffs, &interface)
+                .with_context(|| format!("detaching from {interface}"))?
+            {
+                println!(
+                    "detached: removed the link and maps under {}",
+                    pin_dir(&bpffs, &interface).display()
+                );
+            } else {
+                println!("nothing was pinned for {interface}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn read_state(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+}
+
+fn check(path: &Path) -> Result<ExitCode> {
+    match state::parse(&read_state(path)?) {
+        Ok(desired) => {
+            println!(
+                "{}: valid: {} peers ({} restricted), {} distinct policies",
+                path.display(),
+                desired.peers.len(),
+                desired.restricted_peers(),
+                state::distinct_policies(&desired).len()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            eprintln!("{}: {e}", path.display());
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
+
+fn plan_command(interface: &str, state_path: &Path, bpffs: &Path) -> Result<ExitCode> {
+    let desired = match state::parse(&read_state(state_path)?) {
+        Ok(desired) => desired,
+        Err(e) => bail!("{}: {e}", state_path.display()),
+    };
+    let maps = if pin_dir(bpffs, interface).exists() {
+        read_maps(&Dataplane::open_maps(bpffs, interface)?)?
+    } else {
+        println!("note: nothing is pinned for {interface}; planning against empty maps");
+        ActualMaps::default()
+    };
+    let wg = WireGuard::open(interface)?.read()?;
+    let plan = plan(&desired, &Actual { maps, wg })?;
+    for op in &plan.ops {
+        println!("{op}");
+    }
+    println!(
+        "{} map writes, {} WireGuard peer changes",
+        plan.map_writes(),
+        plan.wg_changes()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_status(r: &Report) {
+    println!("interface        {}", r.interface);
+    println!(
+        "datapath         {} (layout v{}, pins in {})",
+        if r.attached {
+            "attached"
+        } else {
+            "NOT attached (no pinned link)"
+        },
+        r.layout_version,
+        r.pin_dir.display()
+    );
+    if let (Some(link), Some(prog)) = (r.link_id, r.program_id) {
+        println!("link             id {link}, program id {prog} (bpftool link show id {link})");
+    }
+    match &r.agent {
+        Some(a) => {
+            let last = &a.last_reconcile;
+            println!(
+                "agent            pid {}, {}{}",
+                a.pid,
+                if a.ready { "ready" } else { "NOT ready" },
+                if a.reason.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", a.reason)
+                }
+            );
+            println!("state file       {}", a.state_file.display());
+            if last.ok {
+                println!(
+                    "last reconcile   ok, {} ops ({} map writes, {} WireGuard peer updates) in {:.1} ms",
+                    last.ops, last.map_writes, last.wireguard_peer_updates, last.duration_ms
+                );
+            } else {
+                println!(
+                    "last reconcile   FAILED: {}",
+                    last.error.as_deref().unwrap_or("unknown error")
+                );
+            }
+        }
+        None => println!("agent            no status snapshot (agent not running here?)"),
+    }
+    println!(
+        "peers            {} IPv4 + {} IPv6 entries; {} restricted, {} unrestricted",
+        r.peers.ipv4_entries, r.peers.ipv6_entries, r.peers.restricted, r.peers.unrestricted
+    );
+    println!(
+        "policies         {} distinct, {} trie entries",
+        r.policies, r.policy_entries
+    );
+    let fmt_map = |m: &std::collections::BTreeMap<String, u64>| {
+        m.iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    println!("passed           {}", fmt_map(&r.passed));
+    println!("dropped          {}", fmt_map(&r.dropped));
+    if !r.peer_counters.is_empty() {
+        println!();
+        println!(
+            "{:<24} {:<32} {:>7} {:>12} {:>12}",
+            "PEER", "ADDRESSES", "POLICY", "PASSED", "DROPPED"
+        );
+        for p in &r.peer_counters {
+            let addrs = p
+                .addresses
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(",");
+            let policy = if p.policy == 0 {
+                "-".to_owned()
+            } else {
+                p.policy.to_string()
+            };
+            println!(
+                "{:<24} {:<32} {:>7} {:>12} {:>12}",
+                p.peer.as_deref().unwrap_or("?"),
+                addrs,
+                policy,
+                p.pass_packets,
+                p.drop_packets
+            );
+        }
+    }
+}

@@ -86,6 +86,63 @@ pub struct Actual {
     pub wg: ActualWg,
 }
 
+impl Actual {
+    /// What `op` does to the kernel. The agent keeps its view of the kernel current with this
+    /// between full reads (which are O(peers)); the tests use it as the model of the kernel.
+    pub fn apply(&mut self, op: &Op) {
+        match op {
+            Op::PutPolicyEntry {
+                policy,
+                prefix,
+                allows,
+            } => self
+                .maps
+                .policies
+                .entry(*policy)
+                .or_default()
+                .insert_entry(*prefix, allows.clone()),
+            Op::ResetPeerCounters { .. } => {}
+            Op::PutPeerEntry { addr, entry, .. } => {
+                self.maps.peers.insert(*addr, *entry);
+            }
+            Op::DeletePeerEntry { addr } => {
+                self.maps.peers.remove(addr);
+            }
+            Op::WgPeer(change) => {
+                // An allowed IP has one holder: adding it to one peer takes it from the others.
+                for other in self.wg.peers.values_mut() {
+                    for ip in &change.add_allowed_ips {
+                        other.allowed_ips.remove(ip);
+                    }
+                }
+                let peer = self.wg.peers.entry(change.key).or_default();
+                if let Some(endpoint) = change.endpoint {
+                    peer.endpoint = Some(endpoint);
+                }
+                if let Some(psk) = change.preshared_key {
+                    peer.preshared_key = psk;
+                }
+                if let Some(keepalive) = change.persistent_keepalive {
+                    peer.persistent_keepalive = keepalive;
+                }
+                peer.allowed_ips
+                    .extend(change.add_allowed_ips.iter().copied());
+            }
+            Op::RemoveWgPeer { key } => {
+                self.wg.peers.remove(key);
+            }
+            Op::DeletePolicyEntry { policy, prefix } => {
+                if let Some(content) = self.maps.policies.get_mut(policy) {
+                    content.remove_entry(prefix);
+                    if content.is_empty() {
+                        self.maps.policies.remove(policy);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A change to one WireGuard peer; fields left `None` stay as they are.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WgPeerChange {
@@ -442,28 +499,19 @@ mod tests {
     use super::*;
     use crate::state::{parse, PeerSpec};
 
-    /// An in-memory model of the kernel: the maps and a WireGuard device.
+    /// The kernel, modelled by [`Actual::apply`].
     #[derive(Debug, Clone, Default)]
-    struct Kernel {
-        peers: BTreeMap<IpAddr, PeerEntry>,
-        trie: BTreeMap<(u32, IpNet), Vec<Allow>>,
-        wg: ActualWg,
-    }
+    struct Kernel(Actual);
 
     impl Kernel {
         fn actual(&self) -> Actual {
-            Actual {
-                maps: ActualMaps::from_entries(
-                    self.peers.clone(),
-                    self.trie.iter().map(|((id, p), a)| (*id, *p, a.clone())),
-                ),
-                wg: self.wg.clone(),
-            }
+            self.0.clone()
         }
 
         fn holder(&self, addr: IpAddr) -> Option<WgKey> {
             let host = IpNet::from(addr);
-            self.wg
+            self.0
+                .wg
                 .peers
                 .iter()
                 .find(|(_, p)| p.allowed_ips.contains(&host))
@@ -472,57 +520,14 @@ mod tests {
 
         /// The complete content of a policy id as the datapath would see it.
         fn content(&self, id: u32) -> CompiledPolicy {
-            CompiledPolicy::from_entries(
-                self.trie
-                    .iter()
-                    .filter(|((i, _), _)| *i == id)
-                    .map(|((_, p), a)| (*p, a.clone())),
-            )
+            self.0.maps.policies.get(&id).cloned().unwrap_or_default()
         }
 
         fn apply(&mut self, op: &Op) {
-            match op {
-                Op::PutPolicyEntry {
-                    policy,
-                    prefix,
-                    allows,
-                } => {
-                    self.trie.insert((*policy, *prefix), allows.clone());
-                }
-                Op::ResetPeerCounters { .. } => {}
-                Op::PutPeerEntry { addr, entry, .. } => {
-                    self.peers.insert(*addr, *entry);
-                }
-                Op::DeletePeerEntry { addr } => {
-                    self.peers.remove(addr);
-                }
-                Op::WgPeer(c) => {
-                    assert_eq!(c.create, !self.wg.peers.contains_key(&c.key), "{c:?}");
-                    // WireGuard: an allowed IP has one holder; adding it moves it.
-                    for other in self.wg.peers.values_mut() {
-                        for ip in &c.add_allowed_ips {
-                            other.allowed_ips.remove(ip);
-                        }
-                    }
-                    let peer = self.wg.peers.entry(c.key).or_default();
-                    if let Some(ep) = c.endpoint {
-                        peer.endpoint = Some(ep);
-                    }
-                    if let Some(psk) = c.preshared_key {
-                        peer.preshared_key = psk;
-                    }
-                    if let Some(ka) = c.persistent_keepalive {
-                        peer.persistent_keepalive = ka;
-                    }
-                    peer.allowed_ips.extend(c.add_allowed_ips.iter().copied());
-                }
-                Op::RemoveWgPeer { key } => {
-                    self.wg.peers.remove(key);
-                }
-                Op::DeletePolicyEntry { policy, prefix } => {
-                    self.trie.remove(&(*policy, *prefix));
-                }
+            if let Op::WgPeer(c) = op {
+                assert_eq!(c.create, !self.0.wg.peers.contains_key(&c.key), "{c:?}");
             }
+            self.0.apply(op);
         }
     }
 
@@ -536,7 +541,7 @@ mod tests {
         for peer in &desired.peers {
             for addr in peer.addrs() {
                 addrs.insert(addr);
-                let entry = kernel.peers.get(&addr).copied();
+                let entry = kernel.0.maps.peers.get(&addr).copied();
                 let entry =
                     entry.unwrap_or_else(|| panic!("{} has no entry for {addr}", peer.name));
                 match policy_of(peer) {
@@ -545,33 +550,38 @@ mod tests {
                 }
                 assert_eq!(kernel.holder(addr), Some(peer.public_key), "{addr}");
             }
-            let wg = &kernel.wg.peers[&peer.public_key];
+            let wg = &kernel.0.wg.peers[&peer.public_key];
             if let Some(ep) = peer.endpoint {
                 assert_eq!(wg.endpoint, Some(ep));
             }
             assert_eq!(wg.preshared_key, peer.preshared_key);
             assert_eq!(wg.persistent_keepalive, peer.persistent_keepalive);
         }
-        assert_eq!(kernel.peers.keys().copied().collect::<BTreeSet<_>>(), addrs);
+        assert_eq!(
+            kernel.0.maps.peers.keys().copied().collect::<BTreeSet<_>>(),
+            addrs
+        );
         let keys: BTreeSet<WgKey> = desired.peers.iter().map(|p| p.public_key).collect();
         assert_eq!(
-            kernel.wg.peers.keys().copied().collect::<BTreeSet<_>>(),
+            kernel.0.wg.peers.keys().copied().collect::<BTreeSet<_>>(),
             keys
         );
         // No leaked policy entries: exactly the referenced ids remain.
         let referenced: BTreeSet<u32> = kernel
+            .0
+            .maps
             .peers
             .values()
             .map(|e| e.policy)
             .filter(|p| *p != UNRESTRICTED)
             .collect();
-        let present: BTreeSet<u32> = kernel.trie.keys().map(|(id, _)| *id).collect();
+        let present: BTreeSet<u32> = kernel.0.maps.policies.keys().copied().collect();
         assert_eq!(referenced, present);
         // One slot per peer.
         let mut slots = BTreeMap::new();
         for peer in &desired.peers {
             for addr in peer.addrs() {
-                let slot = kernel.peers[&addr].slot;
+                let slot = kernel.0.maps.peers[&addr].slot;
                 if let Some(other) = slots.insert(slot, &peer.name) {
                     assert_eq!(other, &peer.name, "slot {slot} shared");
                 }
@@ -588,7 +598,7 @@ mod tests {
                 .collect()
         };
         let (old_keys, new_keys) = (by_key(old), by_key(new));
-        for (addr, entry) in &kernel.peers {
+        for (addr, entry) in &kernel.0.maps.peers {
             // Fail closed: an entry never points at a policy that is not completely written.
             let content = (entry.policy != UNRESTRICTED).then(|| kernel.content(entry.policy));
             let complete = old
@@ -620,7 +630,7 @@ mod tests {
                 continue;
             }
             for addr in peer.addrs().filter(|a| before.addrs().any(|b| b == *a)) {
-                let entry = kernel.peers.get(&addr);
+                let entry = kernel.0.maps.peers.get(&addr);
                 let entry = entry.unwrap_or_else(|| panic!("{}: {addr} interrupted", peer.name));
                 let content = (entry.policy != UNRESTRICTED).then(|| kernel.content(entry.policy));
                 assert_eq!(content, policy_of(peer), "{}: {addr}", peer.name);
@@ -900,14 +910,15 @@ mod tests {
         ]));
         converge(&mut kernel, &DesiredState::default(), &s);
         // An entry deleted by hand, a policy entry deleted by hand, a WireGuard peer removed.
-        kernel
-            .peers
-            .remove(&"10.8.0.3".parse().unwrap_or(IpAddr::from([0, 0, 0, 0])));
-        let first = kernel.trie.keys().next().copied();
-        if let Some(k) = first {
-            kernel.trie.remove(&k);
+        let maps = &mut kernel.0.maps;
+        maps.peers.remove(&IpAddr::from([10, 8, 0, 3]));
+        if let Some(policy) = maps.policies.values_mut().next() {
+            let prefix = policy.entries().next().map(|(p, _)| p);
+            if let Some(prefix) = prefix {
+                policy.remove_entry(&prefix);
+            }
         }
-        kernel.wg.peers.remove(&WgKey([2; 32]));
+        kernel.0.wg.peers.remove(&WgKey([2; 32]));
         // The kernel is already broken, so the midway invariants cannot hold; apply plainly.
         let repair = plan(&s, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
         for op in &repair.ops {

@@ -138,6 +138,16 @@ impl CompiledPolicy {
         value
     }
 
+    /// Sets one entry (the kernel's view of a policy while it is being written).
+    pub fn insert_entry(&mut self, prefix: IpNet, allows: Vec<Allow>) {
+        self.entries.insert(prefix, allows);
+    }
+
+    /// Removes one entry; `false` if there was none.
+    pub fn remove_entry(&mut self, prefix: &IpNet) -> bool {
+        self.entries.remove(prefix).is_some()
+    }
+
     /// Rebuilds a policy from trie entries read back from the kernel.
     pub fn from_entries(entries: impl IntoIterator<Item = (IpNet, Vec<Allow>)>) -> Self {
         Self {

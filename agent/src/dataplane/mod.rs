@@ -181,6 +181,21 @@ impl Dataplane {
         Ok(true)
     }
 
+    /// The pinned link of an interface, if any: (link id, program id).
+    pub fn link_info(bpffs: &Path, interface: &str) -> Result<Option<(u32, u32)>> {
+        let path = pin_dir(bpffs, interface).join(LINK_PIN);
+        if !path.exists() {
+            return Ok(None);
+        }
+        let link_err = |source| DataplaneError::Link {
+            path: path.clone(),
+            source,
+        };
+        let link = FdLink::from(PinnedLink::from_pin(&path).map_err(link_err)?);
+        let info = link.info().map_err(link_err)?;
+        Ok(Some((info.id(), info.program_id())))
+    }
+
     pub fn interface(&self) -> &str {
         &self.interface
     }

@@ -1,0 +1,406 @@
+//! `wgfence run`: the loop from the state file to the kernel.
+//!
+//! Start-up adopts what is pinned (maps keep enforcing, the program is replaced through the
+//! pinned link) and reads the kernel's state; nothing is removed until a valid state has been
+//! loaded. Then every change of the state file's directory, every resync tick and every retry
+//! after a kernel error runs one load: read, validate, plan, apply. A state that fails
+//! validation is rejected whole and the last good one stays applied. SIGTERM stops the loop and
+//! leaves the datapath attached and enforcing.
+
+use std::{
+    io,
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use tokio::{
+    signal::unix::{signal, SignalKind},
+    sync::watch,
+    time::Instant,
+};
+
+use crate::{
+    dataplane::{AttachOptions, Dataplane, DataplaneError},
+    metrics::{self, Health, Metrics},
+    reconcile::{ReconcileError, Reconciler},
+    source::{SourceError, StateSource},
+    state::{self, DesiredState},
+    status::{LastReconcile, StatusFile},
+    wg::{WgError, WireGuard},
+};
+
+/// Longest wait before retrying after a kernel error.
+const MAX_RETRY: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub interface: String,
+    pub state: PathBuf,
+    pub bpffs: PathBuf,
+    pub metrics_addr: Option<SocketAddr>,
+    pub resync: Duration,
+    pub peer_metrics: bool,
+    pub datapath_debug: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("attaching the datapath: {0}")]
+    Dataplane(#[from] DataplaneError),
+    #[error(transparent)]
+    WireGuard(#[from] WgError),
+    #[error("reading the kernel's state: {0}")]
+    Reconcile(#[from] ReconcileError),
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    #[error("metrics address {addr}: {source}")]
+    MetricsBind {
+        addr: SocketAddr,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{0}")]
+    Runtime(#[from] io::Error),
+    #[error("the reconcile task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// Runs the agent until SIGTERM or SIGINT.
+pub fn run(options: RunOptions) -> Result<(), DaemonError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(run_async(options))
+}
+
+/// The synchronous part: owns the reconciler and decides what a load does. It runs on the
+/// blocking pool, so a large apply never stalls the metrics server or signal handling.
+struct Core {
+    reconciler: Reconciler,
+    state_path: PathBuf,
+    /// Bytes of the state file that are applied now; an identical read costs nothing.
+    applied: Option<Vec<u8>>,
+    /// Bytes of the last rejected state, so an unchanged bad file is not re-parsed per event.
+    rejected: Option<Vec<u8>>,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    status: StatusFile,
+    map_writes_seen: u64,
+    wg_updates_seen: u64,
+}
+
+/// What a load asks of the loop.
+#[derive(Debug, PartialEq, Eq)]
+enum Next {
+    Idle,
+    Retry,
+}
+
+impl Core {
+    fn load(&mut self, force: bool) -> Next {
+        let bytes = match std::fs::read(&self.state_path) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                let why = if e.kind() == io::ErrorKind::NotFound {
+                    "state file missing".to_owned()
+                } else {
+                    format!("state file unreadable: {e}")
+                };
+                tracing::warn!(
+                    path = %self.state_path.display(),
+                    "{why}; keeping what is enforced"
+                );
+                self.health.set_not_ready(why);
+                self.metrics.ready.set(0);
+                self.applied = None;
+                return Next::Idle;
+            }
+        };
+        if !force && self.applied.as_ref() == Some(&bytes) {
+            return Next::Idle;
+        }
+        if !force && self.rejected.as_ref() == Some(&bytes) {
+            return Next::Idle;
+        }
+        let parsed = std::str::from_utf8(&bytes)
+            .map_err(|e| format!("state file is not UTF-8: {e}"))
+            .and_then(|text| state::parse(text).map_err(|e| e.to_string()));
+        let desired = match parsed {
+            Ok(desired) => desired,
+            Err(errors) => {
+                tracing::error!(
+                    path = %self.state_path.display(),
+                    "{errors}\nthe last good state stays applied"
+                );
+                self.metrics.state_rejected.inc();
+                self.metrics.ready.set(0);
+                self.health
+                    .set_not_ready("state file rejected by validation (see the agent's log)");
+                self.rejected = Some(bytes);
+                self.applied = None;
+                return Next::Idle;
+            }
+        };
+        self.rejected = None;
+        self.apply(&desired, bytes)
+    }
+
+    fn apply(&mut self, desired: &DesiredState, bytes: Vec<u8>) -> Next {
+        match self.reconciler.reconcile(desired) {
+            Ok(outcome) => {
+                self.account(Some(outcome.duration));
+                let restricted = desired.restricted_peers();
+                let policies = state::distinct_policies(desired).len();
+                self.metrics.peers.set(desired.peers.len() as i64);
+                self.metrics.policies.set(policies as i64);
+                self.metrics.ready.set(1);
+                self.health.set_ready();
+                self.applied = Some(bytes);
+                self.update_slot_names(desired);
+                let level_info = outcome.ops > 0;
+                if level_info {
+                    tracing::info!(
+                        peers = desired.peers.len(),
+                        restricted,
+                        policies,
+                        ops = outcome.ops,
+                        map_writes = outcome.map_writes,
+                        wireguard_peer_updates = outcome.wg_peer_updates,
+                        duration_ms = outcome.duration.as_secs_f64() * 1e3,
+                        "state applied"
+                    );
+                } else {
+                    tracing::debug!(peers = desired.peers.len(), "state unchanged");
+                }
+                self.status
+                    .write(&LastReconcile::ok(&outcome), desired, true, "");
+                Next::Idle
+            }
+            Err(ReconcileError::Closed) => Next::Idle,
+            Err(e) => {
+                self.account(None);
+                self.metrics.reconcile_errors.inc();
+                self.metrics.ready.set(0);
+                let why = format!("applying the state failed: {e}");
+                tracing::error!("{why}; will retry");
+                self.health.set_not_ready(why.clone());
+                self.applied = None;
+                self.status
+                    .write(&LastReconcile::failed(&why), desired, false, &why);
+                Next::Retry
+            }
+        }
+    }
+
+    /// Adds what the reconciler wrote since the last call to the counters.
+    fn account(&mut self, duration: Option<Duration>) {
+        let writes = self.reconciler.map_writes();
+        let updates = self.reconciler.wg_peer_updates();
+        self.metrics
+            .bpf_map_writes
+            .inc_by(writes - self.map_writes_seen);
+        self.metrics
+            .wireguard_peer_updates
+            .inc_by(updates - self.wg_updates_seen);
+        self.map_writes_seen = writes;
+        self.wg_updates_seen = updates;
+        if let Some(d) = duration {
+            self.metrics.reconcile_duration.observe(d.as_secs_f64());
+        }
+    }
+
+    fn update_slot_names(&self, desired: &DesiredState) {
+        let peers = &self.reconciler.actual().maps.peers;
+        let names: Vec<(u32, String)> = desired
+            .peers
+            .iter()
+            .filter_map(|p| {
+                let slot = p.addrs().find_map(|a| peers.get(&a).map(|e| e.slot))?;
+                Some((slot, p.name.clone()))
+            })
+            .collect();
+        if let Ok(mut slots) = self.metrics.slot_names.write() {
+            *slots = names;
+        }
+    }
+
+    fn resync(&mut self) -> Next {
+        if let Err(e) = self.reconciler.refresh() {
+            if !matches!(e, ReconcileError::Closed) {
+                tracing::error!(error = %e, "resync: reading the kernel failed; will retry");
+                self.metrics.reconcile_errors.inc();
+                return Next::Retry;
+            }
+            return Next::Idle;
+        }
+        self.load(true)
+    }
+}
+
+async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
+    let attach = AttachOptions {
+        interface: options.interface.clone(),
+        bpffs: options.bpffs.clone(),
+        datapath_debug: options.datapath_debug,
+    };
+    let mut dataplane = Dataplane::attach(&attach)?;
+    if options.datapath_debug {
+        spawn_datapath_logger(&mut dataplane);
+    }
+    let wg = WireGuard::open(&options.interface)?;
+    let backend = wg.backend_name();
+    let reconciler = Reconciler::new(dataplane, wg)?;
+    let adopted = reconciler.actual();
+    tracing::info!(
+        interface = %options.interface,
+        wireguard_backend = backend,
+        peer_entries = adopted.maps.peers.len(),
+        policies = adopted.maps.policies.len(),
+        wireguard_peers = adopted.wg.peers.len(),
+        "kernel state read; nothing is removed before a valid state is loaded"
+    );
+    let closed = reconciler.shutdown_handle();
+
+    let metrics = Arc::new(Metrics::new(
+        options.bpffs.clone(),
+        options.interface.clone(),
+        options.peer_metrics,
+    ));
+    let health = Arc::new(Health::default());
+    health.set_not_ready("no valid state loaded yet");
+    if let Some(addr) = options.metrics_addr {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| DaemonError::MetricsBind { addr, source })?;
+        tokio::spawn(metrics::serve(
+            listener,
+            Arc::clone(&metrics),
+            Arc::clone(&health),
+        ));
+    }
+
+    let mut source = StateSource::watch(&options.state)?;
+    let shutdown = shutdown_on_signal(Arc::clone(&closed))?;
+    let mut core = Some(Core {
+        reconciler,
+        state_path: options.state.clone(),
+        applied: None,
+        rejected: None,
+        metrics,
+        health,
+        status: StatusFile::new(&options.interface, &options.state),
+        map_writes_seen: 0,
+        wg_updates_seen: 0,
+    });
+
+    let mut next = step(&mut core, |c| c.load(false)).await?;
+    let mut retry_delay = Duration::from_secs(1);
+    let mut resync = tokio::time::interval_at(Instant::now() + options.resync, options.resync);
+    let mut stop = shutdown.clone();
+    loop {
+        let retry_at = (next == Next::Retry).then(|| Instant::now() + retry_delay);
+        tokio::select! {
+            _ = stop.changed() => break,
+            () = source.changed() => {
+                next = step(&mut core, |c| c.load(false)).await?;
+            }
+            _ = resync.tick() => {
+                next = step(&mut core, Core::resync).await?;
+            }
+            () = sleep_until(retry_at) => {
+                next = step(&mut core, |c| c.load(true)).await?;
+                retry_delay = (retry_delay * 2).min(MAX_RETRY);
+            }
+        }
+        if next == Next::Idle {
+            retry_delay = Duration::from_secs(1);
+        }
+        if closed.load(Ordering::Acquire) {
+            break;
+        }
+    }
+    tracing::info!(
+        "stopping; the datapath stays attached and keeps enforcing the last applied state \
+         (`wgfence detach` removes it)"
+    );
+    Ok(())
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Runs `f` on the blocking pool with the core moved in and back out.
+async fn step(
+    core: &mut Option<Core>,
+    f: impl FnOnce(&mut Core) -> Next + Send + 'static,
+) -> Result<Next, DaemonError> {
+    let Some(mut c) = core.take() else {
+        return Ok(Next::Idle);
+    };
+    let (c, next) = tokio::task::spawn_blocking(move || {
+        let next = f(&mut c);
+        (c, next)
+    })
+    .await?;
+    *core = Some(c);
+    Ok(next)
+}
+
+/// SIGTERM and SIGINT set the shutdown flag at once (an apply in progress stops at its next
+/// operation) and wake the loop.
+fn shutdown_on_signal(closed: Arc<AtomicBool>) -> Result<watch::Receiver<bool>, DaemonError> {
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let (tx, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!(signal = name, "shutting down");
+        closed.store(true, Ordering::Release);
+        let _ = tx.send(true);
+    });
+    Ok(rx)
+}
+
+/// Forwards the datapath's aya-log records to the agent's log.
+fn spawn_datapath_logger(dataplane: &mut Dataplane) {
+    let _ = tracing_log::LogTracer::init();
+    match aya_log::EbpfLogger::init(dataplane.ebpf_mut()) {
+        Ok(logger) => {
+            // SAFETY: the logger owns its ring buffer's fd, which stays open and the same for
+            // the logger's whole life; the AsyncFd owns the logger.
+            let registered = unsafe {
+                tokio::io::unix::AsyncFd::register_with_interest(
+                    logger,
+                    tokio::io::Interest::READABLE,
+                )
+            };
+            match registered {
+                Ok(mut fd) => {
+                    tokio::spawn(async move {
+                        loop {
+                            let Ok(mut guard) = fd.readable_mut().await else {
+                                break;
+                            };
+                            guard.get_inner_mut().flush();
+                            guard.clear_ready();
+                        }
+                    });
+                }
+                Err(e) => tracing::warn!(error = %e, "datapath log reader"),
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "datapath logging unavailable"),
+    }
+}

@@ -1,0 +1,232 @@
+//! Applies plans to the kernel: BPF map writes through the dataplane, peer changes through the
+//! WireGuard adapter, in the planner's order.
+//!
+//! The reconciler keeps its view of the kernel ([`Actual`]) current by applying each operation
+//! to it as it succeeds, so a change costs what it changes and not a full read of the maps and
+//! the device. A full read happens at start-up, on every resync (which repairs drift made
+//! behind the agent's back), and after any failed operation.
+//!
+//! A failure stops the plan where it is. Every prefix of a plan is safe to stop at (no entry
+//! points at an incomplete policy, no address gets a policy its holder does not own), and the
+//! next attempt reads the kernel and plans again from there.
+
+use std::{
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use crate::{
+    dataplane::{Dataplane, DataplaneError, Maps},
+    plan::{plan, Actual, ActualMaps, Op, Plan, PlanError, WgPeerChange},
+    policy::CompiledPolicy,
+    state::{DesiredState, WgKey},
+    wg::{WgError, WireGuard},
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error(transparent)]
+    Dataplane(#[from] DataplaneError),
+    #[error(transparent)]
+    WireGuard(#[from] WgError),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error("the agent is shutting down; nothing more is applied")]
+    Closed,
+}
+
+/// What one reconcile did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Outcome {
+    pub ops: usize,
+    pub map_writes: u64,
+    pub wg_peer_updates: u64,
+    pub duration: Duration,
+}
+
+/// Reads the maps into the planner's form (O(entries)).
+pub fn read_maps(maps: &Maps) -> Result<ActualMaps, DataplaneError> {
+    let peers = maps.peers()?;
+    let entries = maps
+        .policies()?
+        .into_iter()
+        .map(|e| (e.policy, e.prefix, e.value.allows().to_vec()));
+    Ok(ActualMaps::from_entries(peers, entries))
+}
+
+pub struct Reconciler {
+    dataplane: Dataplane,
+    wg: WireGuard,
+    actual: Actual,
+    /// The cached view may differ from the kernel (after a failure): read before planning.
+    stale: bool,
+    closed: Arc<AtomicBool>,
+}
+
+impl Reconciler {
+    /// Takes over an attached dataplane and a WireGuard interface and reads their state. Nothing
+    /// is changed until [`Reconciler::reconcile`] is given a valid desired state.
+    pub fn new(dataplane: Dataplane, wg: WireGuard) -> Result<Self, ReconcileError> {
+        let mut r = Self {
+            dataplane,
+            wg,
+            actual: Actual::default(),
+            stale: true,
+            closed: Arc::new(AtomicBool::new(false)),
+        };
+        r.refresh()?;
+        Ok(r)
+    }
+
+    /// A flag that, once set, makes every later operation fail with [`ReconcileError::Closed`].
+    pub fn shutdown_handle(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.closed)
+    }
+
+    pub fn actual(&self) -> &Actual {
+        &self.actual
+    }
+
+    pub fn dataplane(&self) -> &Dataplane {
+        &self.dataplane
+    }
+
+    pub fn wireguard(&self) -> &WireGuard {
+        &self.wg
+    }
+
+    fn check_open(&self) -> Result<(), ReconcileError> {
+        if self.closed.load(Ordering::Acquire) {
+            Err(ReconcileError::Closed)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Reads the maps and the WireGuard device again (resync: what changed behind the agent's
+    /// back shows up in the next plan).
+    pub fn refresh(&mut self) -> Result<(), ReconcileError> {
+        self.check_open()?;
+        self.actual = Actual {
+            maps: read_maps(self.dataplane.maps())?,
+            wg: self.wg.read()?,
+        };
+        self.stale = false;
+        Ok(())
+    }
+
+    /// What `reconcile` would do now.
+    pub fn plan(&mut self, desired: &DesiredState) -> Result<Plan, ReconcileError> {
+        if self.stale {
+            self.refresh()?;
+        }
+        Ok(plan(desired, &self.actual)?)
+    }
+
+    /// Makes the kernel match `desired`, changing only what differs.
+    pub fn reconcile(&mut self, desired: &DesiredState) -> Result<Outcome, ReconcileError> {
+        let start = Instant::now();
+        let plan = self.plan(desired)?;
+        let writes_before = self.dataplane.maps().writes();
+        let wg_before = self.wg.peer_updates();
+        let result = self.apply(&plan);
+        if result.is_err() {
+            self.stale = true;
+        }
+        let outcome = Outcome {
+            ops: plan.ops.len(),
+            map_writes: self.dataplane.maps().writes() - writes_before,
+            wg_peer_updates: self.wg.peer_updates() - wg_before,
+            duration: start.elapsed(),
+        };
+        result.map(|()| outcome)
+    }
+
+    /// Map writes issued through this reconciler so far.
+    pub fn map_writes(&self) -> u64 {
+        self.dataplane.maps().writes()
+    }
+
+    pub fn wg_peer_updates(&self) -> u64 {
+        self.wg.peer_updates()
+    }
+
+    fn apply(&mut self, plan: &Plan) -> Result<(), ReconcileError> {
+        let ops = &plan.ops;
+        let mut i = 0;
+        while i < ops.len() {
+            self.check_open()?;
+            // Consecutive WireGuard changes go to the device in one update (still per peer).
+            let run = ops[i..]
+                .iter()
+                .take_while(|op| same_kind(op, &ops[i]))
+                .count();
+            let batch = &ops[i..i + run];
+            match &ops[i] {
+                Op::WgPeer(_) => {
+                    let changes: Vec<&WgPeerChange> = batch
+                        .iter()
+                        .filter_map(|op| match op {
+                            Op::WgPeer(c) => Some(c),
+                            _ => None,
+                        })
+                        .collect();
+                    self.wg.apply_changes(&changes)?;
+                }
+                Op::RemoveWgPeer { .. } => {
+                    let keys: Vec<WgKey> = batch
+                        .iter()
+                        .filter_map(|op| match op {
+                            Op::RemoveWgPeer { key } => Some(*key),
+                            _ => None,
+                        })
+                        .collect();
+                    self.wg.remove_peers(&keys)?;
+                }
+                _ => {
+                    for op in batch {
+                        self.check_open()?;
+                        apply_map_op(self.dataplane.maps_mut(), op)?;
+                        self.actual.apply(op);
+                    }
+                    i += run;
+                    continue;
+                }
+            }
+            for op in batch {
+                self.actual.apply(op);
+            }
+            i += run;
+        }
+        Ok(())
+    }
+}
+
+fn same_kind(a: &Op, b: &Op) -> bool {
+    match (a, b) {
+        (Op::WgPeer(_), Op::WgPeer(_)) => true,
+        (Op::RemoveWgPeer { .. }, Op::RemoveWgPeer { .. }) => true,
+        (Op::WgPeer(_) | Op::RemoveWgPeer { .. }, _)
+        | (_, Op::WgPeer(_) | Op::RemoveWgPeer { .. }) => false,
+        _ => true,
+    }
+}
+
+fn apply_map_op(maps: &mut Maps, op: &Op) -> Result<(), DataplaneError> {
+    match op {
+        Op::PutPolicyEntry {
+            policy,
+            prefix,
+            allows,
+        } => maps.upsert_policy(*policy, *prefix, &CompiledPolicy::value(allows)),
+        Op::ResetPeerCounters { slot } => maps.reset_peer_counters(*slot),
+        Op::PutPeerEntry { addr, entry, .. } => maps.upsert_peer(*addr, *entry),
+        // Deleting what is already gone is not an error.
+        Op::DeletePeerEntry { addr } => maps.remove_peer(*addr).map(drop),
+        Op::DeletePolicyEntry { policy, prefix } => maps.remove_policy(*policy, *prefix).map(drop),
+        Op::WgPeer(_) | Op::RemoveWgPeer { .. } => Ok(()),
+    }
+}

@@ -1,0 +1,314 @@
+//! The agent's status snapshot: a small JSON file under `/run/wgfence/` that `wgfence status`
+//! reads to say whether the agent is ready and how its last reconcile went. Peer names are not
+//! in it (it is rewritten on every reconcile and must stay O(1)); `status` maps counter slots
+//! to names from the state file itself.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    io,
+    net::IpAddr,
+    path::{Path, PathBuf},
+    time::{SystemTime, UNIX_EPOCH},
+};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{reconcile::Outcome, state::DesiredState};
+
+/// Directory of the status snapshots.
+pub const STATUS_DIR: &str = "/run/wgfence";
+
+pub fn status_path(interface: &str) -> PathBuf {
+    Path::new(STATUS_DIR).join(format!("{interface}.status.json"))
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default()
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LastReconcile {
+    /// Unix seconds.
+    pub at: u64,
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    pub ops: usize,
+    pub map_writes: u64,
+    pub wireguard_peer_updates: u64,
+    pub duration_ms: f64,
+}
+
+impl LastReconcile {
+    pub fn ok(outcome: &Outcome) -> Self {
+        Self {
+            at: now(),
+            ok: true,
+            error: None,
+            ops: outcome.ops,
+            map_writes: outcome.map_writes,
+            wireguard_peer_updates: outcome.wg_peer_updates,
+            duration_ms: outcome.duration.as_secs_f64() * 1e3,
+        }
+    }
+
+    pub fn failed(error: &str) -> Self {
+        Self {
+            at: now(),
+            ok: false,
+            error: Some(error.to_owned()),
+            ..Self::default()
+        }
+    }
+}
+
+/// What the running agent says about itself.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentStatus {
+    pub pid: u32,
+    pub interface: String,
+    pub state_file: PathBuf,
+    pub ready: bool,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+    pub peers: usize,
+    pub restricted_peers: usize,
+    pub last_reconcile: LastReconcile,
+}
+
+impl AgentStatus {
+    pub fn read(interface: &str) -> io::Result<Self> {
+        let text = std::fs::read_to_string(status_path(interface))?;
+        serde_json::from_str(&text).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+    }
+}
+
+/// Writes the snapshot atomically (temporary file, then rename).
+pub struct StatusFile {
+    path: PathBuf,
+    interface: String,
+    state_file: PathBuf,
+    warned: bool,
+}
+
+impl StatusFile {
+    pub fn new(interface: &str, state_file: &Path) -> Self {
+        Self {
+            path: status_path(interface),
+            interface: interface.to_owned(),
+            state_file: state_file.to_owned(),
+            warned: false,
+        }
+    }
+
+    pub fn write(
+        &mut self,
+        last: &LastReconcile,
+        desired: &DesiredState,
+        ready: bool,
+        reason: &str,
+    ) {
+        let status = AgentStatus {
+            pid: std::process::id(),
+            interface: self.interface.clone(),
+            state_file: self.state_file.clone(),
+            ready,
+            reason: reason.to_owned(),
+            peers: desired.peers.len(),
+            restricted_peers: desired.restricted_peers(),
+            last_reconcile: last.clone(),
+        };
+        if let Err(e) = self.try_write(&status) {
+            if !self.warned {
+                tracing::warn!(path = %self.path.display(), error = %e, "cannot write the status snapshot");
+                self.warned = true;
+            }
+        }
+    }
+
+    fn try_write(&self, status: &AgentStatus) -> io::Result<()> {
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let json = serde_json::to_vec_pretty(status).map_err(io::Error::other)?;
+        let tmp = self.path.with_extension("json.tmp");
+        std::fs::write(&tmp, json)?;
+        std::fs::rename(&tmp, &self.path)
+    }
+}
+
+/// Schema version of `wgfence status --json`.
+pub const REPORT_SCHEMA_VERSION: u32 = 1;
+
+/// `wgfence status --json`: what is attached and pinned for an interface, what the datapath
+/// counted, and what the agent last said. Field names are stable within a schema version.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Report {
+    pub schema_version: u32,
+    pub interface: String,
+    pub layout_version: u32,
+    pub pin_dir: PathBuf,
+    /// The tcx link is pinned (the program is attached while it is).
+    pub attached: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub link_id: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub program_id: Option<u32>,
+    pub peers: PeerCounts,
+    /// Distinct policies referenced by peer entries.
+    pub policies: usize,
+    pub policy_entries: usize,
+    /// Packets by verdict.
+    pub packets: BTreeMap<String, u64>,
+    /// Passed packets by reason.
+    pub passed: BTreeMap<String, u64>,
+    /// Dropped packets by reason.
+    pub dropped: BTreeMap<String, u64>,
+    /// What the running agent last wrote, if it runs (or ran) on this machine.
+    pub agent: Option<AgentStatus>,
+    pub peer_counters: Vec<PeerReport>,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PeerCounts {
+    pub ipv4_entries: usize,
+    pub ipv6_entries: usize,
+    pub restricted: usize,
+    pub unrestricted: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PeerReport {
+    /// From the state file; `None` if the address is in no peer of it.
+    pub peer: Option<String>,
+    pub addresses: Vec<IpAddr>,
+    pub slot: u32,
+    /// 0: unrestricted.
+    pub policy: u32,
+    pub pass_packets: u64,
+    pub pass_bytes: u64,
+    pub drop_packets: u64,
+    pub drop_bytes: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("nothing is pinned for {interface} under {dir}: the datapath is not attached (is the agent running? is --bpffs right?)")]
+    NotAttached { interface: String, dir: PathBuf },
+    #[error(transparent)]
+    Dataplane(#[from] crate::dataplane::DataplaneError),
+}
+
+/// Collects the report. `state` (else the agent's state file) names the peers.
+pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Report, ReportError> {
+    use crate::dataplane::{pin_dir, Dataplane};
+    use wgfence_common::{Counter, LAYOUT_VERSION, UNRESTRICTED};
+
+    let dir = pin_dir(bpffs, interface);
+    if !dir.exists() {
+        return Err(ReportError::NotAttached {
+            interface: interface.to_owned(),
+            dir,
+        });
+    }
+    let maps = Dataplane::open_maps(bpffs, interface)?;
+    let link = Dataplane::link_info(bpffs, interface)?;
+    let agent = AgentStatus::read(interface).ok();
+
+    let entries = maps.peers()?;
+    let mut peers = PeerCounts::default();
+    let mut by_slot: BTreeMap<u32, (Vec<IpAddr>, u32)> = BTreeMap::new();
+    for (addr, entry) in &entries {
+        match addr {
+            IpAddr::V4(_) => peers.ipv4_entries += 1,
+            IpAddr::V6(_) => peers.ipv6_entries += 1,
+        }
+        let slot = by_slot
+            .entry(entry.slot)
+            .or_insert((Vec::new(), entry.policy));
+        slot.0.push(*addr);
+    }
+    for (_, policy) in by_slot.values() {
+        if *policy == UNRESTRICTED {
+            peers.unrestricted += 1;
+        } else {
+            peers.restricted += 1;
+        }
+    }
+    let policy_entries = maps.policies()?;
+    let policies: BTreeSet<u32> = by_slot
+        .values()
+        .map(|(_, p)| *p)
+        .filter(|p| *p != UNRESTRICTED)
+        .collect();
+
+    // Names from the state file, by address.
+    let state_path = state
+        .map(Path::to_path_buf)
+        .or_else(|| agent.as_ref().map(|a| a.state_file.clone()));
+    let names: BTreeMap<IpAddr, String> = state_path
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|text| crate::state::parse(&text).ok())
+        .map(|desired| {
+            desired
+                .peers
+                .iter()
+                .flat_map(|p| p.addrs().map(move |a| (a, p.name.clone())))
+                .collect()
+        })
+        .unwrap_or_default();
+
+    let mut peer_counters = Vec::with_capacity(by_slot.len());
+    for (slot, (addresses, policy)) in by_slot {
+        let c = maps.peer_counters(slot)?;
+        peer_counters.push(PeerReport {
+            peer: addresses.iter().find_map(|a| names.get(a).cloned()),
+            addresses,
+            slot,
+            policy,
+            pass_packets: c.pass_packets,
+            pass_bytes: c.pass_bytes,
+            drop_packets: c.drop_packets,
+            drop_bytes: c.drop_bytes,
+        });
+    }
+    peer_counters.sort_by(|a, b| a.peer.cmp(&b.peer).then(a.addresses.cmp(&b.addresses)));
+
+    let counters = maps.counters()?;
+    let by_reason = |pass: bool| -> BTreeMap<String, u64> {
+        Counter::ALL
+            .iter()
+            .filter(|c| c.is_pass() == pass)
+            .map(|c| (c.name().to_owned(), counters.get(*c)))
+            .collect()
+    };
+    Ok(Report {
+        schema_version: REPORT_SCHEMA_VERSION,
+        interface: interface.to_owned(),
+        layout_version: LAYOUT_VERSION,
+        pin_dir: dir,
+        attached: link.is_some(),
+        link_id: link.map(|l| l.0),
+        program_id: link.map(|l| l.1),
+        peers,
+        policies: policies.len(),
+        policy_entries: policy_entries.len(),
+        packets: [
+            ("pass".to_owned(), counters.passed()),
+            ("drop".to_owned(), counters.dropped()),
+        ]
+        .into(),
+        passed: by_reason(true),
+        dropped: by_reason(false),
+        agent,
+        peer_counters,
+    })
+}

@@ -1,0 +1,191 @@
+//! The WireGuard side: read a device's peers and apply per-peer changes, through the kernel's
+//! netlink interface or a userspace implementation's UAPI socket (wireguard-go), whichever
+//! runs the interface.
+//!
+//! wgfence manages the peers of an interface that already exists: its private key and listen
+//! port are the operator's. It never sends `replace_peers`, never replaces a live peer's allowed
+//! IPs, and never creates an interface (wireguard-control's userspace backend would start
+//! wireguard-go for a missing socket; that is refused here).
+
+use std::{collections::BTreeSet, io, path::Path};
+
+use ipnet::IpNet;
+use wireguard_control::{Backend, Device, DeviceUpdate, InterfaceName, Key, PeerConfigBuilder};
+
+use crate::{
+    plan::{ActualWg, WgPeer, WgPeerChange},
+    state::WgKey,
+};
+
+/// Where userspace implementations put their UAPI sockets.
+const UAPI_DIRS: [&str; 2] = ["/var/run/wireguard", "/run/wireguard"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum WgError {
+    #[error("{interface:?} is not a valid interface name")]
+    InvalidName { interface: String },
+    #[error("WireGuard interface {interface} ({backend}): {source}")]
+    Io {
+        interface: String,
+        backend: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "WireGuard interface {interface} has no UAPI socket any more; wgfence does not create interfaces"
+    )]
+    Gone { interface: String },
+    #[error("WireGuard interface {interface} reports an allowed IP with an invalid prefix length")]
+    InvalidAllowedIp { interface: String },
+}
+
+/// A WireGuard interface and the backend that drives it.
+#[derive(Debug)]
+pub struct WireGuard {
+    interface: String,
+    name: InterfaceName,
+    backend: Backend,
+    /// Per-peer changes applied (creates, updates, removals).
+    peer_updates: u64,
+}
+
+impl WireGuard {
+    /// Opens an interface: userspace if a UAPI socket exists for it, else the kernel.
+    pub fn open(interface: &str) -> Result<Self, WgError> {
+        let name: InterfaceName = interface.parse().map_err(|_| WgError::InvalidName {
+            interface: interface.to_owned(),
+        })?;
+        let backend = if uapi_socket(interface).is_some() {
+            Backend::Userspace
+        } else {
+            Backend::Kernel
+        };
+        Ok(Self {
+            interface: interface.to_owned(),
+            name,
+            backend,
+            peer_updates: 0,
+        })
+    }
+
+    pub fn backend_name(&self) -> &'static str {
+        match self.backend {
+            Backend::Userspace => "userspace",
+            _ => "kernel",
+        }
+    }
+
+    pub fn peer_updates(&self) -> u64 {
+        self.peer_updates
+    }
+
+    fn io_err(&self, source: io::Error) -> WgError {
+        WgError::Io {
+            interface: self.interface.clone(),
+            backend: self.backend_name(),
+            source,
+        }
+    }
+
+    fn ensure_present(&self) -> Result<(), WgError> {
+        if self.backend == Backend::Userspace && uapi_socket(&self.interface).is_none() {
+            return Err(WgError::Gone {
+                interface: self.interface.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Reads every peer of the device (O(peers): at start-up and on resync, not per change).
+    pub fn read(&self) -> Result<ActualWg, WgError> {
+        self.ensure_present()?;
+        let device = Device::get(&self.name, self.backend).map_err(|e| self.io_err(e))?;
+        let mut actual = ActualWg::default();
+        for info in device.peers {
+            let config = info.config;
+            let mut allowed_ips = BTreeSet::new();
+            for ip in &config.allowed_ips {
+                let net =
+                    IpNet::new(ip.address, ip.cidr).map_err(|_| WgError::InvalidAllowedIp {
+                        interface: self.interface.clone(),
+                    })?;
+                allowed_ips.insert(net);
+            }
+            let zero = Key::zero();
+            actual.peers.insert(
+                WgKey(config.public_key.0),
+                WgPeer {
+                    allowed_ips,
+                    endpoint: config.endpoint,
+                    preshared_key: config
+                        .preshared_key
+                        .filter(|k| *k != zero)
+                        .map(|k| WgKey(k.0)),
+                    persistent_keepalive: config.persistent_keepalive_interval.filter(|s| *s != 0),
+                },
+            );
+        }
+        Ok(actual)
+    }
+
+    /// Applies per-peer creates and updates in one device update (never `replace_peers`).
+    pub fn apply_changes(&mut self, changes: &[&WgPeerChange]) -> Result<(), WgError> {
+        if changes.is_empty() {
+            return Ok(());
+        }
+        self.ensure_present()?;
+        let peers: Vec<PeerConfigBuilder> = changes.iter().map(|c| builder(c)).collect();
+        DeviceUpdate::new()
+            .add_peers(&peers)
+            .apply(&self.name, self.backend)
+            .map_err(|e| self.io_err(e))?;
+        self.peer_updates += changes.len() as u64;
+        Ok(())
+    }
+
+    /// Removes peers by key in one device update. Removing a peer that is not there is not an
+    /// error (WireGuard ignores it).
+    pub fn remove_peers(&mut self, keys: &[WgKey]) -> Result<(), WgError> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        self.ensure_present()?;
+        let mut update = DeviceUpdate::new();
+        for key in keys {
+            update = update.remove_peer_by_key(&Key(key.0));
+        }
+        update
+            .apply(&self.name, self.backend)
+            .map_err(|e| self.io_err(e))?;
+        self.peer_updates += keys.len() as u64;
+        Ok(())
+    }
+}
+
+fn builder(change: &WgPeerChange) -> PeerConfigBuilder {
+    let mut b = PeerConfigBuilder::new(&Key(change.key.0));
+    if let Some(endpoint) = change.endpoint {
+        b = b.set_endpoint(endpoint);
+    }
+    match change.preshared_key {
+        Some(Some(psk)) => b = b.set_preshared_key(Key(psk.0)),
+        Some(None) => b = b.unset_preshared_key(),
+        None => {}
+    }
+    match change.persistent_keepalive {
+        Some(Some(secs)) => b = b.set_persistent_keepalive_interval(secs),
+        Some(None) => b = b.unset_persistent_keepalive(),
+        None => {}
+    }
+    for ip in &change.add_allowed_ips {
+        b = b.add_allowed_ip(ip.addr(), ip.prefix_len());
+    }
+    b
+}
+
+fn uapi_socket(interface: &str) -> Option<std::path::PathBuf> {
+    UAPI_DIRS
+        .iter()
+        .map(|dir| Path::new(dir).join(format!("{interface}.sock")))
+        .find(|p| p.exists())
+}
