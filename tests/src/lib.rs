@@ -2,6 +2,7 @@
 //! namespaces, wireguard-go interfaces and bpffs pins with unique names, and removes them in
 //! `Drop`, so they are removed when a test fails too.
 
+pub mod agent;
 pub mod net;
 pub mod packet;
 pub mod probe;

@@ -115,6 +115,26 @@ impl Netns {
         run(&full)
     }
 
+    /// A command that runs in this namespace (network only: it sees the host's mounts, bpffs
+    /// included, like a DaemonSet pod with hostNetwork sees its node's).
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        use std::os::unix::process::CommandExt as _;
+        let path = format!("/var/run/netns/{}", self.name);
+        let file = fs::File::open(&path).unwrap_or_else(|e| panic!("opening {path}: {e}"));
+        let mut cmd = Command::new(program);
+        // SAFETY: setns is async-signal-safe; `file` is moved into the closure and stays open.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
+        cmd
+    }
+
     /// Runs `f` on a thread that has entered this namespace: sockets it opens and interfaces it
     /// looks up are this namespace's.
     pub fn enter<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {

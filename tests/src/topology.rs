@@ -190,6 +190,33 @@ impl Gateway {
         assert!(done(), "peer {i} never completed a WireGuard handshake");
     }
 
+    /// Peer `i` as a state file entry (name `peer<i>`), with `egress` rules if given.
+    pub fn peer_json(&self, i: usize, egress: Option<serde_json::Value>) -> serde_json::Value {
+        let peer = &self.peers[i];
+        let mut p = serde_json::json!({
+            "name": format!("peer{i}"),
+            "publicKey": peer.wg.keys.public,
+            "address": peer.v4.to_string(),
+            "addressV6": peer.v6.to_string(),
+            "endpoint": format!("198.18.{i}.2:{WG_PORT}"),
+        });
+        if let Some(egress) = egress {
+            p["egress"] = egress;
+        }
+        p
+    }
+
+    /// The public keys of the node's WireGuard peers, from `wg show`.
+    pub fn wg_peers(&self) -> Vec<String> {
+        let out = crate::net::run(&["wg", "show", self.interface(), "peers"]);
+        let mut keys: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        keys.sort();
+        keys
+    }
+
     pub fn interface(&self) -> &str {
         &self.wg.name
     }

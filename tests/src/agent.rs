@@ -1,0 +1,250 @@
+//! The `wgfence run` binary as a test drives it: started in the gateway's node namespace
+//! (network namespace only, as a hostNetwork pod), fed through its state file, observed through
+//! its metrics endpoint.
+
+use std::{
+    fs,
+    io::{Read as _, Write as _},
+    net::TcpStream,
+    os::unix::fs::symlink,
+    path::{Path, PathBuf},
+    process::{Child, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
+    time::{Duration, Instant},
+};
+
+use crate::{net::unique, topology::Gateway};
+
+const METRICS: &str = "127.0.0.1:9586";
+
+/// The agent binary: `WGFENCE_BIN`, else `wgfence` next to the test binary's target directory
+/// (`cargo xtask test` builds it first).
+pub fn binary() -> PathBuf {
+    if let Some(bin) = std::env::var_os("WGFENCE_BIN") {
+        return bin.into();
+    }
+    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("current_exe: {e}"));
+    // target/<profile>/deps/<test>-<hash>
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap_or_else(|| panic!("unexpected test binary path {}", exe.display()));
+    let bin = profile_dir.join("wgfence");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it with `cargo build -p wgfence` (cargo xtask test does)",
+        bin.display()
+    );
+    bin
+}
+
+/// How the state file is laid out and updated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// A plain file, replaced by writing a temporary file and renaming it.
+    Plain,
+    /// A Kubernetes Secret/ConfigMap volume: `state.json -> ..data/state.json`, `..data` a
+    /// symlink to a timestamped directory that is swapped atomically on update.
+    Kubernetes,
+}
+
+pub struct Agent {
+    child: Option<Child>,
+    pub dir: PathBuf,
+    pub state: PathBuf,
+    pub log: PathBuf,
+    pub interface: String,
+    node: String,
+    layout: Layout,
+    generation: AtomicU32,
+}
+
+impl Agent {
+    /// Writes the state and starts `wgfence run` on the gateway's interface.
+    pub fn start(gw: &Gateway, layout: Layout, state: &str, extra: &[&str]) -> Self {
+        let dir = std::env::temp_dir().join(unique("wgfence-agent-"));
+        fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let agent = Self {
+            child: None,
+            state: dir.join("state.json"),
+            log: dir.join("agent.log"),
+            dir,
+            interface: gw.interface().to_owned(),
+            node: gw.node.name().to_owned(),
+            layout,
+            generation: AtomicU32::new(0),
+        };
+        if layout == Layout::Kubernetes {
+            symlink("..data/state.json", &agent.state).unwrap_or_else(|e| panic!("symlink: {e}"));
+        }
+        agent.write_state(state);
+        let mut agent = agent;
+        agent.spawn(gw, extra);
+        agent
+    }
+
+    fn spawn(&mut self, gw: &Gateway, extra: &[&str]) {
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap_or_else(|e| panic!("{}: {e}", self.log.display()));
+        let log2 = log.try_clone().unwrap_or_else(|e| panic!("{e}"));
+        let state = self.state.to_string_lossy().into_owned();
+        let child = gw
+            .node
+            .command(binary())
+            .args([
+                "--log",
+                "wgfence=debug",
+                "run",
+                "--interface",
+                &self.interface,
+            ])
+            .args(["--state", &state, "--metrics-addr", METRICS])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting wgfence: {e}"));
+        self.child = Some(child);
+    }
+
+    /// Starts the agent again (after `kill` or `stop`) with the same state file.
+    pub fn restart(&mut self, gw: &Gateway, extra: &[&str]) {
+        assert!(self.child.is_none(), "the agent still runs");
+        self.spawn(gw, extra);
+    }
+
+    /// Replaces the state file the way its layout is updated in production.
+    pub fn write_state(&self, state: &str) {
+        let n = self.generation.fetch_add(1, Ordering::Relaxed);
+        match self.layout {
+            Layout::Plain => {
+                let tmp = self.dir.join(format!(".state.json.{n}"));
+                fs::write(&tmp, state).unwrap_or_else(|e| panic!("{e}"));
+                fs::rename(&tmp, &self.state).unwrap_or_else(|e| panic!("{e}"));
+            }
+            Layout::Kubernetes => {
+                // What kubelet's AtomicWriter does.
+                let data = format!("..2026_11_30_00_00_00.{n}");
+                let data_dir = self.dir.join(&data);
+                fs::create_dir(&data_dir).unwrap_or_else(|e| panic!("{e}"));
+                fs::write(data_dir.join("state.json"), state).unwrap_or_else(|e| panic!("{e}"));
+                let tmp = self.dir.join("..data_tmp");
+                let _ = fs::remove_file(&tmp);
+                symlink(&data, &tmp).unwrap_or_else(|e| panic!("{e}"));
+                let old = fs::read_link(self.dir.join("..data")).ok();
+                fs::rename(&tmp, self.dir.join("..data")).unwrap_or_else(|e| panic!("{e}"));
+                if let Some(old) = old {
+                    let _ = fs::remove_dir_all(self.dir.join(old));
+                }
+            }
+        }
+    }
+
+    /// Overwrites the state file in place (as `echo > file` or an editor without rename does).
+    pub fn write_state_in_place(&self, state: &str) {
+        assert_eq!(self.layout, Layout::Plain);
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(&self.state)
+            .unwrap_or_else(|e| panic!("{e}"));
+        f.write_all(state.as_bytes())
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// `GET path` on the agent's HTTP endpoint: (status, body).
+    pub fn get(&self, gw: &Gateway, path: &str) -> Option<(u16, String)> {
+        gw.node.enter(|| {
+            let mut stream = TcpStream::connect(METRICS).ok()?;
+            stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+            write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
+            let mut response = String::new();
+            stream.read_to_string(&mut response).ok()?;
+            let status = response.split_whitespace().nth(1)?.parse().ok()?;
+            let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
+            Some((status, body))
+        })
+    }
+
+    /// The value of one series, e.g. `wgfence_bpf_map_writes_total` or
+    /// `wgfence_dropped_packets_total{reason="policy_denied"}`.
+    pub fn metric(&self, gw: &Gateway, series: &str) -> f64 {
+        let (_, body) = self
+            .get(gw, "/metrics")
+            .unwrap_or_else(|| panic!("no metrics from the agent; log:\n{}", self.log_text()));
+        body.lines()
+            .find_map(|line| {
+                let (name, value) = line.rsplit_once(' ')?;
+                (name == series).then(|| value.parse().ok())?
+            })
+            .unwrap_or_else(|| panic!("no series {series} in:\n{body}"))
+    }
+
+    /// Waits until `/readyz` answers 200.
+    pub fn wait_ready(&self, gw: &Gateway) {
+        self.wait_readyz(gw, 200);
+    }
+
+    pub fn wait_readyz(&self, gw: &Gateway, status: u16) {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(15) {
+            if self.get(gw, "/readyz").map(|(s, _)| s) == Some(status) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("/readyz never answered {status}; log:\n{}", self.log_text());
+    }
+
+    /// Waits until the agent has finished `n` more reconciles than `before` (from
+    /// `reconciles()`).
+    pub fn wait_reconciles(&self, gw: &Gateway, before: f64, n: f64) {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(15) {
+            if self.reconciles(gw) >= before + n {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("no reconcile happened; log:\n{}", self.log_text());
+    }
+
+    pub fn reconciles(&self, gw: &Gateway) -> f64 {
+        self.metric(gw, "wgfence_reconcile_duration_seconds_count")
+    }
+
+    pub fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGKILL: the agent gets no chance to clean up (nor should it need one).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM and wait.
+    pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        child.wait().ok()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            eprintln!("--- wgfence log ({}) ---\n{}", self.node, self.log_text());
+        }
+        let _ = fs::remove_file(wgfence::status::status_path(&self.interface));
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}

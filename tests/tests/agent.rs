@@ -1,0 +1,343 @@
+//! End to end: the `wgfence run` binary, driven through its state file, enforcing on a
+//! wireguard-go interface with real traffic; observed through packets, `wg show`, bpftool and
+//! its metrics.
+
+use std::{
+    net::IpAddr,
+    process::{Child, Stdio},
+    thread,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use serde_json::{json, Value};
+use wgfence_tests::{
+    agent::{Agent, Layout},
+    net::{run, wait_for},
+    probe::{check_all, probe, Expect, Kind, Reach},
+    topology::Gateway,
+};
+
+fn state(peers: Vec<Value>) -> String {
+    json!({ "version": 1, "peers": peers }).to_string()
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+fn web_and_ping() -> Value {
+    json!([
+        { "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443, "8000-8100"] },
+        { "cidr": "192.0.2.0/24", "protocol": "icmp" },
+    ])
+}
+
+/// `ping -D` from a peer's namespace, in the background.
+fn ping_stream(gw: &Gateway, peer: usize, count: u32) -> Child {
+    gw.peers[peer]
+        .ns
+        .command("ping")
+        .args([
+            "-D",
+            "-i",
+            "0.01",
+            "-W",
+            "1",
+            "-c",
+            &count.to_string(),
+            "10.8.0.1",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("ping: {e}"))
+}
+
+struct PingResult {
+    transmitted: u32,
+    received: u32,
+    /// Unix time of the last reply.
+    last_reply: Option<f64>,
+}
+
+fn finish(ping: Child) -> PingResult {
+    let out = ping
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("ping: {e}"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let last_reply = text
+        .lines()
+        .rev()
+        .filter(|l| l.contains("bytes from"))
+        .find_map(|l| l.strip_prefix('[')?.split(']').next()?.parse().ok());
+    let summary = text
+        .lines()
+        .find(|l| l.contains("packets transmitted"))
+        .unwrap_or_else(|| panic!("no ping summary:\n{text}"));
+    let numbers: Vec<u32> = summary
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    PingResult {
+        transmitted: numbers.first().copied().unwrap_or(0),
+        received: numbers.get(1).copied().unwrap_or(0),
+        last_reply,
+    }
+}
+
+fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or_default()
+}
+
+#[test]
+fn enforces_the_state_file_and_follows_its_changes() {
+    let gw = Gateway::new(2);
+    let s1 = state(vec![
+        gw.peer_json(0, Some(web_and_ping())),
+        gw.peer_json(1, None),
+    ]);
+    let agent = Agent::start(&gw, Layout::Plain, &s1, &[]);
+    agent.wait_ready(&gw);
+
+    let (r, o) = (&gw.peers[0].ns, &gw.peers[1].ns);
+    let case = |from, ns, kind, dst: &str, expect| Expect {
+        from,
+        ns,
+        kind,
+        dst: ip(dst),
+        expect,
+    };
+    use Kind::{Ping, Tcp};
+    use Reach::{Blocked, Reached};
+    check_all(&[
+        case("restricted", r, Tcp(443), "10.2.3.4", Reached),
+        case("restricted", r, Tcp(8100), "10.1.2.3", Reached),
+        case("restricted", r, Tcp(8101), "10.1.2.3", Blocked),
+        case("restricted", r, Tcp(80), "10.2.3.4", Blocked),
+        case("restricted", r, Ping, "192.0.2.1", Reached),
+        case("restricted", r, Ping, "10.2.3.4", Blocked),
+        case("restricted", r, Tcp(443), "fd00:1::1", Blocked),
+        case("open", o, Tcp(80), "10.2.3.4", Reached),
+        case("open", o, Ping, "fd00:1::1", Reached),
+    ]);
+    let mut keys: Vec<String> = gw.peers.iter().map(|p| p.wg.keys.public.clone()).collect();
+    keys.sort();
+    assert_eq!(gw.wg_peers(), keys);
+
+    // The same state with peers and rules in another order: no kernel write at all.
+    let mut reversed = web_and_ping();
+    if let Some(rules) = reversed.as_array_mut() {
+        rules.reverse();
+    }
+    let s1_reordered = state(vec![gw.peer_json(1, None), gw.peer_json(0, Some(reversed))]);
+    assert_ne!(s1, s1_reordered);
+    let writes = agent.metric(&gw, "wgfence_bpf_map_writes_total");
+    let updates = agent.metric(&gw, "wgfence_wireguard_peer_updates_total");
+    let before = agent.reconciles(&gw);
+    agent.write_state(&s1_reordered);
+    agent.wait_reconciles(&gw, before, 1.0);
+    assert_eq!(agent.metric(&gw, "wgfence_bpf_map_writes_total"), writes);
+    assert_eq!(
+        agent.metric(&gw, "wgfence_wireguard_peer_updates_total"),
+        updates
+    );
+
+    // A policy change applies live.
+    let s2 = state(vec![
+        gw.peer_json(
+            0,
+            Some(json!([{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [80] }])),
+        ),
+        gw.peer_json(1, None),
+    ]);
+    let before = agent.reconciles(&gw);
+    agent.write_state(&s2);
+    agent.wait_reconciles(&gw, before, 1.0);
+    check_all(&[
+        case("restricted", r, Tcp(80), "10.2.3.4", Reached),
+        case("restricted", r, Tcp(443), "10.2.3.4", Blocked),
+        case("restricted", r, Ping, "192.0.2.1", Blocked),
+    ]);
+    // Four map writes: the new policy's entry, the switch of both addresses, the old entry's
+    // deletion... and nothing else.
+    let delta = agent.metric(&gw, "wgfence_bpf_map_writes_total") - writes;
+    assert!(
+        delta <= 6.0,
+        "a one-peer policy change cost {delta} map writes"
+    );
+
+    // An editor writing the file in place is followed too.
+    let before = agent.reconciles(&gw);
+    agent.write_state_in_place(&s1);
+    agent.wait_reconciles(&gw, before, 1.0);
+    assert_eq!(probe(r, Tcp(443), ip("10.2.3.4")), Reached);
+}
+
+fn revocation(layout: Layout) {
+    let gw = Gateway::new(2);
+    let both = state(vec![gw.peer_json(0, None), gw.peer_json(1, None)]);
+    let agent = Agent::start(&gw, layout, &both, &[]);
+    agent.wait_ready(&gw);
+
+    // Peer 1 will be revoked; peer 0 must not notice.
+    let revoked = ping_stream(&gw, 1, 300);
+    let bystander = ping_stream(&gw, 0, 300);
+    thread::sleep(Duration::from_millis(1000));
+    let t0 = now();
+    agent.write_state(&state(vec![gw.peer_json(0, None)]));
+    let revoked = finish(revoked);
+    let bystander = finish(bystander);
+
+    let last = revoked
+        .last_reply
+        .unwrap_or_else(|| panic!("no reply before the revocation"));
+    let latency = last - t0;
+    eprintln!(
+        "revocation ({layout:?}): last reply {:.0} ms after the state file changed",
+        latency * 1e3
+    );
+    assert!(
+        latency < 1.0,
+        "revoked peer still answered {latency:.3} s later"
+    );
+    assert!(revoked.received < revoked.transmitted);
+    assert_eq!(
+        bystander.received, bystander.transmitted,
+        "the revocation interrupted another peer"
+    );
+    assert_eq!(gw.wg_peers(), vec![gw.peers[0].wg.keys.public.clone()]);
+    drop(agent);
+}
+
+#[test]
+fn a_revocation_takes_effect_within_a_second() {
+    revocation(Layout::Plain);
+}
+
+#[test]
+fn a_revocation_through_a_kubernetes_volume_swap_takes_effect_within_a_second() {
+    revocation(Layout::Kubernetes);
+}
+
+#[test]
+fn invalid_states_are_rejected_and_the_last_good_one_stays() {
+    let gw = Gateway::new(2);
+    let good = state(vec![
+        gw.peer_json(0, Some(web_and_ping())),
+        gw.peer_json(1, None),
+    ]);
+    let agent = Agent::start(&gw, Layout::Plain, &good, &[]);
+    agent.wait_ready(&gw);
+    let r = &gw.peers[0].ns;
+
+    let mut duplicate = gw.peer_json(1, None);
+    duplicate["address"] = json!(gw.peers[0].v4.to_string());
+    let bad_states = [
+        "{\"version\": 1, \"peers\": [".to_owned(),
+        state(vec![gw.peer_json(0, Some(web_and_ping())), duplicate]),
+    ];
+    for (n, bad) in bad_states.iter().enumerate() {
+        agent.write_state(bad);
+        let rejected = || agent.metric(&gw, "wgfence_state_rejected_total") >= (n + 1) as f64;
+        assert!(
+            wait_for(Duration::from_secs(5), rejected).is_some(),
+            "state {n} was not rejected"
+        );
+        agent.wait_readyz(&gw, 503);
+        // Still enforcing the last good state, both ways.
+        assert_eq!(probe(r, Kind::Tcp(443), ip("10.2.3.4")), Reach::Reached);
+        assert_eq!(probe(r, Kind::Tcp(80), ip("10.2.3.4")), Reach::Blocked);
+        assert_eq!(gw.wg_peers().len(), 2);
+    }
+    let log = agent.log_text();
+    assert!(
+        log.contains("addressV6") || log.contains("address"),
+        "{log}"
+    );
+    assert!(
+        log.contains("duplicate: 10.8.0.2 is also peers[0]'s address"),
+        "{log}"
+    );
+
+    agent.write_state(&good);
+    agent.wait_ready(&gw);
+}
+
+#[test]
+fn a_killed_agent_restarts_without_losing_a_packet() {
+    let gw = Gateway::new(1);
+    let s = state(vec![gw.peer_json(
+        0,
+        Some(json!([{ "cidr": "10.8.0.1/32", "protocol": "icmp" }])),
+    )]);
+    let mut agent = Agent::start(&gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+
+    let ping = ping_stream(&gw, 0, 400);
+    thread::sleep(Duration::from_millis(1000));
+    agent.kill();
+    thread::sleep(Duration::from_millis(500));
+    agent.restart(&gw, &[]);
+    agent.wait_ready(&gw);
+    let result = finish(ping);
+    assert_eq!(
+        result.received, result.transmitted,
+        "packets were lost across SIGKILL and restart"
+    );
+    // The restarted agent adopted everything: the same state costs no write.
+    assert_eq!(agent.metric(&gw, "wgfence_bpf_map_writes_total"), 0.0);
+    assert_eq!(
+        agent.metric(&gw, "wgfence_wireguard_peer_updates_total"),
+        0.0
+    );
+
+    // SIGTERM leaves the datapath enforcing too.
+    assert!(agent.stop().is_some_and(|s| s.success()));
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Ping, ip("10.8.0.1")),
+        Reach::Reached
+    );
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Tcp(22), ip("10.8.0.1")),
+        Reach::Blocked
+    );
+}
+
+#[test]
+fn resync_repairs_drift() {
+    let gw = Gateway::new(2);
+    let s = state(vec![gw.peer_json(0, None), gw.peer_json(1, None)]);
+    let agent = Agent::start(&gw, Layout::Plain, &s, &["--resync", "1"]);
+    agent.wait_ready(&gw);
+    let dst = ip("10.2.3.4");
+    assert_eq!(probe(&gw.peers[1].ns, Kind::Tcp(80), dst), Reach::Reached);
+
+    // Someone deletes peer 1's map entry with bpftool ...
+    let map = gw
+        .bpffs
+        .join("wgfence")
+        .join(gw.interface())
+        .join("wgf1_peers_v4");
+    let map = map.to_string_lossy();
+    run(&[
+        "bpftool", "map", "delete", "pinned", &map, "key", "10", "8", "0", "3",
+    ]);
+    assert_eq!(probe(&gw.peers[1].ns, Kind::Tcp(80), dst), Reach::Blocked);
+    // ... and peer 0 from WireGuard.
+    let key0 = gw.peers[0].wg.keys.public.clone();
+    run(&["wg", "set", gw.interface(), "peer", &key0, "remove"]);
+    assert!(!gw.wg_peers().contains(&key0));
+
+    let repaired = || {
+        gw.wg_peers().contains(&key0)
+            && probe(&gw.peers[1].ns, Kind::Tcp(80), dst) == Reach::Reached
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), repaired).is_some(),
+        "the resync did not repair the drift; log:\n{}",
+        agent.log_text()
+    );
+}
