@@ -17,25 +17,27 @@ use crate::{net::unique, topology::Gateway};
 
 const METRICS: &str = "127.0.0.1:9586";
 
-/// The agent binary: `WGFENCE_BIN`, else `wgfence` next to the test binary's target directory
-/// (`cargo xtask test` builds it first).
+/// The agent binary: `WGFENCE_BIN`, else `wgfence` in the target directory of the running
+/// executable (`target/<profile>/` for a binary, `target/<profile>/deps/` for a test); `cargo
+/// xtask test` and `cargo xtask demo` build it first.
 pub fn binary() -> PathBuf {
     if let Some(bin) = std::env::var_os("WGFENCE_BIN") {
         return bin.into();
     }
     let exe = std::env::current_exe().unwrap_or_else(|e| panic!("current_exe: {e}"));
-    // target/<profile>/deps/<test>-<hash>
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap_or_else(|| panic!("unexpected test binary path {}", exe.display()));
-    let bin = profile_dir.join("wgfence");
-    assert!(
-        bin.exists(),
-        "{} is missing: build it with `cargo build -p wgfence` (cargo xtask test does)",
-        bin.display()
-    );
-    bin
+    let dir = exe.parent().unwrap_or_else(|| Path::new("."));
+    let candidates = [dir.join("wgfence"), dir.join("..").join("wgfence")];
+    candidates
+        .iter()
+        .find(|bin| bin.is_file())
+        .cloned()
+        .unwrap_or_else(|| {
+            panic!(
+                "no wgfence binary next to {}: build it with `cargo build -p wgfence` \
+                 (cargo xtask test does) or set WGFENCE_BIN",
+                exe.display()
+            )
+        })
 }
 
 /// How the state file is laid out and updated.

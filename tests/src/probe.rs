@@ -100,10 +100,9 @@ pub struct Expect<'a> {
     pub expect: Reach,
 }
 
-/// Runs every probe in parallel and fails with the whole table of mismatches.
-#[track_caller]
-pub fn check_all(cases: &[Expect<'_>]) {
-    let results: Vec<Reach> = thread::scope(|s| {
+/// Runs every probe in parallel; the results in the order of `cases`.
+pub fn run_all(cases: &[Expect<'_>]) -> Vec<Reach> {
+    thread::scope(|s| {
         let handles: Vec<_> = cases
             .iter()
             .map(|c| s.spawn(move || probe(c.ns, c.kind, c.dst)))
@@ -112,7 +111,13 @@ pub fn check_all(cases: &[Expect<'_>]) {
             .into_iter()
             .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
             .collect()
-    });
+    })
+}
+
+/// Runs every probe in parallel and fails with the whole table of mismatches.
+#[track_caller]
+pub fn check_all(cases: &[Expect<'_>]) {
+    let results = run_all(cases);
     let mismatches: Vec<String> = cases
         .iter()
         .zip(&results)
