@@ -1,1 +1,124 @@
-fn main() {}
+//! Developer entry points for wgfence, run as `cargo xtask <command>` (an alias in
+//! .cargo/config.toml). Every command prints the commands it runs.
+
+mod build;
+mod demo;
+mod dump;
+mod linker;
+mod setup;
+mod test;
+mod util;
+
+use std::{ffi::OsString, path::PathBuf, process::ExitCode};
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    about = "Developer entry points for wgfence"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install what is missing: Debian packages, bpf-linker, bpffs (idempotent).
+    Setup,
+    /// Set up, then build the agent with its embedded eBPF object.
+    Build {
+        /// Build the agent in the debug profile (the eBPF object is always optimised).
+        #[arg(long)]
+        debug: bool,
+    },
+    /// Build, then run the agent as root with the given arguments: `run -- run --interface wg0 ...`.
+    Run {
+        #[arg(
+            trailing_var_arg = true,
+            allow_hyphen_values = true,
+            value_name = "AGENT_ARGS"
+        )]
+        args: Vec<OsString>,
+    },
+    /// Set up, check formatting, lint, run the unit tests, then the privileged integration tests.
+    Test(test::Options),
+    /// Set up, build, and show wgfence at work on a sandboxed gateway with three peers: allowed
+    /// and denied traffic, a live policy change, a live revocation (root; removes what it made).
+    Demo,
+    /// Show what the agent pinned for an interface: its maps' contents and its tcx link.
+    Dump {
+        /// The WireGuard interface.
+        #[arg(long, short)]
+        interface: String,
+        /// Where the BPF filesystem is mounted.
+        #[arg(long, default_value = setup::BPFFS)]
+        bpffs: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    util::add_cargo_bin_to_path()?;
+    match cli.command {
+        Task::Setup => setup::run(setup::Bpffs::Require),
+        Task::Build { debug } => build::run_build(debug),
+        Task::Run { args } => build::run_agent(args),
+        Task::Test(options) => test::run(options),
+        Task::Demo => demo::run(),
+        Task::Dump { interface, bpffs } => dump::run(&interface, &bpffs),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<Task, clap::Error> {
+        Cli::try_parse_from(std::iter::once("cargo xtask").chain(args.iter().copied()))
+            .map(|cli| cli.command)
+    }
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn run_passes_everything_after_the_separator_to_the_agent() -> Result<(), clap::Error> {
+        for args in [
+            &["run", "--", "run", "--interface", "wg0"][..],
+            &["run", "run", "--interface", "wg0"][..],
+        ] {
+            let Task::Run { args } = parse(args)? else {
+                panic!("not parsed as `run`");
+            };
+            assert_eq!(args, ["run", "--interface", "wg0"]);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn test_passes_arguments_after_the_separator() -> Result<(), clap::Error> {
+        let Task::Test(options) = parse(&["test", "--no-lint", "--", "--exact", "revoke"])? else {
+            panic!("not parsed as `test`");
+        };
+        assert!(options.no_lint && !options.unit);
+        assert_eq!(options.test_args, ["--exact", "revoke"]);
+        assert!(parse(&["test", "revoke"]).is_err());
+        Ok(())
+    }
+}
