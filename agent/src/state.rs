@@ -235,24 +235,38 @@ pub fn parse(text: &str) -> Result<DesiredState, StateError> {
             all: &mut errors,
             location,
         };
-        let Some(peer) = parse_peer(raw, &mut e, &mut compiled) else {
-            continue;
-        };
-        if let Some(first) = names.insert(peer.name.clone(), index) {
-            e.add(
-                "name",
-                format!("duplicate: peers[{first}] has the same name"),
-            );
+        // Uniqueness is checked on every field that parses, also in peers with other errors.
+        let key = raw
+            .get("publicKey")
+            .and_then(Value::as_str)
+            .and_then(WgKey::from_base64);
+        let v4 = raw
+            .get("address")
+            .and_then(Value::as_str)
+            .and_then(|s| s.parse::<Ipv4Addr>().ok());
+        let v6 = raw
+            .get("addressV6")
+            .and_then(Value::as_str)
+            .and_then(|s| s.parse::<Ipv6Addr>().ok());
+        if let Some(name) = name {
+            if let Some(first) = names.insert(name.to_owned(), index) {
+                e.add(
+                    "name",
+                    format!("duplicate: peers[{first}] has the same name"),
+                );
+            }
         }
-        if let Some(first) = keys.insert(peer.public_key, index) {
-            e.add(
-                "publicKey",
-                format!("duplicate: peers[{first}] has the same key"),
-            );
+        if let Some(key) = key {
+            if let Some(first) = keys.insert(key, index) {
+                e.add(
+                    "publicKey",
+                    format!("duplicate: peers[{first}] has the same key"),
+                );
+            }
         }
         for (field, addr) in [
-            ("address", peer.address.map(IpAddr::V4)),
-            ("addressV6", peer.address_v6.map(IpAddr::V6)),
+            ("address", v4.map(IpAddr::V4)),
+            ("addressV6", v6.map(IpAddr::V6)),
         ] {
             if let Some(addr) = addr {
                 if let Some(first) = addrs.insert(addr, index) {
@@ -263,7 +277,9 @@ pub fn parse(text: &str) -> Result<DesiredState, StateError> {
                 }
             }
         }
-        peers.push(peer);
+        if let Some(peer) = parse_peer(raw, &mut e, &mut compiled) {
+            peers.push(peer);
+        }
     }
 
     // Capacity of the policy tries: distinct policies' entries per family.
@@ -846,6 +862,17 @@ mod tests {
         b["endpoint"] = json!("vpn.example.com:51820");
         let errors = rejected(&state(vec![a, b]));
         assert_eq!(errors.len(), 4, "{errors:#?}");
+    }
+
+    #[test]
+    fn duplicates_are_found_in_peers_with_other_errors_too() {
+        let mut a = peer("a", 2);
+        a["egress"] = json!([{ "cidr": "10.1.2.3/8" }]);
+        let mut b = peer("b", 3);
+        b["address"] = json!("10.8.0.2");
+        let errors = rejected(&state(vec![a, b]));
+        assert_eq!(errors.len(), 2, "{errors:#?}");
+        assert!(errors[1].contains("duplicate: 10.8.0.2 is also peers[0]'s address"));
     }
 
     #[test]

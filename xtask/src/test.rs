@@ -1,7 +1,13 @@
 //! `cargo xtask test`: what CI runs. Set up, check formatting, lint, run the unit tests, then the
 //! privileged integration tests (root: network namespaces, BPF, wireguard-go).
 
-use std::{ffi::OsString, time::Instant};
+use std::{
+    cell::Cell,
+    ffi::OsString,
+    io::{BufRead as _, BufReader},
+    process::{Command, Stdio},
+    time::Instant,
+};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -33,6 +39,7 @@ pub fn run(options: Options) -> Result<()> {
     }
     let root = util::workspace_root()?;
     let start = Instant::now();
+    let totals = Totals::default();
 
     step("setup", || {
         setup::run(if options.unit {
@@ -59,7 +66,7 @@ pub fn run(options: Options) -> Result<()> {
         })?;
     }
     step("unit tests", || {
-        util::run(util::cargo_command(&root).args([
+        totals.run(util::cargo_command(&root).args([
             "test",
             "--workspace",
             "--exclude",
@@ -87,14 +94,73 @@ pub fn run(options: Options) -> Result<()> {
             if !options.test_args.is_empty() {
                 cmd.arg("--").args(&options.test_args);
             }
-            util::run(&mut cmd)
+            totals.run(&mut cmd)
         })?;
     }
     eprintln!(
         "test: all steps passed in {:.1}s",
         start.elapsed().as_secs_f64()
     );
+    // One closing line for every test binary together.
+    println!(
+        "tests: {} passed, {} failed, {} skipped",
+        totals.passed.get(),
+        totals.failed.get(),
+        totals.ignored.get()
+    );
     Ok(())
+}
+
+/// Test counts summed over the `test result:` lines of every test binary.
+#[derive(Default)]
+struct Totals {
+    passed: Cell<u64>,
+    failed: Cell<u64>,
+    ignored: Cell<u64>,
+}
+
+impl Totals {
+    /// Runs `cargo test ...`, passing its output through and counting its results.
+    fn run(&self, cmd: &mut Command) -> Result<()> {
+        let line = util::display(cmd);
+        eprintln!("+ {line}");
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot run `{line}`"))?;
+        if let Some(stdout) = child.stdout.take() {
+            for text in BufReader::new(stdout).lines() {
+                let text = text.context("reading test output")?;
+                println!("{text}");
+                self.add(&text);
+            }
+        }
+        let status = child
+            .wait()
+            .with_context(|| format!("waiting for `{line}`"))?;
+        util::check(status, &line)
+    }
+
+    /// Adds a line like `test result: ok. 34 passed; 0 failed; 2 ignored; ...`.
+    fn add(&self, line: &str) {
+        let Some(rest) = line.strip_prefix("test result: ") else {
+            return;
+        };
+        for part in rest.split(';') {
+            let mut words = part.split_whitespace().rev();
+            let (Some(what), Some(n)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let Ok(n) = n.parse::<u64>() else { continue };
+            let counter = match what {
+                "passed" => &self.passed,
+                "failed" => &self.failed,
+                "ignored" => &self.ignored,
+                _ => continue,
+            };
+            counter.set(counter.get() + n);
+        }
+    }
 }
 
 /// Runs one step, announcing it and naming it if it fails.
@@ -104,4 +170,21 @@ fn step(name: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {
     f().with_context(|| format!("step `{name}` failed"))?;
     eprintln!("==> {name}: ok ({:.1}s)", start.elapsed().as_secs_f64());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Totals;
+
+    #[test]
+    fn totals_sum_cargo_test_result_lines() {
+        let t = Totals::default();
+        t.add("test result: ok. 34 passed; 0 failed; 2 ignored; 0 measured; 0 filtered out; finished in 1.32s");
+        t.add("test result: FAILED. 3 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out");
+        t.add("running 3 tests");
+        assert_eq!(
+            (t.passed.get(), t.failed.get(), t.ignored.get()),
+            (37, 1, 2)
+        );
+    }
 }

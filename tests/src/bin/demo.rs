@@ -32,6 +32,50 @@ fn show(cmd: &[&str]) {
     }
 }
 
+/// `bpftool -j map dump` of a policy trie, one line per entry (each value holds 32 allow
+/// slots, mostly empty; the full dump is `cargo xtask dump`).
+fn policy_entries(path: &str) {
+    println!("$ bpftool -j map dump pinned {path}   (condensed: one line per entry)");
+    let out = Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned", path])
+        .output();
+    let entries: Vec<Value> = out
+        .ok()
+        .and_then(|o| serde_json::from_slice(&o.stdout).ok())
+        .unwrap_or_default();
+    for e in entries {
+        let key = &e["formatted"]["key"];
+        let value = &e["formatted"]["value"];
+        let addr: Vec<String> = key["data"]["addr"]
+            .as_array()
+            .map(|a| a.iter().map(|b| b.to_string()).collect())
+            .unwrap_or_default();
+        let count = value["count"].as_u64().unwrap_or(0) as usize;
+        let allows: Vec<String> = value["allows"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .take(count)
+                    .map(|x| {
+                        format!(
+                            "proto {} ports {}-{}",
+                            x["protocol"], x["port_lo"], x["port_hi"]
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        println!(
+            "  prefix_len {:>3}  policy {}  addr {:<12} count {}  [{}]",
+            key["prefix_len"],
+            key["data"]["policy"],
+            addr.join("."),
+            count,
+            allows.join(", ")
+        );
+    }
+}
+
 fn state(gw: &Gateway, alice: Value, with_carol: bool) -> String {
     let mut peers = vec![gw.peer_json(0, Some(alice)), gw.peer_json(1, None)];
     if with_carol {
@@ -163,6 +207,7 @@ fn main() {
         "pinned",
         &format!("{dir}/wgf1_peers_v4"),
     ]);
+    policy_entries(&format!("{dir}/wgf1_policy_v4"));
     show(&[
         "bpftool",
         "link",
