@@ -89,9 +89,33 @@ struct Core {
     rejected: Option<Vec<u8>>,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
+    peer_metrics: bool,
     status: StatusFile,
     map_writes_seen: u64,
     wg_updates_seen: u64,
+}
+
+/// Counts of a desired state, for logs, metrics and the status snapshot (O(peers), cheap).
+pub(crate) struct Summary {
+    pub peers: usize,
+    pub restricted: usize,
+    pub policies: usize,
+}
+
+impl Summary {
+    fn of(desired: &DesiredState) -> Self {
+        // Peers with equal rules share one compiled policy: count distinct allocations.
+        let policies: std::collections::HashSet<*const _> = desired
+            .peers
+            .iter()
+            .filter_map(|p| p.policy.as_ref().map(Arc::as_ptr))
+            .collect();
+        Self {
+            peers: desired.peers.len(),
+            restricted: desired.restricted_peers(),
+            policies: policies.len(),
+        }
+    }
 }
 
 /// What a load asks of the loop.
@@ -147,27 +171,27 @@ impl Core {
             }
         };
         self.rejected = None;
-        self.apply(&desired, bytes)
+        self.apply(desired, bytes)
     }
 
-    fn apply(&mut self, desired: &DesiredState, bytes: Vec<u8>) -> Next {
+    fn apply(&mut self, desired: DesiredState, bytes: Vec<u8>) -> Next {
+        let summary = Summary::of(&desired);
         match self.reconciler.reconcile(desired) {
             Ok(outcome) => {
                 self.account(Some(outcome.duration));
-                let restricted = desired.restricted_peers();
-                let policies = state::distinct_policies(desired).len();
-                self.metrics.peers.set(desired.peers.len() as i64);
-                self.metrics.policies.set(policies as i64);
+                self.metrics.peers.set(summary.peers as i64);
+                self.metrics.policies.set(summary.policies as i64);
                 self.metrics.ready.set(1);
                 self.health.set_ready();
                 self.applied = Some(bytes);
-                self.update_slot_names(desired);
-                let level_info = outcome.ops > 0;
-                if level_info {
+                if self.peer_metrics {
+                    self.update_slot_names();
+                }
+                if outcome.ops > 0 {
                     tracing::info!(
-                        peers = desired.peers.len(),
-                        restricted,
-                        policies,
+                        peers = summary.peers,
+                        restricted = summary.restricted,
+                        policies = summary.policies,
                         ops = outcome.ops,
                         map_writes = outcome.map_writes,
                         wireguard_peer_updates = outcome.wg_peer_updates,
@@ -175,10 +199,10 @@ impl Core {
                         "state applied"
                     );
                 } else {
-                    tracing::debug!(peers = desired.peers.len(), "state unchanged");
+                    tracing::debug!(peers = summary.peers, "state unchanged");
                 }
                 self.status
-                    .write(&LastReconcile::ok(&outcome), desired, true, "");
+                    .write(&LastReconcile::ok(&outcome), &summary, true, "");
                 Next::Idle
             }
             Err(ReconcileError::Closed) => Next::Idle,
@@ -191,7 +215,7 @@ impl Core {
                 self.health.set_not_ready(why.clone());
                 self.applied = None;
                 self.status
-                    .write(&LastReconcile::failed(&why), desired, false, &why);
+                    .write(&LastReconcile::failed(&why), &summary, false, &why);
                 Next::Retry
             }
         }
@@ -214,8 +238,12 @@ impl Core {
         }
     }
 
-    fn update_slot_names(&self, desired: &DesiredState) {
-        let peers = &self.reconciler.actual().maps.peers;
+    /// Peer names by counter slot, for per-peer series (O(peers): only with --peer-metrics).
+    fn update_slot_names(&self) {
+        let Some(desired) = self.reconciler.applied() else {
+            return;
+        };
+        let peers = &self.reconciler.actual().maps().peers;
         let names: Vec<(u32, String)> = desired
             .peers
             .iter()
@@ -259,9 +287,9 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     tracing::info!(
         interface = %options.interface,
         wireguard_backend = backend,
-        peer_entries = adopted.maps.peers.len(),
-        policies = adopted.maps.policies.len(),
-        wireguard_peers = adopted.wg.peers.len(),
+        peer_entries = adopted.maps().peers.len(),
+        policies = adopted.maps().policies.len(),
+        wireguard_peers = adopted.wg().peers.len(),
         "kernel state read; nothing is removed before a valid state is loaded"
     );
     let closed = reconciler.shutdown_handle();
@@ -293,6 +321,7 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         rejected: None,
         metrics,
         health,
+        peer_metrics: options.peer_metrics,
         status: StatusFile::new(&options.interface, &options.state),
         map_writes_seen: 0,
         wg_updates_seen: 0,

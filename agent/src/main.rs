@@ -237,7 +237,7 @@ fn plan_command(interface: &str, state_path: &Path, bpffs: &Path) -> Result<Exit
         ActualMaps::default()
     };
     let wg = WireGuard::open(interface)?.read()?;
-    let plan = plan(&desired, &Actual { maps, wg })?;
+    let plan = plan(&desired, &Actual::new(maps, wg))?;
     for op in &plan.ops {
         println!("{op}");
     }

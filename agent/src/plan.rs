@@ -33,7 +33,7 @@ use wgfence_common::{Allow, PeerEntry, MAX_PEERS, UNRESTRICTED};
 
 use crate::{
     policy::CompiledPolicy,
-    state::{DesiredState, WgKey},
+    state::{DesiredState, PeerSpec, WgKey},
 };
 
 /// The datapath maps as read back from the kernel.
@@ -79,14 +79,106 @@ pub struct ActualWg {
     pub peers: BTreeMap<WgKey, WgPeer>,
 }
 
-/// Everything the planner compares with the desired state.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// Everything the planner compares with the desired state, with the indexes that let it plan
+/// a change in time proportional to the change (not to the number of peers).
+#[derive(Debug, Clone, Default)]
 pub struct Actual {
-    pub maps: ActualMaps,
-    pub wg: ActualWg,
+    maps: ActualMaps,
+    wg: ActualWg,
+    index: Index,
 }
 
+/// Derived from `maps` and `wg`; kept current by [`Actual::apply`].
+#[derive(Debug, Clone, Default)]
+struct Index {
+    /// Peer entries per policy id.
+    policy_refs: BTreeMap<u32, usize>,
+    /// Peer entries per counter slot.
+    slot_refs: BTreeMap<u32, usize>,
+    /// Policy ids by their (complete or partial) content.
+    by_content: BTreeMap<CompiledPolicy, BTreeSet<u32>>,
+    /// The WireGuard peer each allowed IP is routed to.
+    holders: BTreeMap<IpNet, WgKey>,
+}
+
+fn count_up(map: &mut BTreeMap<u32, usize>, key: u32) {
+    *map.entry(key).or_insert(0) += 1;
+}
+
+fn count_down(map: &mut BTreeMap<u32, usize>, key: u32) {
+    if let Some(n) = map.get_mut(&key) {
+        *n -= 1;
+        if *n == 0 {
+            map.remove(&key);
+        }
+    }
+}
+
+impl PartialEq for Actual {
+    fn eq(&self, other: &Self) -> bool {
+        self.maps == other.maps && self.wg == other.wg
+    }
+}
+
+impl Eq for Actual {}
+
 impl Actual {
+    /// The kernel's state as read (O(entries) to index).
+    pub fn new(maps: ActualMaps, wg: ActualWg) -> Self {
+        let mut index = Index::default();
+        for entry in maps.peers.values() {
+            count_up(&mut index.policy_refs, entry.policy);
+            count_up(&mut index.slot_refs, entry.slot);
+        }
+        for (id, content) in &maps.policies {
+            index
+                .by_content
+                .entry(content.clone())
+                .or_default()
+                .insert(*id);
+        }
+        for (key, peer) in &wg.peers {
+            for ip in &peer.allowed_ips {
+                index.holders.insert(*ip, *key);
+            }
+        }
+        Self { maps, wg, index }
+    }
+
+    pub fn maps(&self) -> &ActualMaps {
+        &self.maps
+    }
+
+    pub fn wg(&self) -> &ActualWg {
+        &self.wg
+    }
+
+    fn unindex_content(&mut self, id: u32) {
+        if let Some(content) = self.maps.policies.get(&id) {
+            if let Some(ids) = self.index.by_content.get_mut(content) {
+                ids.remove(&id);
+                if ids.is_empty() {
+                    self.index.by_content.remove(content);
+                }
+            }
+        }
+    }
+
+    fn index_content(&mut self, id: u32) {
+        if let Some(content) = self.maps.policies.get(&id) {
+            self.index
+                .by_content
+                .entry(content.clone())
+                .or_default()
+                .insert(id);
+        }
+    }
+
+    fn unindex_entry(&mut self, entry: PeerEntry) {
+        count_down(&mut self.index.policy_refs, entry.policy);
+        count_down(&mut self.index.slot_refs, entry.slot);
+    }
+
     /// What `op` does to the kernel. The agent keeps its view of the kernel current with this
     /// between full reads (which are O(peers)); the tests use it as the model of the kernel.
     pub fn apply(&mut self, op: &Op) {
@@ -95,24 +187,37 @@ impl Actual {
                 policy,
                 prefix,
                 allows,
-            } => self
-                .maps
-                .policies
-                .entry(*policy)
-                .or_default()
-                .insert_entry(*prefix, allows.clone()),
+            } => {
+                self.unindex_content(*policy);
+                self.maps
+                    .policies
+                    .entry(*policy)
+                    .or_default()
+                    .insert_entry(*prefix, allows.clone());
+                self.index_content(*policy);
+            }
             Op::ResetPeerCounters { .. } => {}
             Op::PutPeerEntry { addr, entry, .. } => {
-                self.maps.peers.insert(*addr, *entry);
+                if let Some(old) = self.maps.peers.insert(*addr, *entry) {
+                    self.unindex_entry(old);
+                }
+                count_up(&mut self.index.policy_refs, entry.policy);
+                count_up(&mut self.index.slot_refs, entry.slot);
             }
             Op::DeletePeerEntry { addr } => {
-                self.maps.peers.remove(addr);
+                if let Some(old) = self.maps.peers.remove(addr) {
+                    self.unindex_entry(old);
+                }
             }
             Op::WgPeer(change) => {
-                // An allowed IP has one holder: adding it to one peer takes it from the others.
-                for other in self.wg.peers.values_mut() {
-                    for ip in &change.add_allowed_ips {
-                        other.allowed_ips.remove(ip);
+                // An allowed IP has one holder: adding it to one peer takes it from the other.
+                for ip in &change.add_allowed_ips {
+                    if let Some(previous) = self.index.holders.insert(*ip, change.key) {
+                        if previous != change.key {
+                            if let Some(other) = self.wg.peers.get_mut(&previous) {
+                                other.allowed_ips.remove(ip);
+                            }
+                        }
                     }
                 }
                 let peer = self.wg.peers.entry(change.key).or_default();
@@ -129,15 +234,23 @@ impl Actual {
                     .extend(change.add_allowed_ips.iter().copied());
             }
             Op::RemoveWgPeer { key } => {
-                self.wg.peers.remove(key);
+                if let Some(peer) = self.wg.peers.remove(key) {
+                    for ip in peer.allowed_ips {
+                        if self.index.holders.get(&ip) == Some(key) {
+                            self.index.holders.remove(&ip);
+                        }
+                    }
+                }
             }
             Op::DeletePolicyEntry { policy, prefix } => {
+                self.unindex_content(*policy);
                 if let Some(content) = self.maps.policies.get_mut(policy) {
                     content.remove_entry(prefix);
                     if content.is_empty() {
                         self.maps.policies.remove(policy);
                     }
                 }
+                self.index_content(*policy);
             }
         }
     }
@@ -307,25 +420,117 @@ impl Allocator {
     }
 }
 
-/// Plans the operations; pure.
+/// Which peers a plan looks at.
+enum Scope<'a> {
+    /// Every desired peer, and everything in the kernel: start-up, resync, after a failure.
+    Full,
+    /// The peers that differ from `previous`, a state the kernel is known to match.
+    Since(&'a DesiredState),
+}
+
+/// Plans the operations that make the kernel match `desired`, comparing everything; pure.
 pub fn plan(desired: &DesiredState, actual: &Actual) -> Result<Plan, PlanError> {
+    plan_scope(desired, Scope::Full, actual)
+}
+
+/// Plans the same operations as [`plan`], given that the kernel matches `previous`: only the
+/// peers that differ between the two states are looked at, so a one-peer change costs the same
+/// at 100 peers as at 100,000 (but for one comparison of the two states).
+pub fn plan_update(
+    previous: &DesiredState,
+    desired: &DesiredState,
+    actual: &Actual,
+) -> Result<Plan, PlanError> {
+    plan_scope(desired, Scope::Since(previous), actual)
+}
+
+/// Whether two versions of a peer ask the same of the kernel (the compiled policy follows from
+/// the rules, so it is not compared again).
+fn same_peer(a: &PeerSpec, b: &PeerSpec) -> bool {
+    a.name == b.name
+        && a.public_key == b.public_key
+        && a.address == b.address
+        && a.address_v6 == b.address_v6
+        && a.endpoint == b.endpoint
+        && a.preshared_key == b.preshared_key
+        && a.persistent_keepalive == b.persistent_keepalive
+        && a.rules == b.rules
+}
+
+/// Peers of `desired` that are new or changed since `previous`, and the versions of
+/// `previous` that are gone or replaced. Both states are sorted by name.
+fn diff<'a>(
+    previous: &'a DesiredState,
+    desired: &'a DesiredState,
+) -> (Vec<&'a PeerSpec>, Vec<&'a PeerSpec>) {
+    let (mut touched, mut gone) = (Vec::new(), Vec::new());
+    let (mut old, mut new) = (
+        previous.peers.iter().peekable(),
+        desired.peers.iter().peekable(),
+    );
+    loop {
+        match (old.peek(), new.peek()) {
+            (Some(o), Some(n)) => match o.name.cmp(&n.name) {
+                std::cmp::Ordering::Less => {
+                    gone.push(*o);
+                    old.next();
+                }
+                std::cmp::Ordering::Greater => {
+                    touched.push(*n);
+                    new.next();
+                }
+                std::cmp::Ordering::Equal => {
+                    if !same_peer(o, n) {
+                        gone.push(*o);
+                        touched.push(*n);
+                    }
+                    old.next();
+                    new.next();
+                }
+            },
+            (Some(o), None) => {
+                gone.push(*o);
+                old.next();
+            }
+            (None, Some(n)) => {
+                touched.push(*n);
+                new.next();
+            }
+            (None, None) => break,
+        }
+    }
+    (touched, gone)
+}
+
+fn plan_scope(
+    desired: &DesiredState,
+    scope: Scope<'_>,
+    actual: &Actual,
+) -> Result<Plan, PlanError> {
     let mut ops = Vec::new();
+    let full = matches!(scope, Scope::Full);
+    let (touched, gone): (Vec<&PeerSpec>, Vec<&PeerSpec>) = match scope {
+        Scope::Full => (desired.peers.iter().collect(), Vec::new()),
+        Scope::Since(previous) => diff(previous, desired),
+    };
+    let maps = &actual.maps;
+    let index = &actual.index;
 
     // Policy ids: keep the id of content the kernel already has; new content gets a new id.
-    let mut existing: BTreeMap<&CompiledPolicy, u32> = BTreeMap::new();
-    for (id, content) in &actual.maps.policies {
-        existing.entry(content).or_insert(*id);
-    }
-    let mut used_ids: BTreeSet<u32> = actual.maps.policies.keys().copied().collect();
-    used_ids.extend(actual.maps.peers.values().map(|e| e.policy));
+    let mut used_ids: BTreeSet<u32> = maps.policies.keys().copied().collect();
+    used_ids.extend(index.policy_refs.keys().copied());
     let mut new_ids = Allocator::new(1, u32::MAX, used_ids);
     let mut ids: BTreeMap<&CompiledPolicy, u32> = BTreeMap::new();
-    for policy in desired.peers.iter().filter_map(|p| p.policy.as_deref()) {
+    for policy in touched.iter().filter_map(|p| p.policy.as_deref()) {
         if ids.contains_key(policy) {
             continue;
         }
-        let id = match existing.get(policy) {
-            Some(id) => *id,
+        let existing = index
+            .by_content
+            .get(policy)
+            .and_then(|ids| ids.iter().next().copied());
+        let id = match existing {
+            Some(id) => id,
             None => {
                 let id = new_ids.allocate().ok_or(PlanError::PolicyIdsExhausted)?;
                 for (prefix, allows) in policy.entries() {
@@ -342,11 +547,11 @@ pub fn plan(desired: &DesiredState, actual: &Actual) -> Result<Plan, PlanError> 
     }
 
     // Address entries, with a counter slot per peer (kept across restarts via the entries).
-    let actual_slots: BTreeSet<u32> = actual.maps.peers.values().map(|e| e.slot).collect();
-    let mut free_slots = Allocator::new(0, MAX_PEERS - 1, actual_slots.clone());
+    let mut free_slots =
+        Allocator::new(0, MAX_PEERS - 1, index.slot_refs.keys().copied().collect());
     let mut taken = BTreeSet::new();
     let mut wanted: BTreeMap<IpAddr, (&str, WgKey, PeerEntry)> = BTreeMap::new();
-    for peer in &desired.peers {
+    for peer in &touched {
         // The slot of one of its addresses, or of an address WireGuard still has for its key
         // (an address change keeps the peer's counters).
         let previous = actual
@@ -358,7 +563,7 @@ pub fn plan(desired: &DesiredState, actual: &Actual) -> Result<Plan, PlanError> 
         let kept = peer
             .addrs()
             .chain(previous)
-            .filter_map(|a| actual.maps.peers.get(&a).map(|e| e.slot))
+            .filter_map(|a| maps.peers.get(&a).map(|e| e.slot))
             .find(|s| !taken.contains(s));
         let slot = match kept {
             Some(slot) => slot,
@@ -367,7 +572,13 @@ pub fn plan(desired: &DesiredState, actual: &Actual) -> Result<Plan, PlanError> 
                 // entry about to be deleted.
                 let slot = free_slots
                     .allocate()
-                    .or_else(|| actual_slots.difference(&taken).next().copied())
+                    .or_else(|| {
+                        index
+                            .slot_refs
+                            .keys()
+                            .find(|s| !taken.contains(*s))
+                            .copied()
+                    })
                     .ok_or(PlanError::SlotsExhausted)?;
                 ops.push(Op::ResetPeerCounters { slot });
                 slot
@@ -383,20 +594,19 @@ pub fn plan(desired: &DesiredState, actual: &Actual) -> Result<Plan, PlanError> 
         }
     }
 
-    // Who WireGuard routes each host address to now.
-    let holders: BTreeMap<IpNet, WgKey> = actual
-        .wg
-        .peers
-        .iter()
-        .flat_map(|(key, p)| p.allowed_ips.iter().map(move |ip| (*ip, *key)))
-        .collect();
     let mut moved = Vec::new();
     let mut moving = BTreeSet::new();
+    // Policy reference counts after the plan, for the ids whose count changes.
+    let mut delta: BTreeMap<u32, i64> = BTreeMap::new();
     for (addr, (name, key, entry)) in &wanted {
-        let current = actual.maps.peers.get(addr);
+        let current = maps.peers.get(addr);
         if current == Some(entry) {
             continue;
         }
+        if let Some(current) = current {
+            *delta.entry(current.policy).or_default() -= 1;
+        }
+        *delta.entry(entry.policy).or_default() += 1;
         let put = Op::PutPeerEntry {
             peer: (*name).to_owned(),
             addr: *addr,
@@ -404,7 +614,8 @@ pub fn plan(desired: &DesiredState, actual: &Actual) -> Result<Plan, PlanError> 
         };
         // An address WireGuard still routes to another peer must not carry the new holder's
         // policy before it moves: delete now, write after the WireGuard step.
-        let held_by_other = holders
+        let held_by_other = index
+            .holders
             .get(&IpNet::from(*addr))
             .is_some_and(|holder| holder != key);
         let policy_changes = current.is_some_and(|c| c.policy != entry.policy);
@@ -417,14 +628,34 @@ pub fn plan(desired: &DesiredState, actual: &Actual) -> Result<Plan, PlanError> 
     }
 
     // Revocations (and moving addresses) first, before the WireGuard work.
-    for addr in actual.maps.peers.keys() {
-        if !wanted.contains_key(addr) || moving.contains(addr) {
+    let mut delete = |addr: &IpAddr, ops: &mut Vec<Op>| {
+        if let Some(current) = maps.peers.get(addr) {
+            if !wanted.contains_key(addr) {
+                *delta.entry(current.policy).or_default() -= 1;
+            }
             ops.push(Op::DeletePeerEntry { addr: *addr });
+        }
+    };
+    if full {
+        for addr in maps.peers.keys() {
+            if !wanted.contains_key(addr) || moving.contains(addr) {
+                delete(addr, &mut ops);
+            }
+        }
+    } else {
+        let leaving: BTreeSet<IpAddr> = gone
+            .iter()
+            .flat_map(|p| p.addrs())
+            .filter(|a| !wanted.contains_key(a))
+            .chain(moving.iter().copied())
+            .collect();
+        for addr in &leaving {
+            delete(addr, &mut ops);
         }
     }
 
     // WireGuard: per-peer changes only.
-    for peer in &desired.peers {
+    for peer in &touched {
         let want_ips: Vec<IpNet> = peer.addrs().map(IpNet::from).collect();
         let change = match actual.wg.peers.get(&peer.public_key) {
             None => Some(WgPeerChange {
@@ -468,21 +699,41 @@ pub fn plan(desired: &DesiredState, actual: &Actual) -> Result<Plan, PlanError> 
 
     ops.extend(moved);
 
-    let desired_keys: BTreeSet<WgKey> = desired.peers.iter().map(|p| p.public_key).collect();
-    for key in actual.wg.peers.keys() {
-        if !desired_keys.contains(key) {
-            ops.push(Op::RemoveWgPeer { key: *key });
+    if full {
+        let desired_keys: BTreeSet<WgKey> = desired.peers.iter().map(|p| p.public_key).collect();
+        for key in actual.wg.peers.keys() {
+            if !desired_keys.contains(key) {
+                ops.push(Op::RemoveWgPeer { key: *key });
+            }
         }
+    } else {
+        // A gone version's key stays only if a changed peer has it (unchanged peers had their
+        // keys in the previous state too, where keys are unique).
+        let kept: BTreeSet<WgKey> = touched.iter().map(|p| p.public_key).collect();
+        let leaving: BTreeSet<WgKey> = gone
+            .iter()
+            .map(|p| p.public_key)
+            .filter(|k| !kept.contains(k) && actual.wg.peers.contains_key(k))
+            .collect();
+        ops.extend(leaving.into_iter().map(|key| Op::RemoveWgPeer { key }));
     }
 
-    let kept_ids: BTreeSet<u32> = ids.values().copied().collect();
-    for (id, content) in &actual.maps.policies {
-        if !kept_ids.contains(id) {
+    // Policies no peer entry references after the plan. A full plan also collects entries of
+    // ids nothing referenced to begin with (left by a failure halfway).
+    let candidates: BTreeSet<u32> = if full {
+        maps.policies.keys().copied().collect()
+    } else {
+        delta.keys().copied().collect()
+    };
+    for id in candidates {
+        let refs = index.policy_refs.get(&id).copied().unwrap_or(0) as i64
+            + delta.get(&id).copied().unwrap_or(0);
+        if id == UNRESTRICTED || refs > 0 {
+            continue;
+        }
+        if let Some(content) = maps.policies.get(&id) {
             for (prefix, _) in content.entries() {
-                ops.push(Op::DeletePolicyEntry {
-                    policy: *id,
-                    prefix,
-                });
+                ops.push(Op::DeletePolicyEntry { policy: id, prefix });
             }
         }
     }
@@ -765,6 +1016,53 @@ mod tests {
         }
     }
 
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// The same, planning only what differs from the previous state (what the agent does
+        /// between resyncs): it must end where a full plan ends, just as safely.
+        #[test]
+        fn incremental_plans_converge_like_full_ones(
+            states in prop::collection::vec(prop::collection::vec(gen_peer(), 0..7), 1..6),
+        ) {
+            let mut kernel = Kernel::default();
+            let mut old = DesiredState::default();
+            for gens in &states {
+                let (_, new) = build(gens);
+                let update = plan_update(&old, &new, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+                for op in &update.ops {
+                    kernel.apply(op);
+                    assert_safe_midway(&kernel, &old, &new);
+                }
+                assert_converged(&kernel, &new);
+                let full = plan(&new, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+                prop_assert!(full.is_empty(), "a full plan after the incremental one: {:?}", full.ops);
+                prop_assert!(plan_update(&new, &new, &kernel.actual()).map(|p| p.is_empty()).unwrap_or(false));
+                old = new;
+            }
+        }
+    }
+
+    #[test]
+    fn an_incremental_plan_touches_only_the_changed_peer() {
+        let peers: Vec<Value> = (0..200u8)
+            .map(|i| {
+                json!({ "name": format!("p{i:03}"), "publicKey": key(i), "address": format!("10.8.{}.{}", i / 100, i % 100 + 2),
+                        "egress": [{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [u16::from(i % 4) + 1] }] })
+            })
+            .collect();
+        let before = one(Value::Array(peers.clone()));
+        let mut kernel = Kernel::default();
+        converge(&mut kernel, &DesiredState::default(), &before);
+        let mut changed = peers;
+        changed[7]["egress"] = json!([{ "cidr": "10.0.0.0/8", "protocol": "udp" }]);
+        let after = one(Value::Array(changed));
+        let update = plan_update(&before, &after, &kernel.actual()).unwrap_or_default();
+        // The new policy's entry and one switch; the old policy is still used by 49 peers.
+        assert_eq!(update.ops.len(), 2, "{:#?}", update.ops);
+        assert_eq!(update, plan(&after, &kernel.actual()).unwrap_or_default());
+    }
+
     fn one(peers: Value) -> DesiredState {
         parse(&json!({ "version": 1, "peers": peers }).to_string())
             .unwrap_or_else(|e| panic!("{e}"))
@@ -919,6 +1217,7 @@ mod tests {
             }
         }
         kernel.0.wg.peers.remove(&WgKey([2; 32]));
+        kernel.0 = Actual::new(kernel.0.maps.clone(), kernel.0.wg.clone());
         // The kernel is already broken, so the midway invariants cannot hold; apply plainly.
         let repair = plan(&s, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
         for op in &repair.ops {

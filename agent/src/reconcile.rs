@@ -20,7 +20,7 @@ use std::{
 
 use crate::{
     dataplane::{Dataplane, DataplaneError, Maps},
-    plan::{plan, Actual, ActualMaps, Op, Plan, PlanError, WgPeerChange},
+    plan::{plan, plan_update, Actual, ActualMaps, Op, Plan, PlanError, WgPeerChange},
     policy::CompiledPolicy,
     state::{DesiredState, WgKey},
     wg::{WgError, WireGuard},
@@ -61,6 +61,9 @@ pub struct Reconciler {
     dataplane: Dataplane,
     wg: WireGuard,
     actual: Actual,
+    /// The state the kernel was last made to match: the next plan only looks at what differs
+    /// from it. `None` after a failure or a resync: the next plan compares everything.
+    applied: Option<DesiredState>,
     /// The cached view may differ from the kernel (after a failure): read before planning.
     stale: bool,
     closed: Arc<AtomicBool>,
@@ -74,6 +77,7 @@ impl Reconciler {
             dataplane,
             wg,
             actual: Actual::default(),
+            applied: None,
             stale: true,
             closed: Arc::new(AtomicBool::new(false)),
         };
@@ -110,10 +114,8 @@ impl Reconciler {
     /// back shows up in the next plan).
     pub fn refresh(&mut self) -> Result<(), ReconcileError> {
         self.check_open()?;
-        self.actual = Actual {
-            maps: read_maps(self.dataplane.maps())?,
-            wg: self.wg.read()?,
-        };
+        self.applied = None;
+        self.actual = Actual::new(read_maps(self.dataplane.maps())?, self.wg.read()?);
         self.stale = false;
         Ok(())
     }
@@ -123,18 +125,29 @@ impl Reconciler {
         if self.stale {
             self.refresh()?;
         }
-        Ok(plan(desired, &self.actual)?)
+        Ok(match &self.applied {
+            Some(previous) => plan_update(previous, desired, &self.actual)?,
+            None => plan(desired, &self.actual)?,
+        })
+    }
+
+    /// The state the kernel was last made to match, if it is known to.
+    pub fn applied(&self) -> Option<&DesiredState> {
+        self.applied.as_ref()
     }
 
     /// Makes the kernel match `desired`, changing only what differs.
-    pub fn reconcile(&mut self, desired: &DesiredState) -> Result<Outcome, ReconcileError> {
+    pub fn reconcile(&mut self, desired: DesiredState) -> Result<Outcome, ReconcileError> {
         let start = Instant::now();
-        let plan = self.plan(desired)?;
+        let plan = self.plan(&desired)?;
         let writes_before = self.dataplane.maps().writes();
         let wg_before = self.wg.peer_updates();
         let result = self.apply(&plan);
         if result.is_err() {
             self.stale = true;
+            self.applied = None;
+        } else {
+            self.applied = Some(desired);
         }
         let outcome = Outcome {
             ops: plan.ops.len(),

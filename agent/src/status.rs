@@ -13,7 +13,7 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use crate::{reconcile::Outcome, state::DesiredState};
+use crate::{daemon::Summary, reconcile::Outcome};
 
 /// Directory of the status snapshots.
 pub const STATUS_DIR: &str = "/run/wgfence";
@@ -106,10 +106,10 @@ impl StatusFile {
         }
     }
 
-    pub fn write(
+    pub(crate) fn write(
         &mut self,
         last: &LastReconcile,
-        desired: &DesiredState,
+        summary: &Summary,
         ready: bool,
         reason: &str,
     ) {
@@ -119,8 +119,8 @@ impl StatusFile {
             state_file: self.state_file.clone(),
             ready,
             reason: reason.to_owned(),
-            peers: desired.peers.len(),
-            restricted_peers: desired.restricted_peers(),
+            peers: summary.peers,
+            restricted_peers: summary.restricted,
             last_reconcile: last.clone(),
         };
         if let Err(e) = self.try_write(&status) {
