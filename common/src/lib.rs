@@ -191,15 +191,19 @@ pub enum Counter {
     DropNotIp = 5,
     /// Dropped: a restricted peer's IPv6 extension header chain is longer than the datapath walks.
     DropHeaderChain = 6,
+    /// Passed: an ARP frame on an Ethernet-framed device (veth in tests and benchmarks). A
+    /// WireGuard device has no link layer, so this never counts there.
+    PassArp = 7,
 }
 
 /// Length of the counter array; leaves room for new counters without a layout change.
 pub const COUNTERS_LEN: u32 = 16;
 
 impl Counter {
-    pub const ALL: [Counter; 7] = [
+    pub const ALL: [Counter; 8] = [
         Counter::PassUnrestricted,
         Counter::PassPolicy,
+        Counter::PassArp,
         Counter::DropUnknownSource,
         Counter::DropPolicy,
         Counter::DropMalformed,
@@ -208,7 +212,10 @@ impl Counter {
     ];
 
     pub const fn is_pass(self) -> bool {
-        matches!(self, Counter::PassUnrestricted | Counter::PassPolicy)
+        matches!(
+            self,
+            Counter::PassUnrestricted | Counter::PassPolicy | Counter::PassArp
+        )
     }
 
     /// Stable name, used as the `verdict` or `reason` label in metrics and in `status`.
@@ -221,6 +228,7 @@ impl Counter {
             Counter::DropMalformed => "malformed",
             Counter::DropNotIp => "not_ip",
             Counter::DropHeaderChain => "header_chain",
+            Counter::PassArp => "arp",
         }
     }
 }

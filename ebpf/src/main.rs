@@ -65,6 +65,21 @@ static STATS: PerCpuArray<u64, { COUNTERS_LEN as usize }> = PerCpuArray::new();
 #[btf_map(name = "wgf1_peer_stats")]
 static PEER_STATS: Array<PeerCounters, { MAX_PEERS as usize }> = Array::new();
 
+/// Length of an Ethernet header; the ethertype is its last two bytes.
+const ETH_HLEN: usize = 14;
+const ETH_P_ARP: u16 = 0x0806;
+
+/// On an Ethernet-framed device, ARP must pass or the device stops working; it carries no
+/// peer traffic. (WireGuard devices have no link layer: `l3` is 0 there.)
+#[inline(always)]
+fn is_arp(ctx: &TcContext, l3: usize) -> bool {
+    ctx.load::<[u8; 2]>(l3 - 2)
+        .is_ok_and(|t| u16::from_be_bytes(t) == ETH_P_ARP)
+}
+
+/// Bytes read at the IP header before the version is known.
+pub(crate) const HEAD_LEN: usize = 20;
+
 /// The packet passes; `slot` is the peer's counter slot.
 pub(crate) struct Pass {
     why: Counter,
@@ -90,10 +105,16 @@ impl Drop {
 #[classifier]
 pub fn wgfence_ingress(ctx: TcContext) -> i32 {
     let l3 = WGFENCE_L3_OFFSET.load() as usize;
-    let first: Result<u8, _> = ctx.load(l3);
-    let outcome = match first.map(|b| b >> 4) {
-        Ok(4) => v4::classify(&ctx, l3),
-        Ok(6) => v6::classify(&ctx, l3),
+    if l3 >= ETH_HLEN && is_arp(&ctx, l3) {
+        count(Counter::PassArp);
+        return TCX_NEXT;
+    }
+    // One helper call for the first 20 bytes: all of an IPv4 header without options, the
+    // first half of an IPv6 header. Every IP packet is at least that long.
+    let head: Result<[u8; HEAD_LEN], _> = ctx.load(l3);
+    let outcome = match head {
+        Ok(head) if head[0] >> 4 == 4 => v4::classify(&ctx, l3, &head),
+        Ok(head) if head[0] >> 4 == 6 => v6::classify(&ctx, l3, &head),
         Ok(_) => Err(Drop::new(Counter::DropNotIp, None)),
         Err(_) => Err(Drop::new(Counter::DropMalformed, None)),
     };

@@ -3,17 +3,14 @@
 use aya_ebpf::{btf_maps::lpm_trie::Key, programs::TcContext};
 use wgfence_common::{Counter, PeerKeyV4, PolicyKeyV4, POLICY_ID_BITS, UNRESTRICTED};
 
-use crate::{decide, dst_port, has_ports, unrestricted, Drop, Pass, PEERS_V4, POLICY_V4};
+use crate::{decide, dst_port, has_ports, unrestricted, Drop, Pass, HEAD_LEN, PEERS_V4, POLICY_V4};
 
-const MIN_HEADER_LEN: usize = 20;
+const MIN_HEADER_LEN: usize = HEAD_LEN;
 /// Fragment offset bits of the flags/fragment-offset field.
 const FRAGMENT_OFFSET_MASK: u16 = 0x1fff;
 
 #[inline(always)]
-pub(crate) fn classify(ctx: &TcContext, l3: usize) -> Result<Pass, Drop> {
-    let ip: [u8; MIN_HEADER_LEN] = ctx
-        .load(l3)
-        .map_err(|_| Drop::new(Counter::DropMalformed, None))?;
+pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Result<Pass, Drop> {
     let src = PeerKeyV4 {
         addr: [ip[12], ip[13], ip[14], ip[15]],
     };

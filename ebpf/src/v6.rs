@@ -6,7 +6,7 @@ use wgfence_common::{
     Counter, PeerKeyV6, PolicyKeyV6, MAX_IPV6_EXT_HEADERS, POLICY_ID_BITS, UNRESTRICTED,
 };
 
-use crate::{decide, dst_port, has_ports, unrestricted, Drop, Pass, PEERS_V6, POLICY_V6};
+use crate::{decide, dst_port, has_ports, unrestricted, Drop, Pass, HEAD_LEN, PEERS_V6, POLICY_V6};
 
 const HEADER_LEN: usize = 40;
 const HOP_BY_HOP: u8 = 0;
@@ -24,12 +24,14 @@ const fn is_extension_header(next: u8) -> bool {
 }
 
 #[inline(always)]
-pub(crate) fn classify(ctx: &TcContext, l3: usize) -> Result<Pass, Drop> {
-    let ip: [u8; HEADER_LEN] = ctx
-        .load(l3)
+pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Result<Pass, Drop> {
+    // The second half of the header: the rest of the source and the destination.
+    let tail: [u8; HEADER_LEN - HEAD_LEN] = ctx
+        .load(l3 + HEAD_LEN)
         .map_err(|_| Drop::new(Counter::DropMalformed, None))?;
     let mut src = PeerKeyV6::default();
-    src.addr.copy_from_slice(&ip[8..24]);
+    src.addr[..12].copy_from_slice(&head[8..20]);
+    src.addr[12..].copy_from_slice(&tail[..4]);
     // SAFETY: the value is copied out at once; no reference outlives the lookup.
     let Some(peer) = (unsafe { PEERS_V6.get(&src) }).copied() else {
         return Err(Drop::new(Counter::DropUnknownSource, None));
@@ -40,7 +42,7 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize) -> Result<Pass, Drop> {
     let slot = peer.slot;
     let malformed = |_| Drop::peer(Counter::DropMalformed, slot);
 
-    let mut next = ip[6];
+    let mut next = head[6];
     let mut offset = l3 + HEADER_LEN;
     let mut first_fragment = true;
     for _ in 0..MAX_IPV6_EXT_HEADERS {
@@ -84,7 +86,7 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize) -> Result<Pass, Drop> {
         policy: peer.policy,
         addr: [0; 16],
     };
-    dst.addr.copy_from_slice(&ip[24..40]);
+    dst.addr.copy_from_slice(&tail[4..20]);
     let key = Key::new(POLICY_ID_BITS + 128, dst);
     decide(POLICY_V6.get(&key), slot, next, port)
 }

@@ -287,6 +287,16 @@ fn malformed_ipv6_headers_are_dropped() {
 }
 
 #[test]
+fn arp_passes_on_ethernet_framed_devices() {
+    let mut p = program();
+    let mut frame = vec![0xff; 6];
+    frame.extend([0x02, 0, 0, 0, 0, 1, 0x08, 0x06]);
+    frame.extend([0, 1, 8, 0, 6, 4, 0, 1]); // ARP request header
+    frame.extend([0u8; 20]);
+    expect(&mut p, &frame, Counter::PassArp);
+}
+
+#[test]
 fn per_peer_counters_count_packets_and_bytes() {
     let mut p = program();
     let pass = Packet::new(RESTRICTED_V4, "10.2.3.4", TCP, 443).frame();
