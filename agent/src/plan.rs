@@ -391,31 +391,38 @@ pub enum PlanError {
     SlotsExhausted,
 }
 
-/// Hands out the smallest values of `from..=max` that are not used, in increasing order.
-struct Allocator {
-    used: BTreeSet<u32>,
+/// Hands out the smallest values of `from..=max` that are not used, in increasing order. The
+/// used set is only gathered on the first allocation: most plans allocate nothing.
+struct Allocator<F: FnOnce() -> BTreeSet<u32>> {
+    used: Option<BTreeSet<u32>>,
+    gather: Option<F>,
     next: u32,
     max: u32,
 }
 
-impl Allocator {
-    fn new(from: u32, max: u32, used: BTreeSet<u32>) -> Self {
+impl<F: FnOnce() -> BTreeSet<u32>> Allocator<F> {
+    fn new(from: u32, max: u32, gather: F) -> Self {
         Self {
-            used,
+            used: None,
+            gather: Some(gather),
             next: from,
             max,
         }
     }
 
     fn allocate(&mut self) -> Option<u32> {
-        while self.used.contains(&self.next) {
+        if self.used.is_none() {
+            self.used = Some(self.gather.take().map(|g| g()).unwrap_or_default());
+        }
+        let used = self.used.as_mut()?;
+        while used.contains(&self.next) {
             self.next = self.next.checked_add(1)?;
         }
         if self.next > self.max {
             return None;
         }
         let value = self.next;
-        self.used.insert(value);
+        used.insert(value);
         Some(value)
     }
 }
@@ -517,9 +524,11 @@ fn plan_scope(
     let index = &actual.index;
 
     // Policy ids: keep the id of content the kernel already has; new content gets a new id.
-    let mut used_ids: BTreeSet<u32> = maps.policies.keys().copied().collect();
-    used_ids.extend(index.policy_refs.keys().copied());
-    let mut new_ids = Allocator::new(1, u32::MAX, used_ids);
+    let mut new_ids = Allocator::new(1, u32::MAX, || {
+        let mut used: BTreeSet<u32> = maps.policies.keys().copied().collect();
+        used.extend(index.policy_refs.keys().copied());
+        used
+    });
     let mut ids: BTreeMap<&CompiledPolicy, u32> = BTreeMap::new();
     for policy in touched.iter().filter_map(|p| p.policy.as_deref()) {
         if ids.contains_key(policy) {
@@ -547,8 +556,9 @@ fn plan_scope(
     }
 
     // Address entries, with a counter slot per peer (kept across restarts via the entries).
-    let mut free_slots =
-        Allocator::new(0, MAX_PEERS - 1, index.slot_refs.keys().copied().collect());
+    let mut free_slots = Allocator::new(0, MAX_PEERS - 1, || {
+        index.slot_refs.keys().copied().collect::<BTreeSet<u32>>()
+    });
     let mut taken = BTreeSet::new();
     let mut wanted: BTreeMap<IpAddr, (&str, WgKey, PeerEntry)> = BTreeMap::new();
     for peer in &touched {

@@ -44,7 +44,12 @@ pub struct Outcome {
     pub ops: usize,
     pub map_writes: u64,
     pub wg_peer_updates: u64,
+    /// Planning and applying, in total.
     pub duration: Duration,
+    /// Of that, planning.
+    pub plan_duration: Duration,
+    /// Of that, the WireGuard device updates.
+    pub wg_duration: Duration,
 }
 
 /// Reads the maps into the planner's form (O(entries)).
@@ -66,6 +71,8 @@ pub struct Reconciler {
     applied: Option<DesiredState>,
     /// The cached view may differ from the kernel (after a failure): read before planning.
     stale: bool,
+    /// Time spent in WireGuard updates by the current apply.
+    wg_time: Duration,
     closed: Arc<AtomicBool>,
 }
 
@@ -79,6 +86,7 @@ impl Reconciler {
             actual: Actual::default(),
             applied: None,
             stale: true,
+            wg_time: Duration::ZERO,
             closed: Arc::new(AtomicBool::new(false)),
         };
         r.refresh()?;
@@ -140,6 +148,8 @@ impl Reconciler {
     pub fn reconcile(&mut self, desired: DesiredState) -> Result<Outcome, ReconcileError> {
         let start = Instant::now();
         let plan = self.plan(&desired)?;
+        let plan_duration = start.elapsed();
+        self.wg_time = Duration::ZERO;
         let writes_before = self.dataplane.maps().writes();
         let wg_before = self.wg.peer_updates();
         let result = self.apply(&plan);
@@ -154,6 +164,8 @@ impl Reconciler {
             map_writes: self.dataplane.maps().writes() - writes_before,
             wg_peer_updates: self.wg.peer_updates() - wg_before,
             duration: start.elapsed(),
+            plan_duration,
+            wg_duration: self.wg_time,
         };
         result.map(|()| outcome)
     }
@@ -187,7 +199,10 @@ impl Reconciler {
                             _ => None,
                         })
                         .collect();
-                    self.wg.apply_changes(&changes)?;
+                    let t = Instant::now();
+                    let result = self.wg.apply_changes(&changes);
+                    self.wg_time += t.elapsed();
+                    result?;
                 }
                 Op::RemoveWgPeer { .. } => {
                     let keys: Vec<WgKey> = batch
@@ -197,7 +212,10 @@ impl Reconciler {
                             _ => None,
                         })
                         .collect();
-                    self.wg.remove_peers(&keys)?;
+                    let t = Instant::now();
+                    let result = self.wg.remove_peers(&keys);
+                    self.wg_time += t.elapsed();
+                    result?;
                 }
                 _ => {
                     for op in batch {
@@ -228,7 +246,9 @@ fn same_kind(a: &Op, b: &Op) -> bool {
     }
 }
 
-fn apply_map_op(maps: &mut Maps, op: &Op) -> Result<(), DataplaneError> {
+/// Applies one map operation of a plan (WireGuard operations are not map operations and are
+/// skipped): for tools that fill maps without a WireGuard device, like the benchmarks.
+pub fn apply_map_op(maps: &mut Maps, op: &Op) -> Result<(), DataplaneError> {
     match op {
         Op::PutPolicyEntry {
             policy,
