@@ -223,6 +223,11 @@ impl Agent {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// The agent's process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// SIGKILL: the agent gets no chance to clean up (nor should it need one).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -3,6 +3,7 @@
 //! `Drop`, so they are removed when a test fails too.
 
 pub mod agent;
+pub mod bench;
 pub mod net;
 pub mod packet;
 pub mod probe;

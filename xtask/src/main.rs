@@ -1,6 +1,7 @@
 //! Developer entry points for wgfence, run as `cargo xtask <command>` (an alias in
 //! .cargo/config.toml). Every command prints the commands it runs.
 
+mod bench;
 mod build;
 mod demo;
 mod dump;
@@ -49,6 +50,17 @@ enum Task {
     /// Set up, build, and show wgfence at work on a sandboxed gateway with three peers: allowed
     /// and denied traffic, a live policy change, a live revocation (root; removes what it made).
     Demo,
+    /// Set up, build, and measure wgfence side by side with the per-peer iptables design it
+    /// replaces; writes docs/benchmarks.md and target/bench/results.json (root).
+    Bench {
+        /// A reduced set (smaller N, shorter runs) for a quick look.
+        #[arg(long)]
+        quick: bool,
+        /// Only these scenarios (comma-separated: per_packet, apply, throughput, churn,
+        /// revocation, restart); the report then goes to target/bench/partial.md.
+        #[arg(long)]
+        only: Option<String>,
+    },
     /// Show what the agent pinned for an interface: its maps' contents and its tcx link.
     Dump {
         /// The WireGuard interface.
@@ -78,6 +90,7 @@ fn run(cli: Cli) -> Result<()> {
         Task::Run { args } => build::run_agent(args),
         Task::Test(options) => test::run(options),
         Task::Demo => demo::run(),
+        Task::Bench { quick, only } => bench::run(quick, only),
         Task::Dump { interface, bpffs } => dump::run(&interface, &bpffs),
     }
 }

@@ -17,7 +17,8 @@ use anyhow::{bail, Context, Result};
 use crate::{linker, util};
 
 /// Packages every machine needs: wireguard-go and wg for the interface, bpftool for `dump` and
-/// debugging, ip/ping/iperf3/nc for the integration tests, demo and benchmarks.
+/// debugging, ip/ping/iperf3/nc for the integration tests, demo and benchmarks,
+/// iptables for the benchmarks' baseline (the per-peer chain design wgfence replaces).
 const PACKAGES: &[&str] = &[
     "wireguard-go",
     "wireguard-tools",
@@ -25,6 +26,7 @@ const PACKAGES: &[&str] = &[
     "iproute2",
     "iputils-ping",
     "iperf3",
+    "iptables",
     "netcat-openbsd",
 ];
 /// Debian's rustc 1.96 and its library source: builds `core` for the BPF target.
