@@ -63,8 +63,9 @@ pub struct PeerSpec {
     pub preshared_key: Option<WgKey>,
     /// Seconds; `None` (or 0 in the file) is off.
     pub persistent_keepalive: Option<u16>,
-    /// Canonical rule set (sorted, deduplicated). Empty: unrestricted.
-    pub rules: Vec<Rule>,
+    /// Canonical rule set (sorted, deduplicated), shared by the peers that have the same set.
+    /// Empty: unrestricted.
+    pub rules: Arc<Vec<Rule>>,
     /// The compiled rules, shared by peers with the same rule set; `None`: unrestricted.
     pub policy: Option<Arc<CompiledPolicy>>,
 }
@@ -90,6 +91,9 @@ impl DesiredState {
         self.peers.iter().filter(|p| p.policy.is_some()).count()
     }
 }
+
+/// Rule sets seen while parsing one state, with their shared copy and compiled policy.
+type Compiled = HashMap<Vec<Rule>, (Arc<Vec<Rule>>, Arc<CompiledPolicy>)>;
 
 /// One validation error: where, and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -217,7 +221,7 @@ pub fn parse(text: &str) -> Result<DesiredState, StateError> {
         );
     }
 
-    let mut compiled: HashMap<Vec<Rule>, Arc<CompiledPolicy>> = HashMap::new();
+    let mut compiled: Compiled = HashMap::new();
     let mut peers = Vec::with_capacity(raw_peers.len());
     let mut names: HashMap<String, usize> = HashMap::new();
     let mut keys: HashMap<WgKey, usize> = HashMap::new();
@@ -284,7 +288,7 @@ pub fn parse(text: &str) -> Result<DesiredState, StateError> {
 
     // Capacity of the policy tries: distinct policies' entries per family.
     let (mut v4_entries, mut v6_entries) = (0usize, 0usize);
-    for policy in compiled.values() {
+    for (_, policy) in compiled.values() {
         for (prefix, _) in policy.entries() {
             match prefix {
                 IpNet::V4(_) => v4_entries += 1,
@@ -314,11 +318,7 @@ pub fn parse(text: &str) -> Result<DesiredState, StateError> {
     Ok(DesiredState { peers })
 }
 
-fn parse_peer(
-    raw: &Value,
-    e: &mut Errors<'_>,
-    compiled: &mut HashMap<Vec<Rule>, Arc<CompiledPolicy>>,
-) -> Option<PeerSpec> {
+fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Option<PeerSpec> {
     let Value::Object(obj) = raw else {
         e.add("(peer)", "must be a JSON object");
         return None;
@@ -420,16 +420,18 @@ fn parse_peer(
     if e.all.len() > before {
         return None;
     }
-    let policy = if rules.is_empty() {
-        None
-    } else if let Some(policy) = compiled.get(&rules) {
-        Some(Arc::clone(policy))
+    // Peers with equal rule sets share one copy of the rules and one compiled policy.
+    let (rules, policy) = if rules.is_empty() {
+        (Arc::default(), None)
+    } else if let Some((shared, policy)) = compiled.get(&rules) {
+        (Arc::clone(shared), Some(Arc::clone(policy)))
     } else {
         match compile(&rules) {
             Ok(policy) => {
                 let policy = Arc::new(policy);
-                compiled.insert(rules.clone(), Arc::clone(&policy));
-                Some(policy)
+                let shared = Arc::new(rules.clone());
+                compiled.insert(rules, (Arc::clone(&shared), Arc::clone(&policy)));
+                (shared, Some(policy))
             }
             Err(err) => {
                 e.add("egress", err.to_string());

@@ -68,7 +68,7 @@ pub fn render(desired: &DesiredState, interface: &str) -> String {
             continue;
         }
         let chain = format!("WGF-{i:06}");
-        for rule in &peer.rules {
+        for rule in peer.rules.iter() {
             let IpNet::V4(cidr) = rule.cidr else { continue };
             match rule.protocol {
                 Protocol::Any => {
