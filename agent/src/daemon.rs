@@ -171,7 +171,12 @@ impl Core {
             }
         };
         self.rejected = None;
-        self.apply(desired, bytes)
+        let next = self.apply(desired, bytes);
+        // Parsing a large state allocates and frees a tree of JSON values; hand the freed
+        // memory back to the system instead of keeping the peak resident until the next load.
+        // SAFETY: malloc_trim only releases free heap memory.
+        unsafe { libc::malloc_trim(0) };
+        next
     }
 
     fn apply(&mut self, desired: DesiredState, bytes: Vec<u8>) -> Next {

@@ -1145,7 +1145,7 @@ fn restart_and_memory(report: &mut Report, config: &Config) {
         let ping = gw.peers[0]
             .ns
             .command("ping")
-            .args(["-q", "-i", "0.01", "-W", "1", "-w", "8", "10.8.0.1"])
+            .args(["-q", "-i", "0.01", "-W", "1", "-c", "700", "10.8.0.1"])
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
