@@ -831,17 +831,12 @@ fn ping_streams(
     sources
         .iter()
         .map(|s| {
+            // A count, not a deadline: `-w` would count the echo in flight at the deadline as
+            // lost.
+            let count = (secs as f64 / interval.parse::<f64>().unwrap_or(1.0)) as u64;
             ns.command("ping")
-                .args([
-                    "-q",
-                    "-i",
-                    interval,
-                    "-w",
-                    &secs.to_string(),
-                    "-I",
-                    &s.to_string(),
-                    DST_ADDR,
-                ])
+                .args(["-q", "-i", interval, "-W", "1", "-c", &count.to_string()])
+                .args(["-I", &s.to_string(), DST_ADDR])
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null())
                 .spawn()
