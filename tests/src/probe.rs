@@ -100,6 +100,18 @@ pub struct Expect<'a> {
     pub expect: Reach,
 }
 
+impl<'a> Expect<'a> {
+    pub fn new(from: &'a str, ns: &'a Netns, kind: Kind, dst: &str, expect: Reach) -> Self {
+        Self {
+            from,
+            ns,
+            kind,
+            dst: dst.parse().unwrap_or_else(|e| panic!("{dst}: {e}")),
+            expect,
+        }
+    }
+}
+
 /// Runs every probe in parallel; the results in the order of `cases`.
 pub fn run_all(cases: &[Expect<'_>]) -> Vec<Reach> {
     thread::scope(|s| {

@@ -103,13 +103,7 @@ fn enforces_the_state_file_and_follows_its_changes() {
     agent.wait_ready(&gw);
 
     let (r, o) = (&gw.peers[0].ns, &gw.peers[1].ns);
-    let case = |from, ns, kind, dst: &str, expect| Expect {
-        from,
-        ns,
-        kind,
-        dst: ip(dst),
-        expect,
-    };
+    let case = Expect::new;
     use Kind::{Ping, Tcp};
     use Reach::{Blocked, Reached};
     check_all(&[

@@ -72,13 +72,7 @@ fn enforces_unknown_unrestricted_and_restricted_peers() {
     }
 
     let (r, o, u) = (&gw.peers[0].ns, &gw.peers[1].ns, &gw.peers[2].ns);
-    let case = |from, ns, kind, dst: &str, expect| Expect {
-        from,
-        ns,
-        kind,
-        dst: ip(dst),
-        expect,
-    };
+    let case = Expect::new;
     use Kind::{Ping, Tcp, Udp};
     use Reach::{Blocked, Reached};
     let cases = [

@@ -2,30 +2,13 @@
 //! run every scenario side by side with the iptables baseline, write docs/benchmarks.md and
 //! target/bench/results.json. Root: it builds network namespaces and loads BPF programs.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 
-use crate::{setup, util};
+use crate::{build, util};
 
 pub fn run(quick: bool, only: Option<String>) -> Result<()> {
-    if !util::is_root() {
-        bail!("the benchmarks need root (network namespaces, BPF, wireguard-go): run as root");
-    }
-    setup::run(setup::Bpffs::Require)?;
+    let release = build::build_sandbox_tool("wgfence-bench")?;
     let root = util::workspace_root()?;
-    util::run(util::cargo_command(&root).args([
-        "build",
-        "--release",
-        "--package",
-        "wgfence",
-        "--bin",
-        "wgfence",
-        "--package",
-        "wgfence-tests",
-        "--bin",
-        "wgfence-bench",
-    ]))
-    .context("building the agent and the benchmarks failed")?;
-    let release = util::target_dir(&root).join("release");
     let mut cmd = std::process::Command::new(release.join("wgfence-bench"));
     cmd.current_dir(&root)
         .env("WGFENCE_BIN", release.join("wgfence"))

@@ -71,3 +71,27 @@ pub fn run_agent(args: Vec<OsString>) -> Result<()> {
     let err = cmd.exec();
     Err(err).with_context(|| format!("cannot run `{line}`"))
 }
+
+/// Builds the agent and one of the sandbox binaries of `wgfence-tests` (the demo, the
+/// benchmarks) in release mode, as root after setup; returns the release directory.
+pub fn build_sandbox_tool(tool: &str) -> Result<PathBuf> {
+    if !util::is_root() {
+        bail!("{tool} needs root (network namespaces, BPF, wireguard-go): run it as root");
+    }
+    setup::run(setup::Bpffs::Require)?;
+    let root = util::workspace_root()?;
+    util::run(util::cargo_command(&root).args([
+        "build",
+        "--release",
+        "--package",
+        "wgfence",
+        "--bin",
+        "wgfence",
+        "--package",
+        "wgfence-tests",
+        "--bin",
+        tool,
+    ]))
+    .with_context(|| format!("building the agent and {tool} failed"))?;
+    Ok(util::target_dir(&root).join("release"))
+}

@@ -98,12 +98,8 @@ fn state(gw: &Gateway, alice: Value, with_carol: bool) -> String {
 fn table(gw: &Gateway, cases: &[(&str, usize, Kind, &str, Reach)]) {
     let expects: Vec<Expect<'_>> = cases
         .iter()
-        .map(|(name, i, kind, dst, expect)| Expect {
-            from: name,
-            ns: &gw.peers[*i].ns,
-            kind: *kind,
-            dst: dst.parse().unwrap_or_else(|e| panic!("{dst}: {e}")),
-            expect: *expect,
+        .map(|(name, i, kind, dst, expect)| {
+            Expect::new(name, &gw.peers[*i].ns, *kind, dst, *expect)
         })
         .collect();
     let results = run_all(&expects);
