@@ -48,7 +48,8 @@ const PIP_PACKAGE: &str = "python3-pip";
 pub enum Bpffs {
     /// Needed now: mount it, or fail if that is not possible (not root).
     Require,
-    /// Mount it if possible; if not (not root), warn: building does not need it.
+    /// Mount it if possible; if not (not root, or root without the privilege, as in a
+    /// container build), warn: building does not need it.
     IfRoot,
 }
 
@@ -238,8 +239,18 @@ fn mount_bpffs(need: Bpffs) -> Result<()> {
         }
     }
     eprintln!("installing: bpffs at {BPFFS}");
-    fs::create_dir_all(BPFFS).with_context(|| format!("cannot create {BPFFS}"))?;
-    util::run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]))?;
+    let mounted = fs::create_dir_all(BPFFS)
+        .with_context(|| format!("cannot create {BPFFS}"))
+        .and_then(|()| util::run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS])));
+    if let Err(e) = mounted {
+        match need {
+            Bpffs::Require => return Err(e),
+            Bpffs::IfRoot => {
+                eprintln!("warning: cannot mount bpffs ({e:#}); building does not need it");
+                return Ok(());
+            }
+        }
+    }
     if !bpffs_mounted()? {
         bail!("`{command}` succeeded but /proc/mounts shows no bpf filesystem at {BPFFS}");
     }
