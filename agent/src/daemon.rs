@@ -50,23 +50,23 @@ pub struct RunOptions {
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
-    #[error("attaching the datapath: {0}")]
+    #[error("attaching the datapath")]
     Dataplane(#[from] DataplaneError),
     #[error(transparent)]
     WireGuard(#[from] WgError),
-    #[error("reading the kernel's state: {0}")]
+    #[error("reading the kernel's state")]
     Reconcile(#[from] ReconcileError),
     #[error(transparent)]
     Source(#[from] SourceError),
-    #[error("metrics address {addr}: {source}")]
+    #[error("metrics address {addr}")]
     MetricsBind {
         addr: SocketAddr,
         #[source]
         source: io::Error,
     },
-    #[error("{0}")]
+    #[error("starting the runtime")]
     Runtime(#[from] io::Error),
-    #[error("the reconcile task failed: {0}")]
+    #[error("the reconcile task failed")]
     Task(#[from] tokio::task::JoinError),
 }
 
@@ -139,8 +139,7 @@ impl Core {
                     path = %self.state_path.display(),
                     "{why}; keeping what is enforced"
                 );
-                self.health.set_not_ready(why);
-                self.metrics.ready.set(0);
+                self.not_ready(&why);
                 self.applied = None;
                 return Next::Idle;
             }
@@ -162,9 +161,7 @@ impl Core {
                     "{errors}\nthe last good state stays applied"
                 );
                 self.metrics.state_rejected.inc();
-                self.metrics.ready.set(0);
-                self.health
-                    .set_not_ready("state file rejected by validation (see the agent's log)");
+                self.not_ready("state file rejected by validation (see the agent's log)");
                 self.rejected = Some(bytes);
                 self.applied = None;
                 return Next::Idle;
@@ -206,24 +203,30 @@ impl Core {
                 } else {
                     tracing::debug!(peers = summary.peers, "state unchanged");
                 }
-                self.status
-                    .write(&LastReconcile::ok(&outcome), &summary, true, "");
+                self.status.applied(LastReconcile::ok(&outcome), &summary);
                 Next::Idle
             }
             Err(ReconcileError::Closed) => Next::Idle,
             Err(e) => {
                 self.account(None);
                 self.metrics.reconcile_errors.inc();
-                self.metrics.ready.set(0);
-                let why = format!("applying the state failed: {e}");
+                let why = format!("applying the state failed: {}", crate::error_chain(&e));
                 tracing::error!("{why}; will retry");
+                self.metrics.ready.set(0);
                 self.health.set_not_ready(why.clone());
+                self.status.failed(LastReconcile::failed(&why), &why);
                 self.applied = None;
-                self.status
-                    .write(&LastReconcile::failed(&why), &summary, false, &why);
                 Next::Retry
             }
         }
+    }
+
+    /// Not enforcing the current state file: `/readyz`, the metric and the status snapshot
+    /// all say so, with the reason.
+    fn not_ready(&mut self, why: &str) {
+        self.health.set_not_ready(why);
+        self.metrics.ready.set(0);
+        self.status.not_ready(why);
     }
 
     /// Adds what the reconciler wrote since the last call to the counters.
@@ -265,7 +268,7 @@ impl Core {
     fn resync(&mut self) -> Next {
         if let Err(e) = self.reconciler.refresh() {
             if !matches!(e, ReconcileError::Closed) {
-                tracing::error!(error = %e, "resync: reading the kernel failed; will retry");
+                tracing::error!(error = %crate::error_chain(&e), "resync: reading the kernel failed; will retry");
                 self.metrics.reconcile_errors.inc();
                 return Next::Retry;
             }
@@ -276,6 +279,24 @@ impl Core {
 }
 
 async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
+    let metrics = Arc::new(Metrics::new(
+        options.bpffs.clone(),
+        options.interface.clone(),
+        options.peer_metrics,
+    ));
+    let health = Arc::new(Health::default());
+    health.set_not_ready("no valid state loaded yet");
+    // Bind before touching the kernel: a second agent started by mistake on the same node
+    // fails here, before it could replace the running one's program.
+    let listener = match options.metrics_addr {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| DaemonError::MetricsBind { addr, source })?,
+        ),
+        None => None,
+    };
+
     let attach = AttachOptions {
         interface: options.interface.clone(),
         bpffs: options.bpffs.clone(),
@@ -298,18 +319,7 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         "kernel state read; nothing is removed before a valid state is loaded"
     );
     let closed = reconciler.shutdown_handle();
-
-    let metrics = Arc::new(Metrics::new(
-        options.bpffs.clone(),
-        options.interface.clone(),
-        options.peer_metrics,
-    ));
-    let health = Arc::new(Health::default());
-    health.set_not_ready("no valid state loaded yet");
-    if let Some(addr) = options.metrics_addr {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|source| DaemonError::MetricsBind { addr, source })?;
+    if let Some(listener) = listener {
         tokio::spawn(metrics::serve(
             listener,
             Arc::clone(&metrics),
@@ -357,6 +367,9 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         if closed.load(Ordering::Acquire) {
             break;
         }
+    }
+    if let Some(core) = core.as_mut() {
+        core.not_ready("agent stopped (the datapath stays attached and enforcing)");
     }
     tracing::info!(
         "stopping; the datapath stays attached and keeps enforcing the last applied state \

@@ -16,3 +16,37 @@ pub mod source;
 pub mod state;
 pub mod status;
 pub mod wg;
+
+/// An error and its sources, `outer: inner: innermost`, for logs and the command line. The
+/// error types here keep their sources out of their own message (`source()` returns them);
+/// some of aya's repeat theirs, so a cause already in the text is not added again.
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    #[derive(Debug, thiserror::Error)]
+    #[error("outer")]
+    struct Outer(#[source] Middle);
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("middle: {0}")]
+    struct Middle(#[source] std::io::Error);
+
+    #[test]
+    fn an_error_chain_names_each_cause_once() {
+        let e = Outer(Middle(std::io::Error::other("disk on fire")));
+        assert_eq!(super::error_chain(&e), "outer: middle: disk on fire");
+    }
+}

@@ -130,13 +130,13 @@ fn init_logging(format: LogFormat, filter: &str) -> Result<()> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Err(e) = init_logging(cli.log_format, &cli.log) {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", wgfence::error_chain(e.as_ref()));
         return ExitCode::from(2);
     }
     match dispatch(cli.command) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", wgfence::error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }

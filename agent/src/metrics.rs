@@ -174,7 +174,7 @@ impl Collector for DatapathCollector {
         let maps = match Dataplane::open_maps(&self.bpffs, &self.interface) {
             Ok(maps) => maps,
             Err(e) => {
-                tracing::debug!(error = %e, "datapath counters unavailable");
+                tracing::debug!(error = %crate::error_chain(&e), "datapath counters unavailable");
                 return Ok(());
             }
         };

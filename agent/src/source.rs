@@ -23,7 +23,7 @@ pub const DEBOUNCE: Duration = Duration::from_millis(50);
 pub enum SourceError {
     #[error("state file {path} has no parent directory to watch")]
     NoDirectory { path: PathBuf },
-    #[error("watching {dir}: {source}")]
+    #[error("watching {dir}")]
     Watch {
         dir: PathBuf,
         #[source]
@@ -57,7 +57,7 @@ impl StateSource {
         let mut watcher =
             notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
                 if let Err(e) = &event {
-                    tracing::warn!(error = %e, "state directory watch");
+                    tracing::warn!(error = %crate::error_chain(e), "state directory watch");
                 }
                 // Errors too: the next read tells what is there.
                 let _ = tx.send(());

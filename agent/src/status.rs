@@ -91,8 +91,7 @@ impl AgentStatus {
 /// Writes the snapshot atomically (temporary file, then rename).
 pub struct StatusFile {
     path: PathBuf,
-    interface: String,
-    state_file: PathBuf,
+    status: AgentStatus,
     warned: bool,
 }
 
@@ -100,30 +99,42 @@ impl StatusFile {
     pub fn new(interface: &str, state_file: &Path) -> Self {
         Self {
             path: status_path(interface),
-            interface: interface.to_owned(),
-            state_file: state_file.to_owned(),
+            status: AgentStatus {
+                pid: std::process::id(),
+                interface: interface.to_owned(),
+                state_file: state_file.to_owned(),
+                ..AgentStatus::default()
+            },
             warned: false,
         }
     }
 
-    pub(crate) fn write(
-        &mut self,
-        last: &LastReconcile,
-        summary: &Summary,
-        ready: bool,
-        reason: &str,
-    ) {
-        let status = AgentStatus {
-            pid: std::process::id(),
-            interface: self.interface.clone(),
-            state_file: self.state_file.clone(),
-            ready,
-            reason: reason.to_owned(),
-            peers: summary.peers,
-            restricted_peers: summary.restricted,
-            last_reconcile: last.clone(),
-        };
-        if let Err(e) = self.try_write(&status) {
+    /// A state was applied: ready.
+    pub(crate) fn applied(&mut self, last: LastReconcile, summary: &Summary) {
+        self.status.ready = true;
+        self.status.reason.clear();
+        self.status.peers = summary.peers;
+        self.status.restricted_peers = summary.restricted;
+        self.status.last_reconcile = last;
+        self.write();
+    }
+
+    /// Applying failed: not ready, with the failure as the last reconcile.
+    pub(crate) fn failed(&mut self, last: LastReconcile, reason: &str) {
+        self.status.last_reconcile = last;
+        self.not_ready(reason);
+    }
+
+    /// Not ready (state missing or rejected, agent stopping); the last reconcile and the counts
+    /// of the state that is enforced stay as they were.
+    pub(crate) fn not_ready(&mut self, reason: &str) {
+        self.status.ready = false;
+        reason.clone_into(&mut self.status.reason);
+        self.write();
+    }
+
+    fn write(&mut self) {
+        if let Err(e) = self.try_write(&self.status) {
             if !self.warned {
                 tracing::warn!(path = %self.path.display(), error = %e, "cannot write the status snapshot");
                 self.warned = true;

@@ -24,7 +24,7 @@ const UAPI_DIRS: [&str; 2] = ["/var/run/wireguard", "/run/wireguard"];
 pub enum WgError {
     #[error("{interface:?} is not a valid interface name")]
     InvalidName { interface: String },
-    #[error("WireGuard interface {interface} ({backend}): {source}")]
+    #[error("WireGuard interface {interface} ({backend})")]
     Io {
         interface: String,
         backend: &'static str,

@@ -3,7 +3,7 @@ use std::{io, path::PathBuf};
 /// Errors of the dataplane: loading, attaching, pinning and map access.
 #[derive(Debug, thiserror::Error)]
 pub enum DataplaneError {
-    #[error("interface {interface}: {source}")]
+    #[error("interface {interface}")]
     Interface {
         interface: String,
         #[source]
@@ -16,15 +16,15 @@ pub enum DataplaneError {
     UnsupportedLinkType { interface: String, link_type: u16 },
     #[error("{path} is not a mounted BPF filesystem (mount it with `mount -t bpf bpf {path}`)")]
     NotBpffs { path: PathBuf },
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         path: PathBuf,
         #[source]
         source: io::Error,
     },
-    #[error("loading the eBPF object: {0}")]
+    #[error("loading the eBPF object")]
     Load(#[from] aya::EbpfError),
-    #[error("program {program}: {source}")]
+    #[error("program {program}")]
     Program {
         program: &'static str,
         #[source]
@@ -32,7 +32,7 @@ pub enum DataplaneError {
     },
     #[error("the eBPF object has no map named {0}")]
     MissingMap(&'static str),
-    #[error("map {map}: {source}")]
+    #[error("map {map}")]
     Map {
         map: &'static str,
         #[source]
@@ -47,13 +47,13 @@ pub enum DataplaneError {
         expected: String,
         found: String,
     },
-    #[error("pinning {path}: {source}")]
+    #[error("pinning {path}")]
     Pin {
         path: PathBuf,
         #[source]
         source: aya::pin::PinError,
     },
-    #[error("pinned link {path}: {source}")]
+    #[error("pinned link {path}")]
     Link {
         path: PathBuf,
         #[source]
@@ -61,7 +61,7 @@ pub enum DataplaneError {
     },
     #[error("{field} out of range: {value}")]
     OutOfRange { field: &'static str, value: u64 },
-    #[error("BPF_PROG_TEST_RUN: {0}")]
+    #[error("BPF_PROG_TEST_RUN")]
     TestRun(#[source] io::Error),
 }
 

@@ -264,7 +264,7 @@ fn attach_or_replace(
                 tracing::warn!(
                     interface,
                     link = %link_path.display(),
-                    error = %e,
+                    error = %crate::error_chain(&e),
                     "pinned link cannot take the program; attaching a new link"
                 );
                 remove_if_exists(link_path)?;
