@@ -361,11 +361,9 @@ fn detach_removes_everything_and_status_says_so() {
     );
 }
 
-/// `wgfence status` should agree with /readyz when a state is rejected. It does not yet: the
-/// agent rewrites its status snapshot only after an apply, so a rejected (or missing) state
-/// file leaves `ready: true` from the last good apply in place.
+/// `wgfence status` agrees with /readyz when a state is rejected: the snapshot is rewritten on
+/// every change of readiness, not only after an apply.
 #[test]
-#[ignore = "agent gap: the status snapshot is not rewritten when a state file is rejected"]
 fn status_says_not_ready_when_the_state_is_rejected() {
     let gw = Gateway::new(1);
     let good = state(vec![gw.peer_json(0, None)]);

@@ -339,7 +339,14 @@ impl Node {
         let options = AttachOptions::new(wg.name.clone());
         let dataplane = ns
             .enter(|| Dataplane::attach(&options))
-            .unwrap_or_else(|e| panic!("{e}"));
+            .unwrap_or_else(|e| {
+                // Maps pinned before the failure would outlive the run.
+                let _ = Dataplane::detach(
+                    std::path::Path::new(wgfence::dataplane::DEFAULT_BPFFS),
+                    &wg.name,
+                );
+                panic!("{}", wgfence::error_chain(&e))
+            });
         let device = WgDevice::open(&wg.name).unwrap_or_else(|e| panic!("{e}"));
         let reconciler = Reconciler::new(dataplane, device).unwrap_or_else(|e| panic!("{e}"));
         Self {
