@@ -106,9 +106,21 @@ pub fn render(desired: &DesiredState, interface: &str) -> String {
 
 /// Applies `ruleset` in `ns` with the backend's `iptables-restore` and times it.
 pub fn restore(ns: &Netns, backend: Backend, ruleset: &str) -> Duration {
+    restore_within(ns, backend, ruleset, Duration::from_secs(3600))
+        .unwrap_or_else(|| panic!("{} took over an hour", backend.restore_binary()))
+}
+
+/// Like [`restore`], giving up after `limit` (`None`: it took longer).
+pub fn restore_within(
+    ns: &Netns,
+    backend: Backend,
+    ruleset: &str,
+    limit: Duration,
+) -> Option<Duration> {
     let start = Instant::now();
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", ns.name(), backend.restore_binary()])
+    let mut child = Command::new("timeout")
+        .arg(limit.as_secs().to_string())
+        .args(["ip", "netns", "exec", ns.name(), backend.restore_binary()])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -122,13 +134,16 @@ pub fn restore(ns: &Netns, backend: Backend, ruleset: &str) -> Duration {
     let out = child
         .wait_with_output()
         .unwrap_or_else(|e| panic!("{}: {e}", backend.restore_binary()));
+    if out.status.code() == Some(124) {
+        return None;
+    }
     assert!(
         out.status.success(),
         "{} failed: {}",
         backend.restore_binary(),
         String::from_utf8_lossy(&out.stderr)
     );
-    start.elapsed()
+    Some(start.elapsed())
 }
 
 /// Removes the ruleset (flushes the filter table and deletes the chains).

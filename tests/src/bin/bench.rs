@@ -501,16 +501,20 @@ fn apply_costs(report: &mut Report, config: &Config) {
         // The baseline: a full restore of the same state, per change (iptables, IPv4 half).
         let ruleset = baseline::render(&desired, "eth0");
         let restores = if n >= 100_000 { 1 } else { 3 };
+        let limit = Duration::from_secs(300);
         let mut baseline_times = Vec::new();
         for backend in [Backend::Nft, Backend::Legacy] {
             let ns = Netns::new("wgfb-ipt-");
-            let times: Vec<Duration> = (0..restores)
-                .map(|_| baseline::restore(&ns, backend, &ruleset))
+            // None: over the limit (reported as such).
+            let times: Option<Vec<Duration>> = (0..restores)
+                .map(|_| baseline::restore_within(&ns, backend, &ruleset, limit))
                 .collect();
             baseline::flush(&ns, backend);
-            baseline_times.push((backend, median(&times)));
-            record[format!("{}_restore_ms", backend.name())] = json!(ms(median(&times)));
+            let time = times.map(|t| median(&t));
+            baseline_times.push((backend, time));
+            record[format!("{}_restore_ms", backend.name())] = json!(time.map(ms));
         }
+        let show = |t: Option<Duration>| t.map_or(format!("> {}", ms(limit)), |t| f(ms(t), 0));
         for (kind, label) in ["add", "policy change", "revoke"].iter().enumerate() {
             let outcomes = &samples[kind];
             let times: Vec<Duration> = outcomes.iter().map(|o| o.duration).collect();
@@ -524,7 +528,7 @@ fn apply_costs(report: &mut Report, config: &Config) {
             let p99 = quantile(&times, 0.99);
             let writes_min = outcomes.iter().map(|o| o.map_writes).min().unwrap_or(0);
             let writes_max = outcomes.iter().map(|o| o.map_writes).max().unwrap_or(0);
-            let nft = baseline_times[0].1;
+            let nft = baseline_times[0].1.unwrap_or(limit);
             apply_rows.push(vec![
                 n.to_string(),
                 (*label).to_owned(),
@@ -539,8 +543,8 @@ fn apply_costs(report: &mut Report, config: &Config) {
                 } else {
                     format!("{writes_min}–{writes_max}")
                 },
-                f(ms(nft), 0),
-                f(ms(baseline_times[1].1), 0),
+                show(baseline_times[0].1),
+                show(baseline_times[1].1),
                 format!("{:.0}x", nft.as_secs_f64() / p50.as_secs_f64()),
             ]);
             record[format!("{}_p50_us", label.replace(' ', "_"))] = json!(us(p50));
