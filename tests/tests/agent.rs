@@ -335,3 +335,54 @@ fn resync_repairs_drift() {
         agent.log_text()
     );
 }
+
+#[test]
+fn churn_of_other_peers_does_not_interrupt_an_unchanged_peer() {
+    let gw = Gateway::new(1);
+    // Peers that exist only in the state (no WireGuard on the other side): the agent adds
+    // them to the maps and to WireGuard, changes and removes them, while peer 0 streams.
+    let synthetic = |i: usize, policy: usize| {
+        let mut key = [0u8; 32];
+        key[0] = 0x42;
+        key[1] = i as u8;
+        let mut p = json!({
+            "name": format!("churn-{i:02}"),
+            "publicKey": wgfence::state::WgKey(key).to_base64(),
+            "address": format!("10.8.1.{}", i + 2),
+        });
+        if policy > 0 {
+            p["egress"] = json!([{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [policy] }]);
+        }
+        p
+    };
+    let bystander = gw.peer_json(
+        0,
+        Some(json!([{ "cidr": "10.8.0.1/32", "protocol": "icmp" }])),
+    );
+    let initial = state(vec![bystander.clone()]);
+    let agent = Agent::start(&gw, Layout::Kubernetes, &initial, &[]);
+    agent.wait_ready(&gw);
+
+    let ping = ping_stream(&gw, 0, 300);
+    let before = agent.reconciles(&gw);
+    let changes = 40;
+    for round in 0..changes {
+        // Each round: a different subset of the synthetic peers, with rotating policies.
+        let mut peers = vec![bystander.clone()];
+        peers.extend(
+            (0..20)
+                .filter(|i| (i + round) % 3 != 0)
+                .map(|i| synthetic(i, (i + round) % 4)),
+        );
+        agent.write_state(&state(peers));
+        thread::sleep(Duration::from_millis(60));
+    }
+    let result = finish(ping);
+    assert_eq!(
+        result.received, result.transmitted,
+        "the unchanged peer lost packets while others churned"
+    );
+    // The churn was applied, not coalesced into nothing.
+    assert!(agent.reconciles(&gw) - before >= (changes / 2) as f64);
+    assert!(agent.metric(&gw, "wgfence_bpf_map_writes_total") > 0.0);
+}
