@@ -14,6 +14,21 @@ use wgfence::{
     policy::{compile, CompiledPolicy, Rule},
 };
 
+/// An address literal of a test (panics on a typo).
+pub fn ip(s: &str) -> std::net::IpAddr {
+    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+/// A prefix literal of a test (panics on a typo).
+pub fn net(s: &str) -> ipnet::IpNet {
+    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+/// A state file of schema version 1 with these peers.
+pub fn state(peers: Vec<serde_json::Value>) -> String {
+    serde_json::json!({ "version": 1, "peers": peers }).to_string()
+}
+
 /// Fails the test with a clear message unless it runs as root (as CI does).
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.

@@ -3,7 +3,6 @@
 //! its metrics.
 
 use std::{
-    net::IpAddr,
     process::{Child, Stdio},
     thread,
     time::{Duration, SystemTime, UNIX_EPOCH},
@@ -12,18 +11,12 @@ use std::{
 use serde_json::{json, Value};
 use wgfence_tests::{
     agent::{Agent, Layout},
+    ip,
     net::{run, wait_for},
     probe::{check_all, probe, Expect, Kind, Reach},
+    state,
     topology::Gateway,
 };
-
-fn state(peers: Vec<Value>) -> String {
-    json!({ "version": 1, "peers": peers }).to_string()
-}
-
-fn ip(s: &str) -> IpAddr {
-    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
-}
 
 fn web_and_ping() -> Value {
     json!([

@@ -1,7 +1,7 @@
 //! The datapath on a real (userspace) WireGuard interface, with real traffic through the tunnel,
 //! filled directly through the agent's dataplane API.
 
-use std::{net::IpAddr, process::Stdio, thread, time::Duration};
+use std::{process::Stdio, thread, time::Duration};
 
 use wgfence::{
     dataplane::Attachment,
@@ -9,18 +9,10 @@ use wgfence::{
 };
 use wgfence_common::{Counter, PeerEntry, UNRESTRICTED};
 use wgfence_tests::{
-    install_policy,
+    install_policy, ip, net,
     probe::{check_all, probe, Expect, Kind, Reach},
     topology::Gateway,
 };
-
-fn net(s: &str) -> ipnet::IpNet {
-    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
-}
-
-fn ip(s: &str) -> IpAddr {
-    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
-}
 
 fn entry(policy: u32, slot: u32) -> PeerEntry {
     PeerEntry { policy, slot }

@@ -1,15 +1,13 @@
 //! Header parsing of the loaded datapath, on crafted packets run with `BPF_PROG_TEST_RUN`:
 //! every verdict is checked together with the counter that explains it.
 
-use std::net::IpAddr;
-
 use wgfence::{
     dataplane::TestProgram,
     policy::{PortRange, Protocol, Rule},
 };
 use wgfence_common::{Counter, PeerEntry, UNRESTRICTED};
 use wgfence_tests::{
-    install_policy,
+    install_policy, ip, net,
     packet::{Ext, Packet, ICMP, ICMPV6, TCP, UDP},
     require_root,
 };
@@ -20,14 +18,6 @@ const OPEN_V4: &str = "10.8.0.3";
 const OPEN_V6: &str = "fd00:8::3";
 const RESTRICTED_SLOT: u32 = 5;
 const POLICY: u32 = 1;
-
-fn net(s: &str) -> ipnet::IpNet {
-    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
-}
-
-fn ip(s: &str) -> IpAddr {
-    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
-}
 
 fn program() -> TestProgram {
     require_root();

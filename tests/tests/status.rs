@@ -7,7 +7,6 @@
 
 use std::{
     collections::BTreeSet,
-    net::IpAddr,
     path::Path,
     process::{Command, Output},
 };
@@ -16,17 +15,11 @@ use serde::Deserialize as _;
 use serde_json::{json, Value};
 use wgfence_tests::{
     agent::{binary, Agent, Layout},
+    ip,
     probe::{probe, Kind, Reach},
+    state,
     topology::Gateway,
 };
-
-fn state(peers: Vec<Value>) -> String {
-    json!({ "version": 1, "peers": peers }).to_string()
-}
-
-fn ip(s: &str) -> IpAddr {
-    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
-}
 
 fn web_only() -> Value {
     json!([{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] }])
