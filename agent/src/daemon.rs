@@ -150,9 +150,20 @@ impl Core {
         if !force && self.rejected.as_ref() == Some(&bytes) {
             return Next::Idle;
         }
+        let capacity = self.reconciler.wireguard().max_peers();
         let parsed = std::str::from_utf8(&bytes)
             .map_err(|e| format!("state file is not UTF-8: {e}"))
-            .and_then(|text| state::parse(text).map_err(|e| e.to_string()));
+            .and_then(|text| state::parse(text).map_err(|e| e.to_string()))
+            .and_then(|desired| match capacity {
+                // Refused here, whole, rather than halfway through the WireGuard update.
+                Some(max) if desired.peers.len() > max => Err(format!(
+                    "state rejected: {} peers, but {} is run by a userspace WireGuard \
+                     (wireguard-go), which holds at most {max}",
+                    desired.peers.len(),
+                    self.reconciler.dataplane().interface()
+                )),
+                _ => Ok(desired),
+            });
         let desired = match parsed {
             Ok(desired) => desired,
             Err(errors) => {

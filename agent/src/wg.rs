@@ -17,6 +17,9 @@ use crate::{
     state::WgKey,
 };
 
+/// wireguard-go's `device.MaxPeers`.
+pub const WIREGUARD_GO_MAX_PEERS: usize = 1 << 16;
+
 /// Where userspace implementations put their UAPI sockets.
 const UAPI_DIRS: [&str; 2] = ["/var/run/wireguard", "/run/wireguard"];
 
@@ -73,6 +76,12 @@ impl WireGuard {
             Backend::Userspace => "userspace",
             _ => "kernel",
         }
+    }
+
+    /// How many peers the device can hold, where that is less than the maps: wireguard-go's
+    /// `MaxPeers` is 65,536 (the kernel's limit is far above the maps').
+    pub fn max_peers(&self) -> Option<usize> {
+        (self.backend == Backend::Userspace).then_some(WIREGUARD_GO_MAX_PEERS)
     }
 
     pub fn peer_updates(&self) -> u64 {

@@ -379,3 +379,38 @@ fn churn_of_other_peers_does_not_interrupt_an_unchanged_peer() {
     assert!(agent.reconciles(&gw) - before >= (changes / 2) as f64);
     assert!(agent.metric(&gw, "wgfence_bpf_map_writes_total") > 0.0);
 }
+
+#[test]
+fn a_state_beyond_wireguard_go_capacity_is_rejected_whole() {
+    let gw = Gateway::new(1);
+    let good = state(vec![gw.peer_json(0, None)]);
+    let agent = Agent::start(&gw, Layout::Plain, &good, &[]);
+    agent.wait_ready(&gw);
+
+    // One peer more than wireguard-go holds: refused before any change, not halfway through.
+    let mut big = wgfence_tests::bench::gen::state(wgfence::wg::WIREGUARD_GO_MAX_PEERS, 9);
+    if let Some(peers) = big["peers"].as_array_mut() {
+        peers.push(gw.peer_json(0, None));
+    }
+    let writes = agent.metric(&gw, "wgfence_bpf_map_writes_total");
+    agent.write_state(&big.to_string());
+    let rejected = || agent.metric(&gw, "wgfence_state_rejected_total") >= 1.0;
+    assert!(
+        wait_for(Duration::from_secs(120), rejected).is_some(),
+        "the oversized state was not rejected; log:\n{}",
+        agent.log_text()
+    );
+    assert!(
+        agent
+            .log_text()
+            .contains("wireguard-go), which holds at most 65536"),
+        "{}",
+        agent.log_text()
+    );
+    assert_eq!(agent.metric(&gw, "wgfence_bpf_map_writes_total"), writes);
+    assert_eq!(gw.wg_peers().len(), 1);
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Tcp(80), ip("10.2.3.4")),
+        Reach::Reached
+    );
+}
