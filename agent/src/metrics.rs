@@ -181,36 +181,31 @@ impl Collector for DatapathCollector {
         let Ok(counters) = maps.counters() else {
             return Ok(());
         };
-        let mut family = encoder.encode_descriptor(
+        let verdicts = [("pass", counters.passed()), ("drop", counters.dropped())];
+        counter_family(
+            &mut encoder,
             "wgfence_packets",
             "Packets from peers, by verdict",
-            None,
-            MetricType::Counter,
+            verdicts.iter().map(|(v, n)| ([("verdict", *v)], *n)),
         )?;
-        for (verdict, value) in [("pass", counters.passed()), ("drop", counters.dropped())] {
-            let labels = [("verdict", verdict)];
-            ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
-        }
-        let mut family = encoder.encode_descriptor(
+        let by_reason = |pass: bool| {
+            DatapathCounter::ALL
+                .iter()
+                .filter(move |c| c.is_pass() == pass)
+                .map(|c| ([("reason", c.name())], counters.get(*c)))
+        };
+        counter_family(
+            &mut encoder,
             "wgfence_dropped_packets",
             "Packets from peers dropped, by reason",
-            None,
-            MetricType::Counter,
+            by_reason(false),
         )?;
-        for counter in DatapathCounter::ALL.iter().filter(|c| !c.is_pass()) {
-            let labels = [("reason", counter.name())];
-            ConstCounter::new(counters.get(*counter)).encode(family.encode_family(&labels)?)?;
-        }
-        let mut family = encoder.encode_descriptor(
+        counter_family(
+            &mut encoder,
             "wgfence_passed_packets",
             "Packets from peers passed, by reason",
-            None,
-            MetricType::Counter,
+            by_reason(true),
         )?;
-        for counter in DatapathCounter::ALL.iter().filter(|c| c.is_pass()) {
-            let labels = [("reason", counter.name())];
-            ConstCounter::new(counters.get(*counter)).encode(family.encode_family(&labels)?)?;
-        }
 
         let Some(names) = &self.slot_names else {
             return Ok(());
@@ -234,6 +229,20 @@ impl Collector for DatapathCollector {
         }
         Ok(())
     }
+}
+
+/// One counter family: a descriptor, then one value per label set.
+fn counter_family<L: prometheus_client::encoding::EncodeLabelSet>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    values: impl Iterator<Item = (L, u64)>,
+) -> Result<(), std::fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, value) in values {
+        ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
 }
 
 /// Serves `/metrics`, `/healthz` and `/readyz` until the task is dropped.

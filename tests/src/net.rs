@@ -7,7 +7,6 @@
 use std::{
     fs,
     io::Write as _,
-    net::IpAddr,
     os::fd::AsRawFd as _,
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
@@ -284,9 +283,4 @@ pub fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> Option<Dur
         thread::sleep(Duration::from_millis(10));
     }
     None
-}
-
-/// Formats an address for `host:port` use.
-pub fn sockaddr(addr: IpAddr, port: u16) -> std::net::SocketAddr {
-    std::net::SocketAddr::new(addr, port)
 }
