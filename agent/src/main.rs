@@ -49,16 +49,12 @@ enum Command {
     /// Attach to the interface (adopting what is pinned) and enforce the state file, following
     /// its changes, until SIGTERM. The datapath stays attached when the agent stops.
     Run {
-        /// The WireGuard interface (must exist; its key and port are yours to manage).
-        #[arg(long, short)]
-        interface: String,
+        #[command(flatten)]
+        target: Target,
         /// The state file. Its directory is watched, so Kubernetes volume updates (a `..data`
         /// symlink swap), in-place edits and renames all apply within a second.
         #[arg(long, short)]
         state: PathBuf,
-        /// Where bpffs is mounted; pins go to <bpffs>/wgfence/<interface>/.
-        #[arg(long, default_value = DEFAULT_BPFFS)]
-        bpffs: PathBuf,
         /// Serve /metrics, /healthz and /readyz here (use 0.0.0.0:9586 to expose beyond the node).
         #[arg(long, default_value = "127.0.0.1:9586")]
         metrics_addr: SocketAddr,
@@ -84,34 +80,40 @@ enum Command {
     },
     /// Print what `run` would change right now; changes nothing.
     Plan {
-        #[arg(long, short)]
-        interface: String,
+        #[command(flatten)]
+        target: Target,
+        /// The state file to compare with what is enforced.
         #[arg(long, short)]
         state: PathBuf,
-        #[arg(long, default_value = DEFAULT_BPFFS)]
-        bpffs: PathBuf,
     },
     /// Program, link, peers and counters of an interface.
     Status {
-        #[arg(long, short)]
-        interface: String,
+        #[command(flatten)]
+        target: Target,
         /// Machine-readable output (schema in docs/operations.md).
         #[arg(long)]
         json: bool,
         /// State file to name peers by (default: the running agent's).
         #[arg(long, short)]
         state: Option<PathBuf>,
-        #[arg(long, default_value = DEFAULT_BPFFS)]
-        bpffs: PathBuf,
     },
     /// Remove the program, link and pinned maps of an interface. Peers lose their policy:
     /// traffic is no longer filtered.
     Detach {
-        #[arg(long, short)]
-        interface: String,
-        #[arg(long, default_value = DEFAULT_BPFFS)]
-        bpffs: PathBuf,
+        #[command(flatten)]
+        target: Target,
     },
+}
+
+/// The interface a command acts on, and where its pins live.
+#[derive(Debug, clap::Args)]
+struct Target {
+    /// The WireGuard interface (must exist; its key and port are yours to manage).
+    #[arg(long, short)]
+    interface: String,
+    /// Where bpffs is mounted; pins go to <bpffs>/wgfence/<interface>/.
+    #[arg(long, default_value = DEFAULT_BPFFS)]
+    bpffs: PathBuf,
 }
 
 fn init_logging(format: LogFormat, filter: &str) -> Result<()> {
@@ -145,9 +147,8 @@ fn main() -> ExitCode {
 fn dispatch(command: Command) -> Result<ExitCode> {
     match command {
         Command::Run {
-            interface,
+            target: Target { interface, bpffs },
             state,
-            bpffs,
             metrics_addr,
             no_metrics,
             resync,
@@ -167,16 +168,11 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Check { state } => check(&state),
-        Command::Plan {
-            interface,
-            state,
-            bpffs,
-        } => plan_command(&interface, &state, &bpffs),
+        Command::Plan { target, state } => plan_command(&target.interface, &state, &target.bpffs),
         Command::Status {
-            interface,
+            target: Target { interface, bpffs },
             json,
             state,
-            bpffs,
         } => {
             let report = status::report(&bpffs, &interface, state.as_deref())?;
             if json {
@@ -186,7 +182,9 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Detach { interface, bpffs } => {
+        Command::Detach {
+            target: Target { interface, bpffs },
+        } => {
             if Dataplane::detach(&bpffs, &interface)
                 .with_context(|| format!("detaching from {interface}"))?
             {
@@ -333,6 +331,40 @@ fn print_status(r: &Report) {
                 policy,
                 p.pass_packets,
                 p.drop_packets
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_interface_command_takes_the_same_target_options() {
+        for cmd in ["run", "plan", "status", "detach"] {
+            let mut args = vec!["wgfence", cmd, "--interface", "wg0", "--bpffs", "/tmp/x"];
+            if cmd == "run" || cmd == "plan" {
+                args.extend(["--state", "s.json"]);
+            }
+            let cli = Cli::try_parse_from(&args).unwrap_or_else(|e| panic!("{cmd}: {e}"));
+            let target = match cli.command {
+                Command::Run { target, .. }
+                | Command::Plan { target, .. }
+                | Command::Status { target, .. }
+                | Command::Detach { target } => target,
+                Command::Check { .. } => unreachable!(),
+            };
+            assert_eq!(
+                (target.interface.as_str(), target.bpffs.as_path()),
+                ("wg0", Path::new("/tmp/x"))
             );
         }
     }
