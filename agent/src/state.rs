@@ -81,9 +81,21 @@ impl PeerSpec {
 }
 
 /// A validated state: peers sorted by name.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DesiredState {
     pub peers: Vec<PeerSpec>,
+    /// Let replies to flows the network starts toward a peer pass that peer's egress policy
+    /// (`"replies"`, default true): the stateless allow-list's ESTABLISHED,RELATED.
+    pub replies: bool,
+}
+
+impl Default for DesiredState {
+    fn default() -> Self {
+        Self {
+            peers: Vec::new(),
+            replies: true,
+        }
+    }
 }
 
 impl DesiredState {
@@ -188,7 +200,7 @@ pub fn parse(text: &str) -> Result<DesiredState, StateError> {
         location: String::new(),
     };
     for key in root.keys() {
-        if key != "version" && key != "peers" {
+        if !matches!(key.as_str(), "version" | "peers" | "replies") {
             top.add(key.as_str(), "unknown field");
         }
     }
@@ -200,6 +212,14 @@ pub fn parse(text: &str) -> Result<DesiredState, StateError> {
             format!("unsupported version {v} (this agent reads version 1)"),
         ),
     }
+    let replies = match root.get("replies") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            top.add("replies", "must be true or false");
+            true
+        }
+    };
     let raw_peers = match root.get("peers") {
         Some(Value::Array(peers)) => peers.as_slice(),
         Some(_) => {
@@ -315,7 +335,7 @@ pub fn parse(text: &str) -> Result<DesiredState, StateError> {
         return Err(StateError { errors });
     }
     peers.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(DesiredState { peers })
+    Ok(DesiredState { peers, replies })
 }
 
 fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Option<PeerSpec> {
@@ -726,6 +746,18 @@ mod tests {
         empty["egress"] = json!([]);
         let s = parse(&state(vec![empty])).unwrap_or_else(|e| panic!("{e}"));
         assert!(s.peers[0].policy.is_none());
+    }
+
+    #[test]
+    fn replies_default_on_and_switch_off() {
+        let s = parse(&state(vec![peer("a", 2)])).unwrap_or_else(|e| panic!("{e}"));
+        assert!(s.replies, "replies default to on");
+        let off = json!({ "version": 1, "replies": false, "peers": [peer("a", 2)] }).to_string();
+        assert!(!parse(&off).unwrap_or_else(|e| panic!("{e}")).replies);
+        assert_error(
+            &json!({ "version": 1, "replies": "yes", "peers": [] }).to_string(),
+            "replies: must be true or false",
+        );
     }
 
     #[test]
