@@ -31,12 +31,40 @@ pub mod map_names {
     /// Array of [`super::PeerCounters`] indexed by [`super::PeerEntry::slot`].
     pub const PEER_STATS: &str = "wgf1_peer_stats";
 
+    /// LRU hash: IPv4 flow the network started toward a peer ([`super::FlowKeyV4`]) ->
+    /// [`super::FlowValue`].
+    pub const FLOWS_V4: &str = "wgf1_flows_v4";
+    /// LRU hash: IPv6 flow the network started toward a peer ([`super::FlowKeyV6`]) ->
+    /// [`super::FlowValue`].
+    pub const FLOWS_V6: &str = "wgf1_flows_v6";
+    /// Array of one [`super::Config`]: the settings the agent gives the datapath.
+    pub const CONFIG: &str = "wgf1_config";
+    /// Ring buffer of [`super::DropEvent`]s, read by `wgfence monitor`.
+    pub const EVENTS: &str = "wgf1_events";
+    /// Per-CPU array of one [`super::EventBucket`]: the drop event rate limiter.
+    pub const EVENT_BUCKET: &str = "wgf1_ev_bucket";
+
     /// Every map the agent pins, in a fixed order.
-    pub const ALL: [&str; 6] = [PEERS_V4, PEERS_V6, POLICY_V4, POLICY_V6, STATS, PEER_STATS];
+    pub const ALL: [&str; 11] = [
+        PEERS_V4,
+        PEERS_V6,
+        POLICY_V4,
+        POLICY_V6,
+        STATS,
+        PEER_STATS,
+        FLOWS_V4,
+        FLOWS_V6,
+        CONFIG,
+        EVENTS,
+        EVENT_BUCKET,
+    ];
 }
 
-/// Name of the ingress classifier in the object file.
+/// Name of the ingress classifier (packets from peers) in the object file.
 pub const INGRESS_PROGRAM: &str = "wgfence_ingress";
+/// Name of the egress classifier (packets to peers) in the object file: it records the flows
+/// the network starts toward restricted peers, so their replies pass.
+pub const EGRESS_PROGRAM: &str = "wgfence_egress";
 
 /// Name of the load-time constant that tells the program where the IP header starts: 0 on a
 /// WireGuard or TUN device (no link-layer header), 14 behind an Ethernet header (veth,
@@ -49,6 +77,11 @@ pub const MAX_PEERS: u32 = 131_072;
 pub const MAX_POLICY_ENTRIES: u32 = 1_048_576;
 /// Allow entries per trie value: the bound of the datapath's scan.
 pub const MAX_ALLOWS: usize = 32;
+/// Flows per address family in the reply flow tables (LRU: the least recently used flow goes
+/// when a new one needs room).
+pub const MAX_FLOWS: u32 = 131_072;
+/// Bytes of the drop event ring buffer (a power of two, a multiple of the page size).
+pub const EVENTS_BYTES: u32 = 256 * 1024;
 /// IPv6 extension headers the datapath walks before it gives up (and fails closed).
 pub const MAX_IPV6_EXT_HEADERS: usize = 8;
 
@@ -173,6 +206,112 @@ impl PolicyValue {
     }
 }
 
+/// A flow the network started toward a restricted peer, keyed as the peer's reply looks: the
+/// peer's address and port first. Only the egress program (packets to peers) creates entries,
+/// so a peer cannot make one from its side. For ICMP echo, `peer_port` is the echo identifier
+/// and `remote_port` is 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
+pub struct FlowKeyV4 {
+    pub peer: [u8; 4],
+    pub remote: [u8; 4],
+    pub peer_port: u16,
+    pub remote_port: u16,
+    pub protocol: u8,
+    pub _pad: [u8; 3],
+}
+
+/// IPv6 form of [`FlowKeyV4`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
+pub struct FlowKeyV6 {
+    pub peer: [u8; 16],
+    pub remote: [u8; 16],
+    pub peer_port: u16,
+    pub remote_port: u16,
+    pub protocol: u8,
+    pub _pad: [u8; 3],
+}
+
+/// [`FlowValue::state`]: the flow is open.
+pub const FLOW_OPEN: u32 = 0;
+/// [`FlowValue::state`]: a TCP flow saw a FIN or an RST; it times out after the closing timeout.
+pub const FLOW_CLOSING: u32 = 1;
+
+/// Value of the flow tables: when the flow last carried a packet (either way), in
+/// `bpf_ktime_get_ns` time (CLOCK_MONOTONIC), and its state.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct FlowValue {
+    pub last_seen_ns: u64,
+    pub state: u32,
+    pub _pad: u32,
+}
+
+/// [`Config::flags`]: replies to flows the network started pass restricted peers' policies.
+pub const CONFIG_REPLIES: u32 = 1;
+
+/// The agent's settings for the datapath, the single entry of [`map_names::CONFIG`]. All zero
+/// (the state before the agent writes it) means: no reply passing, no drop events.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct Config {
+    pub flags: u32,
+    pub _pad: u32,
+    /// Idle timeout of an open TCP flow.
+    pub tcp_timeout_ns: u64,
+    /// Idle timeout of a TCP flow after a FIN or RST.
+    pub tcp_closing_timeout_ns: u64,
+    pub udp_timeout_ns: u64,
+    /// Idle timeout of ICMP echo and of every other protocol.
+    pub other_timeout_ns: u64,
+    /// Drop events: nanoseconds of credit one event costs on one CPU; 0 disables events.
+    pub event_interval_ns: u64,
+    /// Drop events: the most credit one CPU can save up (the burst).
+    pub event_burst_ns: u64,
+}
+
+impl Config {
+    pub const fn replies(&self) -> bool {
+        self.flags & CONFIG_REPLIES != 0
+    }
+}
+
+/// Per-CPU state of the drop event rate limiter (a token bucket counted in nanoseconds).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct EventBucket {
+    pub credit_ns: u64,
+    pub last_ns: u64,
+}
+
+/// [`DropEvent::slot`] when the source is not a known peer.
+pub const NO_SLOT: u32 = u32::MAX;
+
+/// One dropped packet, as `wgfence monitor` receives it. Addresses are network byte order;
+/// an IPv4 address fills the first 4 bytes. Ports are 0 when the packet has none (or the
+/// datapath did not read them: non-first fragments, IPv6 extension headers).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct DropEvent {
+    /// `bpf_ktime_get_ns` when the packet was dropped.
+    pub timestamp_ns: u64,
+    /// The [`Counter`] that explains the drop.
+    pub reason: u32,
+    /// The source peer's counter slot, or [`NO_SLOT`].
+    pub slot: u32,
+    /// Packet length in bytes.
+    pub len: u32,
+    /// 4 or 6; 0 when the packet is not IP.
+    pub family: u8,
+    pub protocol: u8,
+    pub src_port: u16,
+    pub dst_port: u16,
+    pub _pad: [u8; 6],
+    pub src: [u8; 16],
+    pub dst: [u8; 16],
+}
+
 /// Indexes of the per-CPU packet counter array ([`map_names::STATS`]).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -194,15 +333,28 @@ pub enum Counter {
     /// Passed: an ARP frame on an Ethernet-framed device (veth in tests and benchmarks). A
     /// WireGuard device has no link layer, so this never counts there.
     PassArp = 7,
+    /// Passed: a restricted peer's policy denies the packet, but it replies to a flow the
+    /// network started toward the peer.
+    PassReply = 8,
+    /// Not a verdict: a drop event the rate limiter held back.
+    EventRateLimited = 9,
+    /// Not a verdict: a drop event lost because the ring buffer was full (nobody reading).
+    EventRingFull = 10,
+    /// Not a verdict: a drop event written to the ring buffer.
+    EventSent = 11,
+    /// Not a verdict: a flow toward a restricted peer recorded by the egress program.
+    FlowRecorded = 12,
 }
 
 /// Length of the counter array; leaves room for new counters without a layout change.
 pub const COUNTERS_LEN: u32 = 16;
 
 impl Counter {
-    pub const ALL: [Counter; 8] = [
+    /// Every verdict counter: each packet the ingress program sees counts in exactly one.
+    pub const ALL: [Counter; 9] = [
         Counter::PassUnrestricted,
         Counter::PassPolicy,
+        Counter::PassReply,
         Counter::PassArp,
         Counter::DropUnknownSource,
         Counter::DropPolicy,
@@ -211,11 +363,39 @@ impl Counter {
         Counter::DropHeaderChain,
     ];
 
+    /// Counters that are not verdicts: drop events and recorded flows.
+    pub const OTHER: [Counter; 4] = [
+        Counter::EventSent,
+        Counter::EventRateLimited,
+        Counter::EventRingFull,
+        Counter::FlowRecorded,
+    ];
+
     pub const fn is_pass(self) -> bool {
         matches!(
             self,
-            Counter::PassUnrestricted | Counter::PassPolicy | Counter::PassArp
+            Counter::PassUnrestricted | Counter::PassPolicy | Counter::PassReply | Counter::PassArp
         )
+    }
+
+    /// The counter at `index` of the counter array, if any.
+    pub const fn from_index(index: u32) -> Option<Self> {
+        Some(match index {
+            0 => Counter::PassUnrestricted,
+            1 => Counter::PassPolicy,
+            2 => Counter::DropUnknownSource,
+            3 => Counter::DropPolicy,
+            4 => Counter::DropMalformed,
+            5 => Counter::DropNotIp,
+            6 => Counter::DropHeaderChain,
+            7 => Counter::PassArp,
+            8 => Counter::PassReply,
+            9 => Counter::EventRateLimited,
+            10 => Counter::EventRingFull,
+            11 => Counter::EventSent,
+            12 => Counter::FlowRecorded,
+            _ => return None,
+        })
     }
 
     /// Stable name, used as the `verdict` or `reason` label in metrics and in `status`.
@@ -229,6 +409,11 @@ impl Counter {
             Counter::DropNotIp => "not_ip",
             Counter::DropHeaderChain => "header_chain",
             Counter::PassArp => "arp",
+            Counter::PassReply => "reply",
+            Counter::EventRateLimited => "rate_limited",
+            Counter::EventRingFull => "ring_full",
+            Counter::EventSent => "sent",
+            Counter::FlowRecorded => "flow_recorded",
         }
     }
 }
@@ -257,6 +442,12 @@ mod user {
     unsafe impl aya::Pod for PolicyKeyV6 {}
     unsafe impl aya::Pod for PolicyValue {}
     unsafe impl aya::Pod for PeerCounters {}
+    unsafe impl aya::Pod for FlowKeyV4 {}
+    unsafe impl aya::Pod for FlowKeyV6 {}
+    unsafe impl aya::Pod for FlowValue {}
+    unsafe impl aya::Pod for Config {}
+    unsafe impl aya::Pod for EventBucket {}
+    unsafe impl aya::Pod for DropEvent {}
 }
 
 #[cfg(test)]
@@ -285,6 +476,20 @@ mod tests {
         assert_eq!(core::mem::size_of::<Allow>(), 6);
         assert_eq!(core::mem::size_of::<PolicyValue>(), 4 + 6 * MAX_ALLOWS);
         assert_eq!(core::mem::size_of::<PeerCounters>(), 32);
+        assert_eq!(core::mem::size_of::<FlowKeyV4>(), 16);
+        assert_eq!(core::mem::size_of::<FlowKeyV6>(), 40);
+        assert_eq!(core::mem::size_of::<FlowValue>(), 16);
+        assert_eq!(core::mem::size_of::<Config>(), 56);
+        assert_eq!(core::mem::size_of::<DropEvent>(), 64);
+    }
+
+    #[test]
+    fn counters_fit_the_array_and_round_trip_their_index() {
+        for c in Counter::ALL.iter().chain(Counter::OTHER.iter()) {
+            assert!((*c as u32) < COUNTERS_LEN);
+            assert_eq!(Counter::from_index(*c as u32), Some(*c));
+        }
+        assert_eq!(Counter::from_index(COUNTERS_LEN), None);
     }
 
     #[test]

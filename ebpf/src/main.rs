@@ -1,5 +1,6 @@
 //! The wgfence datapath: a tcx classifier on the ingress of a WireGuard interface, i.e. on
-//! packets that peers sent, after WireGuard decrypted them.
+//! packets that peers sent, after WireGuard decrypted them, and one on its egress (packets to
+//! peers) that records the flows the network starts toward restricted peers.
 //!
 //! It only looks things up. The agent compiles every policy into two maps per address family:
 //! a hash map from peer address to policy id, and an LPM trie keyed by (policy id, destination)
@@ -8,8 +9,13 @@
 //! its destination has an entry matching its protocol and destination port. Everything else is
 //! dropped: unknown sources, malformed headers, too long IPv6 header chains (fail closed).
 //!
+//! Replies: a packet a restricted peer's policy denies still passes when it answers a flow the
+//! network started toward that peer ([`flow`]). Only [`wgfence_egress`] creates flows, so a peer
+//! cannot open one from its side; a revoked peer's flows stop counting with its source lookup.
+//!
 //! The family-specific parsing lives in [`v4`] and [`v6`]; both return `Result<Pass, Drop>`,
-//! and [`wgfence_ingress`] turns that into counters and a tc verdict in one place.
+//! and [`wgfence_ingress`] turns that into counters, a rate-limited drop event ([`events`]) and
+//! a tc verdict in one place.
 #![no_std]
 #![no_main]
 // `atomic_xadd`: the BPF target has no compare-and-swap, so `AtomicU64::fetch_add` does not exist
@@ -17,21 +23,24 @@
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
 
+mod events;
+mod flow;
 mod v4;
 mod v6;
 
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LpmTrie, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
     macros::{btf_map, classifier},
     programs::TcContext,
     Global,
 };
 use aya_log_ebpf::debug;
 use wgfence_common::{
-    Counter, PeerCounters, PeerEntry, PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue,
-    COUNTERS_LEN, MAX_ALLOWS, MAX_PEERS, MAX_POLICY_ENTRIES, PROTO_TCP, PROTO_UDP,
+    Config, Counter, DropEvent, EventBucket, FlowKeyV4, FlowKeyV6, FlowValue, PeerCounters,
+    PeerEntry, PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, COUNTERS_LEN,
+    EVENTS_BYTES, MAX_ALLOWS, MAX_FLOWS, MAX_PEERS, MAX_POLICY_ENTRIES, PROTO_TCP, PROTO_UDP,
 };
 
 /// tcx: let the next program (or the stack) decide; passing is never final, so wgfence composes
@@ -65,6 +74,21 @@ static STATS: PerCpuArray<u64, { COUNTERS_LEN as usize }> = PerCpuArray::new();
 #[btf_map(name = "wgf1_peer_stats")]
 static PEER_STATS: Array<PeerCounters, { MAX_PEERS as usize }> = Array::new();
 
+#[btf_map(name = "wgf1_flows_v4")]
+static FLOWS_V4: LruHashMap<FlowKeyV4, FlowValue, { MAX_FLOWS as usize }> = LruHashMap::new();
+
+#[btf_map(name = "wgf1_flows_v6")]
+static FLOWS_V6: LruHashMap<FlowKeyV6, FlowValue, { MAX_FLOWS as usize }> = LruHashMap::new();
+
+#[btf_map(name = "wgf1_config")]
+static CONFIG: Array<Config, 1> = Array::new();
+
+#[btf_map(name = "wgf1_events")]
+static EVENTS: RingBuf<DropEvent, { EVENTS_BYTES as usize }> = RingBuf::new();
+
+#[btf_map(name = "wgf1_ev_bucket")]
+static EVENT_BUCKET: PerCpuArray<EventBucket, 1> = PerCpuArray::new();
+
 /// Length of an Ethernet header; the ethertype is its last two bytes.
 const ETH_HLEN: usize = 14;
 const ETH_P_ARP: u16 = 0x0806;
@@ -82,14 +106,14 @@ pub(crate) const HEAD_LEN: usize = 20;
 
 /// The packet passes; `slot` is the peer's counter slot.
 pub(crate) struct Pass {
-    why: Counter,
-    slot: u32,
+    pub(crate) why: Counter,
+    pub(crate) slot: u32,
 }
 
 /// The packet is dropped; `slot` is the peer's counter slot when the source is a known peer.
 pub(crate) struct Drop {
-    why: Counter,
-    slot: Option<u32>,
+    pub(crate) why: Counter,
+    pub(crate) slot: Option<u32>,
 }
 
 impl Drop {
@@ -130,12 +154,48 @@ pub fn wgfence_ingress(ctx: TcContext) -> i32 {
             if let Some(slot) = slot {
                 count_peer(slot, false, bytes);
             }
+            events::report(&ctx, l3, head.ok().as_ref(), why, slot);
             // Compiled in, but switched off at load time (AYA_LOG_LEVEL = 0) unless the agent
             // runs with datapath logging enabled; the verifier then removes this branch.
             debug!(&ctx, "drop: reason {}", why as u32);
             TCX_DROP
         }
     }
+}
+
+/// Packets to peers: never dropped here; a packet toward a restricted peer that starts or
+/// continues a flow is recorded, so the peer's replies pass its policy.
+#[classifier]
+pub fn wgfence_egress(ctx: TcContext) -> i32 {
+    let Some(config) = config() else {
+        return TCX_NEXT;
+    };
+    if !config.replies() {
+        return TCX_NEXT;
+    }
+    let l3 = WGFENCE_L3_OFFSET.load() as usize;
+    if l3 >= ETH_HLEN && is_arp(&ctx, l3) {
+        return TCX_NEXT;
+    }
+    match ctx.load::<[u8; HEAD_LEN]>(l3) {
+        Ok(head) if head[0] >> 4 == 4 => v4::record(&ctx, l3, &head),
+        Ok(head) if head[0] >> 4 == 6 => v6::record(&ctx, l3, &head),
+        _ => {}
+    }
+    TCX_NEXT
+}
+
+/// The agent's settings; `None` only if the map lookup fails (it never does for index 0).
+#[inline(always)]
+pub(crate) fn config() -> Option<&'static Config> {
+    CONFIG.get(0)
+}
+
+/// CLOCK_MONOTONIC in nanoseconds.
+#[inline(always)]
+pub(crate) fn now_ns() -> u64 {
+    // SAFETY: a helper without arguments or side effects.
+    unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() }
 }
 
 /// A restricted peer's verdict: the trie value for (policy, destination), if any, must hold an
@@ -180,17 +240,21 @@ pub(crate) const fn has_ports(protocol: u8) -> bool {
     protocol == PROTO_TCP || protocol == PROTO_UDP
 }
 
-/// Destination port of the TCP or UDP header at `offset`; a truncated header is malformed.
+/// (source, destination) ports of the TCP or UDP header at `offset`; a truncated header is
+/// malformed.
 #[inline(always)]
-pub(crate) fn dst_port(ctx: &TcContext, offset: usize, slot: u32) -> Result<u16, Drop> {
+pub(crate) fn ports(ctx: &TcContext, offset: usize, slot: u32) -> Result<(u16, u16), Drop> {
     let ports: [u8; 4] = ctx
         .load(offset)
         .map_err(|_| Drop::peer(Counter::DropMalformed, slot))?;
-    Ok(u16::from_be_bytes([ports[2], ports[3]]))
+    Ok((
+        u16::from_be_bytes([ports[0], ports[1]]),
+        u16::from_be_bytes([ports[2], ports[3]]),
+    ))
 }
 
 #[inline(always)]
-fn count(counter: Counter) {
+pub(crate) fn count(counter: Counter) {
     if let Some(value) = STATS.get_ptr_mut(counter as u32) {
         // SAFETY: a per-CPU array element, written only by this CPU.
         unsafe { *value += 1 };

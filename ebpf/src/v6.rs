@@ -1,12 +1,18 @@
 //! IPv6: source lookup, then (for a restricted peer) a bounded walk of the extension headers to
-//! the upper-layer protocol and port, and the policy trie.
+//! the upper-layer protocol and port, the policy trie, and the reply check when the policy
+//! denies. Also the egress side: flows toward restricted peers.
 
 use aya_ebpf::{btf_maps::lpm_trie::Key, programs::TcContext};
 use wgfence_common::{
-    Counter, PeerKeyV6, PolicyKeyV6, MAX_IPV6_EXT_HEADERS, POLICY_ID_BITS, UNRESTRICTED,
+    Counter, DropEvent, FlowKeyV6, PeerKeyV6, PolicyKeyV6, MAX_IPV6_EXT_HEADERS, POLICY_ID_BITS,
+    PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, UNRESTRICTED,
 };
 
-use crate::{decide, dst_port, has_ports, unrestricted, Drop, Pass, HEAD_LEN, PEERS_V6, POLICY_V6};
+use crate::{
+    config, decide,
+    flow::{self, tcp_closes, tcp_opens, TCP_FLAGS_OFFSET},
+    has_ports, ports, unrestricted, Drop, Pass, FLOWS_V6, HEAD_LEN, PEERS_V6, POLICY_V6,
+};
 
 const HEADER_LEN: usize = 40;
 const HOP_BY_HOP: u8 = 0;
@@ -14,6 +20,10 @@ const ROUTING: u8 = 43;
 const FRAGMENT: u8 = 44;
 const AUTHENTICATION: u8 = 51;
 const DESTINATION_OPTIONS: u8 = 60;
+const ICMPV6_ECHO_REQUEST: u8 = 128;
+const ICMPV6_ECHO_REPLY: u8 = 129;
+/// The second half of the fixed header: the rest of the source and the destination.
+const TAIL_LEN: usize = HEADER_LEN - HEAD_LEN;
 
 #[inline(always)]
 const fn is_extension_header(next: u8) -> bool {
@@ -26,7 +36,7 @@ const fn is_extension_header(next: u8) -> bool {
 #[inline(always)]
 pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Result<Pass, Drop> {
     // The second half of the header: the rest of the source and the destination.
-    let tail: [u8; HEADER_LEN - HEAD_LEN] = ctx
+    let tail: [u8; TAIL_LEN] = ctx
         .load(l3 + HEAD_LEN)
         .map_err(|_| Drop::new(Counter::DropMalformed, None))?;
     let mut src = PeerKeyV6::default();
@@ -76,8 +86,8 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
         // More extension headers than the walk allows: fail closed.
         return Err(Drop::peer(Counter::DropHeaderChain, slot));
     }
-    let port = if first_fragment && has_ports(next) {
-        Some(dst_port(ctx, offset, slot)?)
+    let ports = if first_fragment && has_ports(next) {
+        Some(ports(ctx, offset, slot)?)
     } else {
         None
     };
@@ -88,5 +98,140 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
     };
     dst.addr.copy_from_slice(&tail[4..20]);
     let key = Key::new(POLICY_ID_BITS + 128, dst);
-    decide(POLICY_V6.get(&key), slot, next, port)
+    match decide(POLICY_V6.get(&key), slot, next, ports.map(|p| p.1)) {
+        Err(Drop {
+            why: Counter::DropPolicy,
+            ..
+        }) if first_fragment => reply(ctx, offset, &src, &dst.addr, next, ports, slot),
+        verdict => verdict,
+    }
+}
+
+/// A denied packet of a restricted peer: does it answer a flow the network started?
+#[inline(always)]
+fn reply(
+    ctx: &TcContext,
+    l4: usize,
+    src: &PeerKeyV6,
+    dst: &[u8; 16],
+    protocol: u8,
+    ports: Option<(u16, u16)>,
+    slot: u32,
+) -> Result<Pass, Drop> {
+    let denied = Err(Drop::peer(Counter::DropPolicy, slot));
+    let Some(config) = config() else {
+        return denied;
+    };
+    if !config.replies() {
+        return denied;
+    }
+    let (peer_port, remote_port, close) = match (protocol, ports) {
+        (PROTO_TCP, Some((src, dst))) => {
+            let Ok(flags) = ctx.load::<u8>(l4 + TCP_FLAGS_OFFSET) else {
+                return denied;
+            };
+            (src, dst, tcp_closes(flags))
+        }
+        (PROTO_UDP, Some((src, dst))) => (src, dst, false),
+        (PROTO_ICMPV6, _) => match ctx.load::<[u8; 6]>(l4) {
+            Ok(icmp) if icmp[0] == ICMPV6_ECHO_REPLY => {
+                (u16::from_be_bytes([icmp[4], icmp[5]]), 0, false)
+            }
+            _ => return denied,
+        },
+        _ => return denied,
+    };
+    let key = FlowKeyV6 {
+        peer: src.addr,
+        remote: *dst,
+        peer_port,
+        remote_port,
+        protocol,
+        _pad: [0; 3],
+    };
+    flow::reply(&FLOWS_V6, &key, protocol, close, config, slot)
+}
+
+/// Egress: records or refreshes the flow of a packet toward a restricted peer. Only packets
+/// whose upper-layer header follows the fixed header are recorded (the egress side does not
+/// walk extension headers; a peer's reply to such a flow is judged by its policy alone).
+#[inline(always)]
+pub(crate) fn record(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) {
+    let Ok(tail) = ctx.load::<[u8; TAIL_LEN]>(l3 + HEAD_LEN) else {
+        return;
+    };
+    let mut dst = PeerKeyV6::default();
+    dst.addr.copy_from_slice(&tail[4..20]);
+    // SAFETY: the value is copied out at once; no reference outlives the lookup.
+    let Some(peer) = (unsafe { PEERS_V6.get(&dst) }).copied() else {
+        return;
+    };
+    if peer.policy == UNRESTRICTED {
+        return;
+    }
+    let protocol = head[6];
+    let l4 = l3 + HEADER_LEN;
+    let (peer_port, remote_port, start, close) = match protocol {
+        PROTO_TCP => {
+            let Ok(tcp) = ctx.load::<[u8; TCP_FLAGS_OFFSET + 1]>(l4) else {
+                return;
+            };
+            let flags = tcp[TCP_FLAGS_OFFSET];
+            (
+                u16::from_be_bytes([tcp[2], tcp[3]]),
+                u16::from_be_bytes([tcp[0], tcp[1]]),
+                tcp_opens(flags),
+                tcp_closes(flags),
+            )
+        }
+        PROTO_UDP => {
+            let Ok(udp) = ctx.load::<[u8; 4]>(l4) else {
+                return;
+            };
+            (
+                u16::from_be_bytes([udp[2], udp[3]]),
+                u16::from_be_bytes([udp[0], udp[1]]),
+                true,
+                false,
+            )
+        }
+        PROTO_ICMPV6 => match ctx.load::<[u8; 6]>(l4) {
+            Ok(icmp) if icmp[0] == ICMPV6_ECHO_REQUEST => {
+                (u16::from_be_bytes([icmp[4], icmp[5]]), 0, true, false)
+            }
+            _ => return,
+        },
+        _ => return,
+    };
+    let mut key = FlowKeyV6 {
+        peer: dst.addr,
+        remote: [0; 16],
+        peer_port,
+        remote_port,
+        protocol,
+        _pad: [0; 3],
+    };
+    key.remote[..12].copy_from_slice(&head[8..20]);
+    key.remote[12..].copy_from_slice(&tail[..4]);
+    flow::on_egress(&FLOWS_V6, &key, start, close);
+}
+
+/// Fills a drop event's addresses, protocol and (when the upper-layer header follows the fixed
+/// header) ports.
+#[inline(always)]
+pub(crate) fn describe(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN], event: &mut DropEvent) {
+    event.family = 6;
+    event.protocol = head[6];
+    let Ok(tail) = ctx.load::<[u8; TAIL_LEN]>(l3 + HEAD_LEN) else {
+        return;
+    };
+    event.src[..12].copy_from_slice(&head[8..20]);
+    event.src[12..].copy_from_slice(&tail[..4]);
+    event.dst.copy_from_slice(&tail[4..20]);
+    if has_ports(head[6]) {
+        if let Ok(p) = ctx.load::<[u8; 4]>(l3 + HEADER_LEN) {
+            event.src_port = u16::from_be_bytes([p[0], p[1]]);
+            event.dst_port = u16::from_be_bytes([p[2], p[3]]);
+        }
+    }
 }

@@ -21,7 +21,8 @@ const POLICY: u32 = 1;
 
 fn program() -> TestProgram {
     require_root();
-    let mut program = TestProgram::load().unwrap_or_else(|e| panic!("loading the datapath: {e}"));
+    let mut program = TestProgram::load()
+        .unwrap_or_else(|e| panic!("loading the datapath: {}", wgfence::error_chain(&e)));
     let maps = program.maps_mut();
     let rules = [
         Rule::new(

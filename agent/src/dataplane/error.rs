@@ -61,6 +61,11 @@ pub enum DataplaneError {
     },
     #[error("{field} out of range: {value}")]
     OutOfRange { field: &'static str, value: u64 },
+    #[error("a flow from {peer} to {remote} mixes address families")]
+    MixedFamilies {
+        peer: std::net::IpAddr,
+        remote: std::net::IpAddr,
+    },
     #[error("BPF_PROG_TEST_RUN")]
     TestRun(#[source] io::Error),
 }

@@ -6,8 +6,9 @@ use std::mem::size_of;
 
 use aya::maps::{MapInfo, MapType};
 use wgfence_common::{
-    map_names, PeerCounters, PeerEntry, PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6,
-    PolicyValue, COUNTERS_LEN, MAX_PEERS, MAX_POLICY_ENTRIES,
+    map_names, Config, EventBucket, FlowKeyV4, FlowKeyV6, FlowValue, PeerCounters, PeerEntry,
+    PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, COUNTERS_LEN, EVENTS_BYTES,
+    MAX_FLOWS, MAX_PEERS, MAX_POLICY_ENTRIES,
 };
 
 use super::error::{DataplaneError, Result};
@@ -85,6 +86,29 @@ pub(crate) fn expected(name: &str) -> Option<Layout> {
             size_of::<u32>(),
             size_of::<PeerCounters>(),
             MAX_PEERS,
+            0,
+        ),
+        map_names::FLOWS_V4 => layout(
+            MapType::LruHash,
+            size_of::<FlowKeyV4>(),
+            size_of::<FlowValue>(),
+            MAX_FLOWS,
+            0,
+        ),
+        map_names::FLOWS_V6 => layout(
+            MapType::LruHash,
+            size_of::<FlowKeyV6>(),
+            size_of::<FlowValue>(),
+            MAX_FLOWS,
+            0,
+        ),
+        map_names::CONFIG => layout(MapType::Array, size_of::<u32>(), size_of::<Config>(), 1, 0),
+        map_names::EVENTS => layout(MapType::RingBuf, 0, 0, EVENTS_BYTES, 0),
+        map_names::EVENT_BUCKET => layout(
+            MapType::PerCpuArray,
+            size_of::<u32>(),
+            size_of::<EventBucket>(),
+            1,
             0,
         ),
         _ => return None,

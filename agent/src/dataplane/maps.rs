@@ -13,8 +13,8 @@ use aya::{
 };
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use wgfence_common::{
-    map_names, Counter, PeerCounters, PeerEntry, PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6,
-    PolicyValue, COUNTERS_LEN, POLICY_ID_BITS,
+    map_names, Config, Counter, FlowKeyV4, FlowKeyV6, FlowValue, PeerCounters, PeerEntry,
+    PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, COUNTERS_LEN, POLICY_ID_BITS,
 };
 
 use super::{
@@ -28,6 +28,21 @@ pub struct PolicyEntry {
     pub policy: u32,
     pub prefix: IpNet,
     pub value: PolicyValue,
+}
+
+/// One entry of the reply flow tables: a flow the network started toward a restricted peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Flow {
+    /// The peer's tunnel address.
+    pub peer: IpAddr,
+    /// The address that started the flow.
+    pub remote: IpAddr,
+    pub protocol: u8,
+    /// The peer's port (ICMP echo: the identifier).
+    pub peer_port: u16,
+    /// The remote's port (ICMP echo: 0).
+    pub remote_port: u16,
+    pub value: FlowValue,
 }
 
 /// Packet counters summed over all CPUs, indexed by [`Counter`].
@@ -64,6 +79,13 @@ pub struct Maps {
     policy_v6: LpmTrie<MapData, PolicyKeyV6, PolicyValue>,
     stats: PerCpuArray<MapData, u64>,
     peer_stats: Array<MapData, PeerCounters>,
+    flows_v4: HashMap<MapData, FlowKeyV4, FlowValue>,
+    flows_v6: HashMap<MapData, FlowKeyV6, FlowValue>,
+    config: Array<MapData, Config>,
+    /// Held, never used here: the programs are loaded against these maps' file descriptors,
+    /// which must stay open until then (`wgfence monitor` opens the ring buffer's pin).
+    _events: MapData,
+    _event_bucket: MapData,
     writes: u64,
 }
 
@@ -101,9 +123,12 @@ impl Maps {
         Self::open(|name| {
             ebpf.take_map(name)
                 .map(|map| match map {
-                    Map::HashMap(d) | Map::LpmTrie(d) | Map::PerCpuArray(d) | Map::Array(d) => {
-                        Ok(d)
-                    }
+                    Map::HashMap(d)
+                    | Map::LruHashMap(d)
+                    | Map::LpmTrie(d)
+                    | Map::PerCpuArray(d)
+                    | Map::Array(d)
+                    | Map::RingBuf(d) => Ok(d),
                     _ => Err(DataplaneError::MissingMap(name)),
                 })
                 .unwrap_or(Err(DataplaneError::MissingMap(name)))
@@ -116,13 +141,24 @@ impl Maps {
     }
 
     fn open(mut data: impl FnMut(&'static str) -> Result<MapData>) -> Result<Self> {
+        // Maps the agent never reads or writes (the ring buffer, the rate limiter's state) are
+        // still checked: an adopted pin of another layout must fail the load.
+        let unused = |name: &'static str, map: MapData| -> Result<MapData> {
+            layout::check(name, &map.info().map_err(map_err(name))?)?;
+            Ok(map)
+        };
         Ok(Self {
+            _events: unused(map_names::EVENTS, data(map_names::EVENTS)?)?,
+            _event_bucket: unused(map_names::EVENT_BUCKET, data(map_names::EVENT_BUCKET)?)?,
             peers_v4: typed(map_names::PEERS_V4, data(map_names::PEERS_V4)?)?,
             peers_v6: typed(map_names::PEERS_V6, data(map_names::PEERS_V6)?)?,
             policy_v4: typed(map_names::POLICY_V4, data(map_names::POLICY_V4)?)?,
             policy_v6: typed(map_names::POLICY_V6, data(map_names::POLICY_V6)?)?,
             stats: typed(map_names::STATS, data(map_names::STATS)?)?,
             peer_stats: typed(map_names::PEER_STATS, data(map_names::PEER_STATS)?)?,
+            flows_v4: typed(map_names::FLOWS_V4, data(map_names::FLOWS_V4)?)?,
+            flows_v6: typed(map_names::FLOWS_V6, data(map_names::FLOWS_V6)?)?,
+            config: typed(map_names::CONFIG, data(map_names::CONFIG)?)?,
             writes: 0,
         })
     }
@@ -259,6 +295,88 @@ impl Maps {
         self.peer_stats
             .get(&slot, 0)
             .map_err(map_err(map_names::PEER_STATS))
+    }
+
+    /// The datapath's settings as the kernel has them (all zero before the agent writes them).
+    pub fn config(&self) -> Result<Config> {
+        self.config.get(&0, 0).map_err(map_err(map_names::CONFIG))
+    }
+
+    /// Replaces the datapath's settings; the next packet sees them.
+    pub fn set_config(&mut self, config: &Config) -> Result<()> {
+        self.writes += 1;
+        self.config
+            .set(0, config, 0)
+            .map_err(map_err(map_names::CONFIG))
+    }
+
+    /// Every recorded reply flow, sorted by (peer, remote, protocol, ports). Expired flows are
+    /// included until the LRU reuses their room: the datapath checks the timeout at lookup.
+    pub fn flows(&self) -> Result<Vec<Flow>> {
+        let mut flows = Vec::new();
+        for item in self.flows_v4.iter() {
+            let (key, value) = item.map_err(map_err(map_names::FLOWS_V4))?;
+            flows.push(Flow {
+                peer: IpAddr::V4(key.peer.into()),
+                remote: IpAddr::V4(key.remote.into()),
+                protocol: key.protocol,
+                peer_port: key.peer_port,
+                remote_port: key.remote_port,
+                value,
+            });
+        }
+        for item in self.flows_v6.iter() {
+            let (key, value) = item.map_err(map_err(map_names::FLOWS_V6))?;
+            flows.push(Flow {
+                peer: IpAddr::V6(key.peer.into()),
+                remote: IpAddr::V6(key.remote.into()),
+                protocol: key.protocol,
+                peer_port: key.peer_port,
+                remote_port: key.remote_port,
+                value,
+            });
+        }
+        flows.sort_unstable_by_key(|f| (f.peer, f.remote, f.protocol, f.peer_port, f.remote_port));
+        Ok(flows)
+    }
+
+    /// Inserts a reply flow as the egress program would (for tests and benchmarks). Flows of
+    /// mixed address families are an error.
+    pub fn insert_flow(&mut self, flow: &Flow) -> Result<()> {
+        self.writes += 1;
+        match (flow.peer, flow.remote) {
+            (IpAddr::V4(peer), IpAddr::V4(remote)) => self
+                .flows_v4
+                .insert(
+                    FlowKeyV4 {
+                        peer: peer.octets(),
+                        remote: remote.octets(),
+                        peer_port: flow.peer_port,
+                        remote_port: flow.remote_port,
+                        protocol: flow.protocol,
+                        _pad: [0; 3],
+                    },
+                    flow.value,
+                    0,
+                )
+                .map_err(map_err(map_names::FLOWS_V4)),
+            (IpAddr::V6(peer), IpAddr::V6(remote)) => self
+                .flows_v6
+                .insert(
+                    FlowKeyV6 {
+                        peer: peer.octets(),
+                        remote: remote.octets(),
+                        peer_port: flow.peer_port,
+                        remote_port: flow.remote_port,
+                        protocol: flow.protocol,
+                        _pad: [0; 3],
+                    },
+                    flow.value,
+                    0,
+                )
+                .map_err(map_err(map_names::FLOWS_V6)),
+            (peer, remote) => Err(DataplaneError::MixedFamilies { peer, remote }),
+        }
     }
 
     /// Zeroes one peer slot's counters, e.g. before the slot is given to a new peer.

@@ -1,10 +1,11 @@
-//! The kernel side: load the embedded datapath, attach it with tcx to the WireGuard interface's
-//! ingress, pin its maps and link under `<bpffs>/wgfence/<interface>/`, adopt them on the next
-//! start, and give typed access to the maps.
+//! The kernel side: load the embedded datapath, attach its two programs with tcx to the
+//! WireGuard interface (ingress: enforcement; egress: reply flows), pin its maps and links under
+//! `<bpffs>/wgfence/<interface>/`, adopt them on the next start, and give typed access to the
+//! maps.
 //!
 //! Restart safety: a second [`Dataplane::attach`] reuses the pinned maps (after checking their
-//! layout) and replaces the program through the pinned link with `bpf_link_update`, so there is
-//! no instant without a program or without the maps' contents.
+//! layout) and replaces each program through its pinned link with `bpf_link_update`, so there
+//! is no instant without a program or without the maps' contents.
 
 mod error;
 mod iface;
@@ -27,10 +28,10 @@ use aya::{
     },
     Ebpf, EbpfLoader,
 };
-use wgfence_common::{map_names, INGRESS_PROGRAM, L3_OFFSET_GLOBAL};
+use wgfence_common::{map_names, EGRESS_PROGRAM, INGRESS_PROGRAM, L3_OFFSET_GLOBAL};
 
 pub use error::{DataplaneError, Result};
-pub use maps::{Counters, Maps, PolicyEntry};
+pub use maps::{Counters, Flow, Maps, PolicyEntry};
 pub use test_run::{TestProgram, TestRun};
 
 /// The datapath object, built from `ebpf/` by `build.rs`.
@@ -38,8 +39,31 @@ pub(crate) static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WGFENCE_BPF_
 
 /// Where bpffs is normally mounted.
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
-/// File name of the pinned tcx link inside an interface's pin directory.
+/// File name of the pinned ingress tcx link inside an interface's pin directory.
 pub const LINK_PIN: &str = "link_ingress";
+/// File name of the pinned egress tcx link inside an interface's pin directory.
+pub const LINK_PIN_EGRESS: &str = "link_egress";
+
+/// One program of the datapath and where it hooks in.
+struct Hook {
+    program: &'static str,
+    attach_type: TcAttachType,
+    link_pin: &'static str,
+}
+
+/// Egress first: on a first start, flows are recorded before the ingress side judges replies.
+const HOOKS: [Hook; 2] = [
+    Hook {
+        program: EGRESS_PROGRAM,
+        attach_type: TcAttachType::Egress,
+        link_pin: LINK_PIN_EGRESS,
+    },
+    Hook {
+        program: INGRESS_PROGRAM,
+        attach_type: TcAttachType::Ingress,
+        link_pin: LINK_PIN,
+    },
+];
 /// aya-log's global log level: 0 switches datapath logging off.
 const AYA_LOG_LEVEL: &str = "AYA_LOG_LEVEL";
 /// aya-log's `Level::Debug`.
@@ -78,9 +102,9 @@ impl AttachOptions {
 /// How the program came to be on the interface.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Attachment {
-    /// No pinned link existed: the program was attached and the link pinned.
+    /// No pinned ingress link existed: the program was attached and the link pinned.
     Created,
-    /// A pinned link existed and now runs this program (atomic replacement).
+    /// A pinned ingress link existed and now runs this program (atomic replacement).
     Replaced,
 }
 
@@ -95,8 +119,9 @@ pub struct Dataplane {
 }
 
 impl Dataplane {
-    /// Loads the datapath and attaches it to the interface's ingress, adopting whatever is
-    /// pinned for it: pinned maps keep their contents, a pinned link gets the new program.
+    /// Loads the datapath and attaches it to the interface's ingress and egress, adopting
+    /// whatever is pinned for it: pinned maps keep their contents, pinned links get the new
+    /// programs.
     ///
     /// Must run in the interface's network namespace.
     pub fn attach(options: &AttachOptions) -> Result<Self> {
@@ -127,10 +152,16 @@ impl Dataplane {
         // Before anything is attached: an adopted map of another layout is an error.
         let maps = Maps::from_ebpf(&mut ebpf)?;
 
-        let program = ingress_program(&mut ebpf)?;
-        program.load().map_err(program_err)?;
-        let link_path = pin_dir.join(LINK_PIN);
-        let attachment = attach_or_replace(program, interface, &link_path)?;
+        let mut attachment = Attachment::Created;
+        for hook in &HOOKS {
+            let program = classifier(&mut ebpf, hook.program)?;
+            program.load().map_err(program_err(hook.program))?;
+            let link_path = pin_dir.join(hook.link_pin);
+            let attached = attach_or_replace(program, hook, interface, &link_path)?;
+            if hook.program == INGRESS_PROGRAM {
+                attachment = attached;
+            }
+        }
         tracing::info!(
             interface,
             pin_dir = %pin_dir.display(),
@@ -162,9 +193,15 @@ impl Dataplane {
             Err(e) if e.kind() == ErrorKind::NotFound => return Ok(false),
             Err(source) => return Err(DataplaneError::Io { path: dir, source }),
         };
-        // The link first: the program stops before its maps go.
+        // The links first (ingress before egress): the programs stop before their maps go.
         let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
-        paths.sort_by_key(|p| p.file_name() != Some(LINK_PIN.as_ref()));
+        paths.sort_by_key(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            [LINK_PIN, LINK_PIN_EGRESS]
+                .iter()
+                .position(|link| *link == name)
+                .unwrap_or(usize::MAX)
+        });
         for path in paths {
             remove_if_exists(&path)?;
         }
@@ -222,27 +259,29 @@ impl Dataplane {
     }
 }
 
-fn program_err(source: aya::programs::ProgramError) -> DataplaneError {
-    DataplaneError::Program {
-        program: INGRESS_PROGRAM,
-        source,
-    }
+fn program_err(program: &'static str) -> impl Fn(aya::programs::ProgramError) -> DataplaneError {
+    move |source| DataplaneError::Program { program, source }
 }
 
-pub(crate) fn ingress_program(ebpf: &mut Ebpf) -> Result<&mut SchedClassifier> {
-    ebpf.program_mut(INGRESS_PROGRAM)
+/// One of the datapath's classifiers ([`INGRESS_PROGRAM`], [`EGRESS_PROGRAM`]).
+pub(crate) fn classifier<'a>(
+    ebpf: &'a mut Ebpf,
+    program: &'static str,
+) -> Result<&'a mut SchedClassifier> {
+    ebpf.program_mut(program)
         .ok_or(DataplaneError::Program {
-            program: INGRESS_PROGRAM,
+            program,
             source: aya::programs::ProgramError::UnexpectedProgramType,
         })?
         .try_into()
-        .map_err(program_err)
+        .map_err(program_err(program))
 }
 
 /// Replaces the program behind the pinned link if it is still attached; otherwise (no pin, or
 /// a pin whose interface went away) attaches anew and pins the new link.
 fn attach_or_replace(
     program: &mut SchedClassifier,
+    hook: &Hook,
     interface: &str,
     link_path: &Path,
 ) -> Result<Attachment> {
@@ -271,15 +310,16 @@ fn attach_or_replace(
             }
         }
     }
-    // First in the tcx chain: a program before ours could pass packets we must drop.
+    // First in the tcx chain: a program before ours could pass packets we must drop (ingress),
+    // or drop packets before their flow is recorded (egress: harmless, but first is simplest).
     let id = program
         .attach_with_options(
             interface,
-            TcAttachType::Ingress,
+            hook.attach_type,
             TcAttachOptions::TcxOrder(LinkOrder::first()),
         )
-        .map_err(program_err)?;
-    let link = program.take_link(id).map_err(program_err)?;
+        .map_err(program_err(hook.program))?;
+    let link = program.take_link(id).map_err(program_err(hook.program))?;
     let link = FdLink::try_from(link).map_err(|source| DataplaneError::Link {
         path: link_path.to_owned(),
         source,

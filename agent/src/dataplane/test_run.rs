@@ -9,11 +9,11 @@ use std::{
 
 use aya::{Ebpf, EbpfLoader};
 use aya_obj::generated::{bpf_attr, bpf_cmd};
-use wgfence_common::L3_OFFSET_GLOBAL;
+use wgfence_common::{EGRESS_PROGRAM, INGRESS_PROGRAM, L3_OFFSET_GLOBAL};
 
 use super::{
+    classifier,
     error::{DataplaneError, Result},
-    ingress_program,
     maps::Maps,
     program_err, OBJECT,
 };
@@ -37,7 +37,8 @@ impl TestRun {
     }
 }
 
-/// The datapath with private (unpinned) maps, not attached anywhere.
+/// The datapath (both programs, sharing their maps) with private (unpinned) maps, not attached
+/// anywhere.
 pub struct TestProgram {
     ebpf: Ebpf,
     maps: Maps,
@@ -52,7 +53,11 @@ impl TestProgram {
             .override_global("AYA_LOG_LEVEL", &0u8, false)
             .load(OBJECT)?;
         let maps = Maps::from_ebpf(&mut ebpf)?;
-        ingress_program(&mut ebpf)?.load().map_err(program_err)?;
+        for program in [INGRESS_PROGRAM, EGRESS_PROGRAM] {
+            classifier(&mut ebpf, program)?
+                .load()
+                .map_err(program_err(program))?;
+        }
         Ok(Self { ebpf, maps })
     }
 
@@ -64,15 +69,27 @@ impl TestProgram {
         &mut self.maps
     }
 
-    /// Runs the program once on `frame` (Ethernet header included).
+    /// Runs the ingress program (packets from peers) once on `frame` (Ethernet header
+    /// included).
     pub fn run(&mut self, frame: &[u8]) -> Result<TestRun> {
         self.run_repeat(frame, 1)
     }
 
-    /// Runs the program `repeat` times on `frame`; the kernel reports the average duration.
+    /// Runs the ingress program `repeat` times on `frame`; the kernel reports the average
+    /// duration.
     pub fn run_repeat(&mut self, frame: &[u8], repeat: u32) -> Result<TestRun> {
-        let program = ingress_program(&mut self.ebpf)?;
-        let fd = program.fd().map_err(program_err)?;
+        self.run_program(INGRESS_PROGRAM, frame, repeat)
+    }
+
+    /// Runs the egress program (packets to peers) `repeat` times on `frame`.
+    pub fn run_egress(&mut self, frame: &[u8], repeat: u32) -> Result<TestRun> {
+        self.run_program(EGRESS_PROGRAM, frame, repeat)
+    }
+
+    fn run_program(&mut self, program: &'static str, frame: &[u8], repeat: u32) -> Result<TestRun> {
+        let fd = classifier(&mut self.ebpf, program)?
+            .fd()
+            .map_err(program_err(program))?;
         let prog_fd = fd.as_fd().as_raw_fd();
         let data_size_in = u32::try_from(frame.len()).map_err(|_| DataplaneError::OutOfRange {
             field: "test packet length",
