@@ -46,6 +46,8 @@ pub struct RunOptions {
     pub resync: Duration,
     pub peer_metrics: bool,
     pub datapath_debug: bool,
+    /// Reply flow timeouts and the drop event rate.
+    pub settings: crate::settings::DatapathSettings,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -319,7 +321,7 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     }
     let wg = WireGuard::open(&options.interface)?;
     let backend = wg.backend_name();
-    let reconciler = Reconciler::new(dataplane, wg)?;
+    let reconciler = Reconciler::new(dataplane, wg)?.with_settings(options.settings);
     let adopted = reconciler.actual();
     tracing::info!(
         interface = %options.interface,

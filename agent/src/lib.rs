@@ -4,14 +4,17 @@
 //! canonical desired state, [`policy`] compiles rule sets into trie entries, [`plan`] diffs
 //! desired against actual (pure), [`reconcile`] applies the plan through [`dataplane`] (BPF
 //! maps) and [`wg`] (WireGuard peers), and [`daemon`] runs the loop with [`metrics`] and
-//! [`status`] alongside.
+//! [`status`] alongside. [`settings`] are the datapath's own (reply flows, drop events), and
+//! [`monitor`] streams its drop events.
 
 pub mod daemon;
 pub mod dataplane;
 pub mod metrics;
+pub mod monitor;
 pub mod plan;
 pub mod policy;
 pub mod reconcile;
+pub mod settings;
 pub mod source;
 pub mod state;
 pub mod status;

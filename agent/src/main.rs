@@ -13,8 +13,10 @@ use tracing_subscriber::{fmt, EnvFilter};
 use wgfence::{
     daemon::{self, RunOptions},
     dataplane::{pin_dir, Dataplane, DEFAULT_BPFFS},
+    monitor::{Clock, EventView, Monitor},
     plan::{plan, Actual, ActualMaps},
     reconcile::read_maps,
+    settings::DatapathSettings,
     state,
     status::{self, Report},
     wg::WireGuard,
@@ -72,6 +74,8 @@ enum Command {
         /// write per dropped packet).
         #[arg(long)]
         datapath_debug: bool,
+        #[command(flatten)]
+        datapath: DatapathArgs,
     },
     /// Validate a state file; exits non-zero and lists every error found.
     Check {
@@ -97,12 +101,71 @@ enum Command {
         #[arg(long, short)]
         state: Option<PathBuf>,
     },
+    /// Stream the datapath's drop events (peer, reason, protocol, addresses, ports) while the
+    /// agent runs, like `cilium monitor --type drop`. Events are rate-limited in the kernel.
+    Monitor {
+        #[command(flatten)]
+        target: Target,
+        /// Only events from this peer (by name, from the state file).
+        #[arg(long, short)]
+        peer: Option<String>,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+        /// State file to name peers by (default: the running agent's).
+        #[arg(long, short)]
+        state: Option<PathBuf>,
+        /// Exit after this many events.
+        #[arg(long, value_name = "N")]
+        count: Option<u64>,
+    },
     /// Remove the program, link and pinned maps of an interface. Peers lose their policy:
     /// traffic is no longer filtered.
     Detach {
         #[command(flatten)]
         target: Target,
     },
+}
+
+/// Reply flows (replies to what the network starts toward a restricted peer pass its policy,
+/// while the state's "replies" is true) and drop events for `wgfence monitor`.
+#[derive(Debug, clap::Args)]
+struct DatapathArgs {
+    /// Seconds an open TCP flow toward a peer lives without packets.
+    #[arg(long, value_name = "SECS", default_value_t = DEFAULTS.tcp_timeout.as_secs(), value_parser = secs())]
+    flow_timeout_tcp: u64,
+    /// Seconds a TCP flow lives without packets after a FIN or an RST.
+    #[arg(long, value_name = "SECS", default_value_t = DEFAULTS.tcp_closing_timeout.as_secs(), value_parser = secs())]
+    flow_timeout_tcp_closing: u64,
+    /// Seconds a UDP flow toward a peer lives without packets.
+    #[arg(long, value_name = "SECS", default_value_t = DEFAULTS.udp_timeout.as_secs(), value_parser = secs())]
+    flow_timeout_udp: u64,
+    /// Seconds an ICMP echo flow toward a peer lives without packets.
+    #[arg(long, value_name = "SECS", default_value_t = DEFAULTS.icmp_timeout.as_secs(), value_parser = secs())]
+    flow_timeout_icmp: u64,
+    /// Drop events per second for `wgfence monitor`, node-wide (rate-limited in the kernel);
+    /// 0 switches them off.
+    #[arg(long, value_name = "N", default_value_t = DEFAULTS.events_per_second)]
+    drop_events_per_second: u32,
+}
+
+const DEFAULTS: DatapathSettings = DatapathSettings::DEFAULT;
+
+/// A timeout in whole seconds, at least 1.
+fn secs() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(1..)
+}
+
+impl DatapathArgs {
+    fn settings(&self) -> DatapathSettings {
+        DatapathSettings {
+            tcp_timeout: Duration::from_secs(self.flow_timeout_tcp),
+            tcp_closing_timeout: Duration::from_secs(self.flow_timeout_tcp_closing),
+            udp_timeout: Duration::from_secs(self.flow_timeout_udp),
+            icmp_timeout: Duration::from_secs(self.flow_timeout_icmp),
+            events_per_second: self.drop_events_per_second,
+        }
+    }
 }
 
 /// The interface a command acts on, and where its pins live.
@@ -154,6 +217,7 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             resync,
             peer_metrics,
             datapath_debug,
+            datapath,
         } => {
             daemon::run(RunOptions {
                 interface: interface.clone(),
@@ -163,6 +227,7 @@ fn dispatch(command: Command) -> Result<ExitCode> {
                 resync: Duration::from_secs(resync),
                 peer_metrics,
                 datapath_debug,
+                settings: datapath.settings(),
             })
             .with_context(|| format!("wgfence run on {interface}"))?;
             Ok(ExitCode::SUCCESS)
@@ -182,6 +247,20 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Monitor {
+            target: Target { interface, bpffs },
+            peer,
+            json,
+            state,
+            count,
+        } => monitor(
+            &bpffs,
+            &interface,
+            peer.as_deref(),
+            json,
+            state.as_deref(),
+            count,
+        ),
         Command::Detach {
             target: Target { interface, bpffs },
         } => {
@@ -336,6 +415,61 @@ fn print_status(r: &Report) {
     }
 }
 
+/// How often `monitor` re-reads the state file for peer names.
+const NAMES_REFRESH: Duration = Duration::from_secs(2);
+
+fn monitor(
+    bpffs: &std::path::Path,
+    interface: &str,
+    peer: Option<&str>,
+    json: bool,
+    state: Option<&std::path::Path>,
+    count: Option<u64>,
+) -> Result<ExitCode> {
+    use std::io::Write as _;
+
+    let mut monitor = Monitor::open(bpffs, interface)?;
+    let load_names =
+        || status::peer_names(state, status::AgentStatus::read(interface).ok().as_ref());
+    let mut names = load_names();
+    if let Some(peer) = peer {
+        if !names.values().any(|n| n == peer) {
+            bail!("no peer named {peer:?} in the state file (pass --state if the agent is not running here)");
+        }
+    }
+    let mut names_at = std::time::Instant::now();
+    let mut seen = 0u64;
+    let mut events = Vec::new();
+    let stdout = std::io::stdout();
+    loop {
+        events.clear();
+        monitor.wait(Duration::from_secs(1), &mut events)?;
+        if names_at.elapsed() >= NAMES_REFRESH {
+            names = load_names();
+            names_at = std::time::Instant::now();
+        }
+        let clock = Clock::now();
+        let mut out = stdout.lock();
+        for event in &events {
+            let view = EventView::new(event, &names, &clock);
+            if peer.is_some() && view.peer.as_deref() != peer {
+                continue;
+            }
+            if json {
+                writeln!(out, "{}", serde_json::to_string(&view)?)?;
+            } else {
+                writeln!(out, "{}", view.line())?;
+            }
+            seen += 1;
+            if count.is_some_and(|n| seen >= n) {
+                out.flush()?;
+                return Ok(ExitCode::SUCCESS);
+            }
+        }
+        out.flush()?;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use clap::CommandFactory as _;
@@ -349,7 +483,7 @@ mod tests {
 
     #[test]
     fn every_interface_command_takes_the_same_target_options() {
-        for cmd in ["run", "plan", "status", "detach"] {
+        for cmd in ["run", "plan", "status", "monitor", "detach"] {
             let mut args = vec!["wgfence", cmd, "--interface", "wg0", "--bpffs", "/tmp/x"];
             if cmd == "run" || cmd == "plan" {
                 args.extend(["--state", "s.json"]);
@@ -359,6 +493,7 @@ mod tests {
                 Command::Run { target, .. }
                 | Command::Plan { target, .. }
                 | Command::Status { target, .. }
+                | Command::Monitor { target, .. }
                 | Command::Detach { target } => target,
                 Command::Check { .. } => unreachable!(),
             };

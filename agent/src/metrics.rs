@@ -206,6 +206,27 @@ impl Collector for DatapathCollector {
             "Packets from peers passed, by reason",
             by_reason(true),
         )?;
+        counter_family(
+            &mut encoder,
+            "wgfence_drop_events",
+            "Drop events for `wgfence monitor`, by outcome (rate_limited and ring_full were not written)",
+            [
+                DatapathCounter::EventSent,
+                DatapathCounter::EventRateLimited,
+                DatapathCounter::EventRingFull,
+            ]
+            .into_iter()
+            .map(|c| ([("outcome", c.name())], counters.get(c))),
+        )?;
+        counter_family(
+            &mut encoder,
+            "wgfence_reply_flows_recorded",
+            "Flows the network started toward restricted peers, recorded so replies pass",
+            std::iter::once((
+                Vec::<(&str, &str)>::new(),
+                counters.get(DatapathCounter::FlowRecorded),
+            )),
+        )?;
 
         let Some(names) = &self.slot_names else {
             return Ok(());

@@ -22,6 +22,7 @@ use crate::{
     dataplane::{Dataplane, DataplaneError, Maps},
     plan::{plan, plan_update, Actual, ActualMaps, Op, Plan, PlanError, WgPeerChange},
     policy::CompiledPolicy,
+    settings::{online_cpus, DatapathSettings},
     state::{DesiredState, WgKey},
     wg::{WgError, WireGuard},
 };
@@ -73,6 +74,10 @@ pub struct Reconciler {
     stale: bool,
     /// Time spent in WireGuard updates by the current apply.
     wg_time: Duration,
+    settings: DatapathSettings,
+    cpus: u32,
+    /// The datapath's settings entry as the kernel has it (read with the maps).
+    kernel_config: Option<wgfence_common::Config>,
     closed: Arc<AtomicBool>,
 }
 
@@ -87,10 +92,20 @@ impl Reconciler {
             applied: None,
             stale: true,
             wg_time: Duration::ZERO,
+            settings: DatapathSettings::default(),
+            cpus: online_cpus(),
+            kernel_config: None,
             closed: Arc::new(AtomicBool::new(false)),
         };
         r.refresh()?;
         Ok(r)
+    }
+
+    /// Uses these datapath settings from the next reconcile on (default:
+    /// [`DatapathSettings::default`]).
+    pub fn with_settings(mut self, settings: DatapathSettings) -> Self {
+        self.settings = settings;
+        self
     }
 
     /// A flag that, once set, makes every later operation fail with [`ReconcileError::Closed`].
@@ -124,6 +139,7 @@ impl Reconciler {
         self.check_open()?;
         self.applied = None;
         self.actual = Actual::new(read_maps(self.dataplane.maps())?, self.wg.read()?);
+        self.kernel_config = Some(self.dataplane.maps().config()?);
         self.stale = false;
         Ok(())
     }
@@ -152,7 +168,7 @@ impl Reconciler {
         self.wg_time = Duration::ZERO;
         let writes_before = self.dataplane.maps().writes();
         let wg_before = self.wg.peer_updates();
-        let result = self.apply(&plan);
+        let result = self.apply_config(&desired).and_then(|()| self.apply(&plan));
         if result.is_err() {
             self.stale = true;
             self.applied = None;
@@ -177,6 +193,17 @@ impl Reconciler {
 
     pub fn wg_peer_updates(&self) -> u64 {
         self.wg.peer_updates()
+    }
+
+    /// Writes the datapath's settings entry if the kernel's differs (one map write).
+    fn apply_config(&mut self, desired: &DesiredState) -> Result<(), ReconcileError> {
+        let want = self.settings.config(desired.replies, self.cpus);
+        if self.kernel_config != Some(want) {
+            self.check_open()?;
+            self.dataplane.maps_mut().set_config(&want)?;
+            self.kernel_config = Some(want);
+        }
+        Ok(())
     }
 
     fn apply(&mut self, plan: &Plan) -> Result<(), ReconcileError> {

@@ -218,6 +218,24 @@ pub enum ReportError {
     Dataplane(#[from] crate::dataplane::DataplaneError),
 }
 
+/// Peer names by address, from `state`, else from the running agent's state file; empty when
+/// neither can be read (names are a convenience: reports and events carry addresses anyway).
+pub fn peer_names(state: Option<&Path>, agent: Option<&AgentStatus>) -> BTreeMap<IpAddr, String> {
+    state
+        .map(Path::to_path_buf)
+        .or_else(|| agent.map(|a| a.state_file.clone()))
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|text| crate::state::parse(&text).ok())
+        .map(|desired| {
+            desired
+                .peers
+                .iter()
+                .flat_map(|p| p.addrs().map(move |a| (a, p.name.clone())))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Collects the report. `state` (else the agent's state file) names the peers.
 pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Report, ReportError> {
     use crate::dataplane::{pin_dir, Dataplane};
@@ -261,21 +279,7 @@ pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Rep
         .filter(|p| *p != UNRESTRICTED)
         .collect();
 
-    // Names from the state file, by address.
-    let state_path = state
-        .map(Path::to_path_buf)
-        .or_else(|| agent.as_ref().map(|a| a.state_file.clone()));
-    let names: BTreeMap<IpAddr, String> = state_path
-        .and_then(|p| std::fs::read_to_string(p).ok())
-        .and_then(|text| crate::state::parse(&text).ok())
-        .map(|desired| {
-            desired
-                .peers
-                .iter()
-                .flat_map(|p| p.addrs().map(move |a| (a, p.name.clone())))
-                .collect()
-        })
-        .unwrap_or_default();
+    let names = peer_names(state, agent.as_ref());
 
     let mut peer_counters = Vec::with_capacity(by_slot.len());
     for (slot, (addresses, policy)) in by_slot {

@@ -397,8 +397,8 @@ impl Drop for MapsOnly {
 }
 
 enum Target {
-    Device(Node),
-    Maps(MapsOnly),
+    Device(Box<Node>),
+    Maps(Box<MapsOnly>),
 }
 
 impl Target {
@@ -512,9 +512,9 @@ fn apply_costs(report: &mut Report, config: &Config) {
         let state = gen::state(n, 2);
         let (text, desired) = parse_value(&state);
         let mut node = if n > WIREGUARD_GO_MAX_PEERS {
-            Target::Maps(MapsOnly::new())
+            Target::Maps(Box::new(MapsOnly::new()))
         } else {
-            Target::Device(Node::new())
+            Target::Device(Box::new(Node::new()))
         };
 
         // 5. Cold load.
