@@ -50,7 +50,18 @@ pub struct Packet {
     pub ipv6_ext: Vec<Ext>,
     /// Bytes of transport header to include (None: the whole header).
     pub transport_len: Option<usize>,
+    /// TCP/UDP source port.
+    pub src_port: u16,
+    /// TCP flags (default SYN).
+    pub tcp_flags: u8,
+    /// ICMP/ICMPv6 type (default echo request) and echo identifier.
+    pub icmp: Option<(u8, u16)>,
 }
+
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
 
 impl Packet {
     pub fn new(src: &str, dst: &str, protocol: u8, dst_port: u16) -> Self {
@@ -63,7 +74,26 @@ impl Packet {
             ipv4_fragment: None,
             ipv6_ext: Vec::new(),
             transport_len: None,
+            src_port: 40000,
+            tcp_flags: TCP_SYN,
+            icmp: None,
         }
+    }
+
+    pub fn src_port(mut self, port: u16) -> Self {
+        self.src_port = port;
+        self
+    }
+
+    pub fn tcp_flags(mut self, flags: u8) -> Self {
+        self.tcp_flags = flags;
+        self
+    }
+
+    /// ICMP (or ICMPv6) message type and echo identifier.
+    pub fn icmp(mut self, kind: u8, id: u16) -> Self {
+        self.icmp = Some((kind, id));
+        self
     }
 
     pub fn options(mut self, words: u8) -> Self {
@@ -90,21 +120,26 @@ impl Packet {
         let mut t = match self.protocol {
             TCP => {
                 let mut h = vec![0u8; 20];
-                h[0..2].copy_from_slice(&40000u16.to_be_bytes());
+                h[0..2].copy_from_slice(&self.src_port.to_be_bytes());
                 h[2..4].copy_from_slice(&self.dst_port.to_be_bytes());
                 h[12] = 5 << 4;
-                h[13] = 0x02; // SYN
+                h[13] = self.tcp_flags;
                 h
             }
             UDP => {
                 let mut h = vec![0u8; 8];
-                h[0..2].copy_from_slice(&40000u16.to_be_bytes());
+                h[0..2].copy_from_slice(&self.src_port.to_be_bytes());
                 h[2..4].copy_from_slice(&self.dst_port.to_be_bytes());
                 h[4..6].copy_from_slice(&8u16.to_be_bytes());
                 h
             }
-            ICMP => vec![8, 0, 0, 0, 0, 1, 0, 1], // echo request
-            ICMPV6 => vec![128, 0, 0, 0, 0, 1, 0, 1], // echo request
+            ICMP | ICMPV6 => {
+                let echo_request = if self.protocol == ICMP { 8 } else { 128 };
+                let (kind, id) = self.icmp.unwrap_or((echo_request, 1));
+                let mut h = vec![kind, 0, 0, 0, 0, 0, 0, 1];
+                h[4..6].copy_from_slice(&id.to_be_bytes());
+                h
+            }
             _ => vec![0u8; 8],
         };
         if let Some(len) = self.transport_len {

@@ -1,0 +1,354 @@
+//! Reply flows of the loaded datapath, under `BPF_PROG_TEST_RUN`: the egress program records
+//! what the network starts toward a restricted peer, the ingress program lets the peer's replies
+//! through its policy, and nothing the peer sends can open a flow. Both programs share the
+//! maps, as they do on an interface.
+
+use std::{thread, time::Duration};
+
+use wgfence::{
+    dataplane::{Flow, TestProgram},
+    policy::{PortRange, Protocol, Rule},
+    settings::DatapathSettings,
+};
+use wgfence_common::{Counter, FlowValue, PeerEntry, MAX_FLOWS, UNRESTRICTED};
+use wgfence_tests::{
+    install_policy, ip, net,
+    packet::{Packet, ICMP, ICMPV6, TCP, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, UDP},
+    require_root,
+};
+
+/// The restricted peer; its policy allows only TCP 443 to 10.0.0.0/8 and fd00:1::/32.
+const PEER_V4: &str = "10.8.0.2";
+const PEER_V6: &str = "fd00:8::2";
+/// An unrestricted peer.
+const OPEN_V4: &str = "10.8.0.3";
+/// The node, which the policy does not allow.
+const NODE_V4: &str = "192.168.77.1";
+const NODE_V6: &str = "fd77::1";
+const SLOT: u32 = 4;
+
+fn program(settings: DatapathSettings, replies: bool) -> TestProgram {
+    require_root();
+    let mut program = TestProgram::load()
+        .unwrap_or_else(|e| panic!("loading the datapath: {}", wgfence::error_chain(&e)));
+    let maps = program.maps_mut();
+    install_policy(
+        maps,
+        1,
+        &[
+            Rule::new(
+                net("10.0.0.0/8"),
+                Protocol::Tcp,
+                vec![PortRange::single(443)],
+            ),
+            Rule::new(
+                net("fd00:1::/32"),
+                Protocol::Tcp,
+                vec![PortRange::single(443)],
+            ),
+        ],
+    );
+    for addr in [PEER_V4, PEER_V6] {
+        maps.upsert_peer(
+            ip(addr),
+            PeerEntry {
+                policy: 1,
+                slot: SLOT,
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+    maps.upsert_peer(
+        ip(OPEN_V4),
+        PeerEntry {
+            policy: UNRESTRICTED,
+            slot: 5,
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    maps.set_config(&settings.config(replies, 1))
+        .unwrap_or_else(|e| panic!("{e}"));
+    program
+}
+
+fn default_program() -> TestProgram {
+    program(DatapathSettings::default(), true)
+}
+
+/// Sends `packet` toward the peer (egress).
+#[track_caller]
+fn to_peer(p: &mut TestProgram, packet: &Packet) {
+    let run = p
+        .run_egress(&packet.frame(), 1)
+        .unwrap_or_else(|e| panic!("egress test run: {e}"));
+    assert!(
+        run.passed(),
+        "the egress program never drops: {}",
+        run.retval
+    );
+}
+
+/// Runs the peer's `packet` (ingress) and asserts which verdict counter it got.
+#[track_caller]
+fn from_peer(p: &mut TestProgram, packet: &Packet, expected: Counter) {
+    let before = p.maps().counters().unwrap_or_else(|e| panic!("{e}"));
+    let run = p
+        .run(&packet.frame())
+        .unwrap_or_else(|e| panic!("ingress test run: {e}"));
+    let after = p.maps().counters().unwrap_or_else(|e| panic!("{e}"));
+    let got: Vec<Counter> = Counter::ALL
+        .into_iter()
+        .filter(|c| after.get(*c) > before.get(*c))
+        .collect();
+    assert_eq!(got, vec![expected], "{packet:?}");
+    assert_eq!(run.passed(), expected.is_pass());
+}
+
+fn recorded(p: &TestProgram) -> u64 {
+    p.maps()
+        .counters()
+        .map(|c| c.get(Counter::FlowRecorded))
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn replies_to_flows_the_network_started_pass_for_both_families() {
+    for (peer, node, icmp, echo_reply) in
+        [(PEER_V4, NODE_V4, ICMP, 0), (PEER_V6, NODE_V6, ICMPV6, 129)]
+    {
+        let mut p = default_program();
+        // The peer's answers, before the network started anything: denied by its policy.
+        let syn_ack = Packet::new(peer, node, TCP, 51000)
+            .src_port(22)
+            .tcp_flags(TCP_SYN | TCP_ACK);
+        let udp_answer = Packet::new(peer, node, UDP, 52000).src_port(161);
+        let echo_answer = Packet::new(peer, node, icmp, 0).icmp(echo_reply, 77);
+        for answer in [&syn_ack, &udp_answer, &echo_answer] {
+            from_peer(&mut p, answer, Counter::DropPolicy);
+        }
+
+        // The node opens SSH, queries SNMP and pings.
+        to_peer(&mut p, &Packet::new(node, peer, TCP, 22).src_port(51000));
+        to_peer(&mut p, &Packet::new(node, peer, UDP, 161).src_port(52000));
+        to_peer(
+            &mut p,
+            &Packet::new(node, peer, icmp, 0).icmp(if icmp == ICMP { 8 } else { 128 }, 77),
+        );
+        assert_eq!(recorded(&p), 3);
+        for answer in [&syn_ack, &udp_answer, &echo_answer] {
+            from_peer(&mut p, answer, Counter::PassReply);
+        }
+
+        // Only the exact flow: another port, another echo id, a new connection from the peer.
+        from_peer(
+            &mut p,
+            &Packet::new(peer, node, TCP, 51001)
+                .src_port(22)
+                .tcp_flags(TCP_ACK),
+            Counter::DropPolicy,
+        );
+        from_peer(
+            &mut p,
+            &Packet::new(peer, node, UDP, 52000).src_port(162),
+            Counter::DropPolicy,
+        );
+        from_peer(
+            &mut p,
+            &Packet::new(peer, node, icmp, 0).icmp(echo_reply, 78),
+            Counter::DropPolicy,
+        );
+        // An echo request is not a reply, even with the flow's identifier.
+        from_peer(
+            &mut p,
+            &Packet::new(peer, node, icmp, 0).icmp(if icmp == ICMP { 8 } else { 128 }, 77),
+            Counter::DropPolicy,
+        );
+        // What the policy allows still passes as policy, not as a reply.
+        let allowed = if peer == PEER_V4 {
+            "10.1.2.3"
+        } else {
+            "fd00:1::3"
+        };
+        from_peer(
+            &mut p,
+            &Packet::new(peer, allowed, TCP, 443),
+            Counter::PassPolicy,
+        );
+    }
+}
+
+#[test]
+fn nothing_the_peer_sends_or_the_network_answers_opens_a_flow() {
+    let mut p = default_program();
+    // The peer tries to open SSH to the node: denied, and no flow.
+    let syn = Packet::new(PEER_V4, NODE_V4, TCP, 22).src_port(50000);
+    from_peer(&mut p, &syn, Counter::DropPolicy);
+    // The node's SYN-ACK, RST or bare ACK toward the peer answers or continues something: none
+    // of them starts a flow.
+    for flags in [TCP_SYN | TCP_ACK, TCP_RST, TCP_ACK, TCP_FIN | TCP_ACK] {
+        to_peer(
+            &mut p,
+            &Packet::new(NODE_V4, PEER_V4, TCP, 50000)
+                .src_port(22)
+                .tcp_flags(flags),
+        );
+    }
+    // An ICMP echo reply toward the peer does not start one either.
+    to_peer(&mut p, &Packet::new(NODE_V4, PEER_V4, ICMP, 0).icmp(0, 9));
+    assert_eq!(recorded(&p), 0);
+    from_peer(&mut p, &syn.clone().tcp_flags(TCP_ACK), Counter::DropPolicy);
+    from_peer(
+        &mut p,
+        &Packet::new(PEER_V4, NODE_V4, ICMP, 0).icmp(8, 9),
+        Counter::DropPolicy,
+    );
+    assert!(p
+        .maps()
+        .flows()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .is_empty());
+}
+
+#[test]
+fn unrestricted_and_unknown_destinations_record_nothing() {
+    let mut p = default_program();
+    to_peer(&mut p, &Packet::new(NODE_V4, OPEN_V4, TCP, 22));
+    to_peer(&mut p, &Packet::new(NODE_V4, "10.8.0.99", TCP, 22));
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, TCP, 22).fragment(10, false),
+    );
+    assert_eq!(recorded(&p), 0);
+}
+
+#[test]
+fn with_replies_off_nothing_is_recorded_and_nothing_passes_as_a_reply() {
+    let mut p = program(DatapathSettings::default(), false);
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, UDP, 161).src_port(52000),
+    );
+    assert_eq!(recorded(&p), 0);
+    from_peer(
+        &mut p,
+        &Packet::new(PEER_V4, NODE_V4, UDP, 52000).src_port(161),
+        Counter::DropPolicy,
+    );
+
+    // Switched off with flows already recorded: they stop counting at once.
+    let mut p = default_program();
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, UDP, 161).src_port(52000),
+    );
+    let answer = Packet::new(PEER_V4, NODE_V4, UDP, 52000).src_port(161);
+    from_peer(&mut p, &answer, Counter::PassReply);
+    p.maps_mut()
+        .set_config(&DatapathSettings::default().config(false, 1))
+        .unwrap_or_else(|e| panic!("{e}"));
+    from_peer(&mut p, &answer, Counter::DropPolicy);
+}
+
+#[test]
+fn idle_flows_expire_and_closing_tcp_flows_expire_sooner() {
+    let short = Duration::from_millis(200);
+    let settings = DatapathSettings {
+        udp_timeout: short,
+        tcp_closing_timeout: short,
+        ..DatapathSettings::default()
+    };
+    let mut p = program(settings, true);
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, UDP, 161).src_port(52000),
+    );
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, TCP, 22).src_port(51000),
+    );
+    let udp = Packet::new(PEER_V4, NODE_V4, UDP, 52000).src_port(161);
+    let tcp = Packet::new(PEER_V4, NODE_V4, TCP, 51000)
+        .src_port(22)
+        .tcp_flags(TCP_ACK);
+    from_peer(&mut p, &udp, Counter::PassReply);
+    // The peer closes its side: the flow now lives for the closing timeout only.
+    from_peer(
+        &mut p,
+        &tcp.clone().tcp_flags(TCP_FIN | TCP_ACK),
+        Counter::PassReply,
+    );
+    thread::sleep(short * 2);
+    from_peer(&mut p, &udp, Counter::DropPolicy);
+    from_peer(&mut p, &tcp, Counter::DropPolicy);
+    // A new datagram from the network opens the flow again.
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, UDP, 161).src_port(52000),
+    );
+    from_peer(&mut p, &udp, Counter::PassReply);
+}
+
+#[test]
+fn a_full_flow_table_forgets_old_flows_and_keeps_taking_new_ones() {
+    let mut p = default_program();
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, UDP, 161).src_port(52000),
+    );
+    let first = Packet::new(PEER_V4, NODE_V4, UDP, 52000).src_port(161);
+    from_peer(&mut p, &first, Counter::PassReply);
+    // Fill the table with other flows, from user space as the egress program would.
+    let now = FlowValue::default();
+    let maps = p.maps_mut();
+    for i in 0..MAX_FLOWS + MAX_FLOWS / 4 {
+        maps.insert_flow(&Flow {
+            peer: ip(PEER_V4),
+            remote: std::net::Ipv4Addr::from(0x0a63_0000 + i).into(),
+            protocol: 17,
+            peer_port: 1,
+            remote_port: 1,
+            value: FlowValue {
+                last_seen_ns: u64::MAX / 2,
+                ..now
+            },
+        })
+        .unwrap_or_else(|e| panic!("flow {i}: {e}"));
+    }
+    let flows = p.maps().flows().unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        flows.len() <= MAX_FLOWS as usize,
+        "{} flows in a table of {MAX_FLOWS}",
+        flows.len()
+    );
+    // The kernel's LRU is approximate (a flow that carried packets gets a second chance), but
+    // room comes from the least recently used: most of the earliest filler flows are gone,
+    // the latest are all there.
+    let filler = |i: u32| -> std::net::IpAddr { std::net::Ipv4Addr::from(0x0a63_0000 + i).into() };
+    let present: std::collections::HashSet<std::net::IpAddr> =
+        flows.iter().map(|f| f.remote).collect();
+    let quarter = MAX_FLOWS / 4;
+    let early_kept = (0..quarter)
+        .filter(|i| present.contains(&filler(*i)))
+        .count();
+    let total = MAX_FLOWS + quarter;
+    let late_kept = (total - 1000..total)
+        .filter(|i| present.contains(&filler(*i)))
+        .count();
+    assert!(
+        early_kept < quarter as usize / 2,
+        "{early_kept} of the first {quarter} flows kept"
+    );
+    assert_eq!(late_kept, 1000, "the latest flows must all be there");
+    // A new flow still finds room, and its replies pass.
+    let before = recorded(&p);
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, UDP, 161).src_port(53000),
+    );
+    assert_eq!(recorded(&p), before + 1);
+    from_peer(
+        &mut p,
+        &Packet::new(PEER_V4, NODE_V4, UDP, 53000).src_port(161),
+        Counter::PassReply,
+    );
+}
