@@ -17,7 +17,11 @@ const MIN_HEADER_LEN: usize = HEAD_LEN;
 /// Fragment offset bits of the flags/fragment-offset field.
 const FRAGMENT_OFFSET_MASK: u16 = 0x1fff;
 const ICMP_ECHO_REPLY: u8 = 0;
+const ICMP_DEST_UNREACHABLE: u8 = 3;
 const ICMP_ECHO_REQUEST: u8 = 8;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+/// Bytes of an ICMP error before the packet it quotes.
+const ICMP_ERROR_LEN: usize = 8;
 
 #[inline(always)]
 fn header_len(ip: &[u8; HEAD_LEN]) -> usize {
@@ -105,6 +109,9 @@ fn reply(
             Ok(icmp) if icmp[0] == ICMP_ECHO_REPLY => {
                 (u16::from_be_bytes([icmp[4], icmp[5]]), 0, false)
             }
+            Ok(icmp) if icmp[0] == ICMP_DEST_UNREACHABLE || icmp[0] == ICMP_TIME_EXCEEDED => {
+                return related(ctx, l4 + ICMP_ERROR_LEN, ip, config, slot);
+            }
             _ => return denied,
         },
         _ => return denied,
@@ -118,6 +125,52 @@ fn reply(
         _pad: [0; 3],
     };
     flow::reply(&FLOWS_V4, &key, protocol, close, config, slot)
+}
+
+/// An ICMP error from the peer about a packet of a flow the network started (conntrack's
+/// RELATED): the quoted packet went from the error's destination to the peer.
+#[inline(always)]
+fn related(
+    ctx: &TcContext,
+    quoted: usize,
+    ip: &[u8; HEAD_LEN],
+    config: &wgfence_common::Config,
+    slot: u32,
+) -> Result<Pass, Drop> {
+    let denied = Err(Drop::peer(Counter::DropPolicy, slot));
+    let Ok(inner) = ctx.load::<[u8; HEAD_LEN]>(quoted) else {
+        return denied;
+    };
+    // The quoted packet must be the error's own direction reversed: from the remote the error
+    // goes to, to the peer that sends it.
+    if inner[0] >> 4 != 4 || addr(&inner, 12) != addr(ip, 16) || addr(&inner, 16) != addr(ip, 12) {
+        return denied;
+    }
+    let header_len = header_len(&inner);
+    if header_len < MIN_HEADER_LEN || !first_fragment(&inner) {
+        return denied;
+    }
+    let protocol = inner[9];
+    let Ok(l4) = ctx.load::<[u8; 6]>(quoted + header_len) else {
+        return denied;
+    };
+    let (peer_port, remote_port) = match protocol {
+        PROTO_TCP | PROTO_UDP => (
+            u16::from_be_bytes([l4[2], l4[3]]),
+            u16::from_be_bytes([l4[0], l4[1]]),
+        ),
+        PROTO_ICMP if l4[0] == ICMP_ECHO_REQUEST => (u16::from_be_bytes([l4[4], l4[5]]), 0),
+        _ => return denied,
+    };
+    let key = FlowKeyV4 {
+        peer: addr(ip, 12),
+        remote: addr(ip, 16),
+        peer_port,
+        remote_port,
+        protocol,
+        _pad: [0; 3],
+    };
+    flow::reply(&FLOWS_V4, &key, protocol, false, config, slot)
 }
 
 /// Egress: records or refreshes the flow of a packet toward a restricted peer.

@@ -20,8 +20,12 @@ const ROUTING: u8 = 43;
 const FRAGMENT: u8 = 44;
 const AUTHENTICATION: u8 = 51;
 const DESTINATION_OPTIONS: u8 = 60;
+const ICMPV6_DEST_UNREACHABLE: u8 = 1;
+const ICMPV6_TIME_EXCEEDED: u8 = 3;
 const ICMPV6_ECHO_REQUEST: u8 = 128;
 const ICMPV6_ECHO_REPLY: u8 = 129;
+/// Bytes of an ICMPv6 error before the packet it quotes.
+const ICMPV6_ERROR_LEN: usize = 8;
 /// The second half of the fixed header: the rest of the source and the destination.
 const TAIL_LEN: usize = HEADER_LEN - HEAD_LEN;
 
@@ -137,6 +141,9 @@ fn reply(
             Ok(icmp) if icmp[0] == ICMPV6_ECHO_REPLY => {
                 (u16::from_be_bytes([icmp[4], icmp[5]]), 0, false)
             }
+            Ok(icmp) if icmp[0] == ICMPV6_DEST_UNREACHABLE || icmp[0] == ICMPV6_TIME_EXCEEDED => {
+                return related(ctx, l4 + ICMPV6_ERROR_LEN, src, dst, config, slot);
+            }
             _ => return denied,
         },
         _ => return denied,
@@ -150,6 +157,48 @@ fn reply(
         _pad: [0; 3],
     };
     flow::reply(&FLOWS_V6, &key, protocol, close, config, slot)
+}
+
+/// An ICMPv6 error from the peer about a packet of a flow the network started (conntrack's
+/// RELATED): the quoted packet went from the error's destination to the peer. Only a quoted
+/// packet whose upper-layer header follows its fixed header is matched, as on egress.
+#[inline(always)]
+fn related(
+    ctx: &TcContext,
+    quoted: usize,
+    src: &PeerKeyV6,
+    dst: &[u8; 16],
+    config: &wgfence_common::Config,
+    slot: u32,
+) -> Result<Pass, Drop> {
+    let denied = Err(Drop::peer(Counter::DropPolicy, slot));
+    let Ok(inner) = ctx.load::<[u8; HEADER_LEN]>(quoted) else {
+        return denied;
+    };
+    if inner[0] >> 4 != 6 || inner[8..24] != dst[..] || inner[24..40] != src.addr[..] {
+        return denied;
+    }
+    let protocol = inner[6];
+    let Ok(l4) = ctx.load::<[u8; 6]>(quoted + HEADER_LEN) else {
+        return denied;
+    };
+    let (peer_port, remote_port) = match protocol {
+        PROTO_TCP | PROTO_UDP => (
+            u16::from_be_bytes([l4[2], l4[3]]),
+            u16::from_be_bytes([l4[0], l4[1]]),
+        ),
+        PROTO_ICMPV6 if l4[0] == ICMPV6_ECHO_REQUEST => (u16::from_be_bytes([l4[4], l4[5]]), 0),
+        _ => return denied,
+    };
+    let key = FlowKeyV6 {
+        peer: src.addr,
+        remote: *dst,
+        peer_port,
+        remote_port,
+        protocol,
+        _pad: [0; 3],
+    };
+    flow::reply(&FLOWS_V6, &key, protocol, false, config, slot)
 }
 
 /// Egress: records or refreshes the flow of a packet toward a restricted peer. Only packets

@@ -56,6 +56,8 @@ pub struct Packet {
     pub tcp_flags: u8,
     /// ICMP/ICMPv6 type (default echo request) and echo identifier.
     pub icmp: Option<(u8, u16)>,
+    /// Bytes after the transport header (an ICMP error's quoted packet).
+    pub payload: Vec<u8>,
 }
 
 pub const TCP_FIN: u8 = 0x01;
@@ -77,7 +79,19 @@ impl Packet {
             src_port: 40000,
             tcp_flags: TCP_SYN,
             icmp: None,
+            payload: Vec::new(),
         }
+    }
+
+    /// An ICMP error quoting `packet` (its IP header and the first 8 bytes after it).
+    pub fn quoting(mut self, packet: &Packet) -> Self {
+        let ip = packet.frame().split_off(14);
+        let header_len = match packet.src {
+            IpAddr::V4(_) => usize::from(ip[0] & 0x0f) * 4,
+            IpAddr::V6(_) => 40,
+        };
+        self.payload = ip[..(header_len + 8).min(ip.len())].to_vec();
+        self
     }
 
     pub fn src_port(mut self, port: u16) -> Self {
@@ -145,6 +159,7 @@ impl Packet {
         if let Some(len) = self.transport_len {
             t.truncate(len);
         }
+        t.extend(&self.payload);
         t
     }
 

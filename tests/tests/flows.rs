@@ -178,6 +178,45 @@ fn replies_to_flows_the_network_started_pass_for_both_families() {
 }
 
 #[test]
+fn icmp_errors_about_a_flow_pass_as_related() {
+    for (peer, node, icmp, unreachable) in
+        [(PEER_V4, NODE_V4, ICMP, 3), (PEER_V6, NODE_V6, ICMPV6, 1)]
+    {
+        let mut p = default_program();
+        // The node probes a closed UDP port; the peer answers port unreachable.
+        let probe = Packet::new(node, peer, UDP, 33434).src_port(52000);
+        let error = Packet::new(peer, node, icmp, 0)
+            .icmp(unreachable, 0)
+            .quoting(&probe);
+        from_peer(&mut p, &error, Counter::DropPolicy);
+        to_peer(&mut p, &probe);
+        from_peer(&mut p, &error, Counter::PassReply);
+        // An error quoting another flow, or sent to someone other than the quoted source, is
+        // not related to anything.
+        let other = Packet::new(node, peer, UDP, 33435).src_port(52000);
+        from_peer(
+            &mut p,
+            &Packet::new(peer, node, icmp, 0)
+                .icmp(unreachable, 0)
+                .quoting(&other),
+            Counter::DropPolicy,
+        );
+        let elsewhere = if peer == PEER_V4 {
+            "192.168.77.9"
+        } else {
+            "fd77::9"
+        };
+        from_peer(
+            &mut p,
+            &Packet::new(peer, elsewhere, icmp, 0)
+                .icmp(unreachable, 0)
+                .quoting(&probe),
+            Counter::DropPolicy,
+        );
+    }
+}
+
+#[test]
 fn nothing_the_peer_sends_or_the_network_answers_opens_a_flow() {
     let mut p = default_program();
     // The peer tries to open SSH to the node: denied, and no flow.
