@@ -252,3 +252,42 @@ fn ethernet(ethertype: u16) -> Vec<u8> {
 fn parse(s: &str) -> IpAddr {
     s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
 }
+
+/// Sends whole frames (Ethernet header included) out of `interface` with an `AF_PACKET`
+/// socket, from the calling thread's network namespace.
+pub fn inject(interface: &str, frames: &[Vec<u8>]) {
+    let name = std::ffi::CString::new(interface).unwrap_or_else(|e| panic!("{interface}: {e}"));
+    // SAFETY: plain syscalls on a socket this function owns; the address and buffers outlive
+    // each call.
+    unsafe {
+        let ifindex = libc::if_nametoindex(name.as_ptr());
+        assert_ne!(ifindex, 0, "no interface {interface}");
+        // Protocol 0: the socket only sends.
+        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
+        assert!(
+            fd >= 0,
+            "AF_PACKET socket: {}",
+            std::io::Error::last_os_error()
+        );
+        let mut addr: libc::sockaddr_ll = std::mem::zeroed();
+        addr.sll_family = libc::AF_PACKET as u16;
+        addr.sll_ifindex = ifindex as i32;
+        addr.sll_halen = 6;
+        for frame in frames {
+            let sent = libc::sendto(
+                fd,
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+                (&addr as *const libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+            );
+            if sent < 0 {
+                let e = std::io::Error::last_os_error();
+                libc::close(fd);
+                panic!("sending a frame on {interface}: {e}");
+            }
+        }
+        libc::close(fd);
+    }
+}

@@ -1,0 +1,297 @@
+//! `wgfence monitor` against the pinned ring buffer of a datapath attached to a veth (Ethernet
+//! framed, so every drop reason can be sent, including what WireGuard itself would refuse):
+//! each reason produces its event, names resolved from the state file, and a flood produces at
+//! most the configured rate.
+
+use std::{
+    io::{BufRead as _, BufReader},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    thread,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use wgfence::{
+    dataplane::{AttachOptions, Dataplane, DEFAULT_BPFFS},
+    policy::{PortRange, Protocol, Rule},
+    settings::DatapathSettings,
+};
+use wgfence_common::{PeerEntry, UNRESTRICTED};
+use wgfence_tests::{
+    agent::binary,
+    install_policy, ip, net as prefix,
+    net::{unique, Netns},
+    packet::{inject, Ext, Packet, TCP, UDP},
+};
+
+const RESTRICTED: &str = "10.8.0.2";
+const RESTRICTED_V6: &str = "fd00:8::2";
+const OPEN: &str = "10.8.0.3";
+
+/// A namespace with a veth pair; the datapath on `attached`, frames sent from `sender`.
+struct Bench {
+    dataplane: Dataplane,
+    attached: String,
+    state: tempfile_path::Path,
+    ns: Netns,
+}
+
+mod tempfile_path {
+    /// A file removed on drop.
+    pub struct Path(pub std::path::PathBuf);
+
+    impl Drop for Path {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+}
+
+const SENDER: &str = "sender0";
+
+impl Bench {
+    fn new(events_per_second: u32) -> Self {
+        let ns = Netns::new("wgft-mon-");
+        // No IPv6 on the links: their neighbour discovery would be dropped packets too.
+        for key in ["all", "default"] {
+            ns.exec(&[
+                "sysctl",
+                "-qw",
+                &format!("net.ipv6.conf.{key}.disable_ipv6=1"),
+            ]);
+        }
+        let attached = unique("wgv");
+        ns.ip(&[
+            "link", "add", &attached, "type", "veth", "peer", "name", SENDER,
+        ]);
+        ns.ip(&["link", "set", &attached, "up"]);
+        ns.ip(&["link", "set", SENDER, "up"]);
+        let options = AttachOptions::new(attached.clone());
+        let mut dataplane = ns
+            .enter(|| Dataplane::attach(&options))
+            .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+        let maps = dataplane.maps_mut();
+        install_policy(
+            maps,
+            1,
+            &[Rule::new(
+                prefix("10.0.0.0/8"),
+                Protocol::Tcp,
+                vec![PortRange::single(443)],
+            )],
+        );
+        for (addr, policy, slot) in [
+            (RESTRICTED, 1, 0),
+            (RESTRICTED_V6, 1, 0),
+            (OPEN, UNRESTRICTED, 1),
+        ] {
+            maps.upsert_peer(ip(addr), PeerEntry { policy, slot })
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+        let settings = DatapathSettings {
+            events_per_second,
+            ..DatapathSettings::default()
+        };
+        maps.set_config(&settings.config(true, wgfence::settings::online_cpus()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let state =
+            tempfile_path::Path(std::env::temp_dir().join(unique("wgfence-monitor-state-")));
+        let key = |n: u8| wgfence::state::WgKey([n; 32]).to_base64();
+        let text = serde_json::json!({ "version": 1, "peers": [
+            { "name": "alice", "publicKey": key(1), "address": RESTRICTED, "addressV6": RESTRICTED_V6,
+              "egress": [{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] }] },
+            { "name": "bob", "publicKey": key(2), "address": OPEN },
+        ]});
+        std::fs::write(&state.0, text.to_string()).unwrap_or_else(|e| panic!("{e}"));
+        Self {
+            dataplane,
+            attached,
+            state,
+            ns,
+        }
+    }
+
+    /// `wgfence monitor --json` on the attached interface, its lines on a channel.
+    fn monitor(&self, extra: &[&str]) -> (Running, mpsc::Receiver<Value>) {
+        let state = self.state.0.display().to_string();
+        let mut child = Command::new(binary())
+            .args([
+                "monitor",
+                "--interface",
+                &self.attached,
+                "--json",
+                "--state",
+                &state,
+            ])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("wgfence monitor: {e}"));
+        let stdout = child.stdout.take().unwrap_or_else(|| panic!("no stdout"));
+        let (tx, rx) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let event = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line}: {e}"));
+                if tx.send(event).is_err() {
+                    break;
+                }
+            }
+        });
+        // The monitor opens the ring buffer before it prints anything; give it that moment.
+        thread::sleep(Duration::from_millis(300));
+        (Running(child), rx)
+    }
+
+    fn send(&self, frames: &[Vec<u8>]) {
+        self.ns.enter(|| inject(SENDER, frames));
+    }
+}
+
+impl Drop for Bench {
+    fn drop(&mut self) {
+        let _ = Dataplane::detach(
+            std::path::Path::new(DEFAULT_BPFFS),
+            self.dataplane.interface(),
+        );
+    }
+}
+
+/// A running monitor, stopped on drop (also when a test fails).
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn stop(child: Running) {
+    drop(child);
+}
+
+#[test]
+fn every_drop_reason_produces_its_event() {
+    let bench = Bench::new(1000);
+    let (child, events) = bench.monitor(&[]);
+    let mut not_ip = Packet::new("10.8.0.2", "10.1.2.3", TCP, 80).frame();
+    not_ip[14] = 0x50; // IP version 5
+    let mut chain = Packet::new(RESTRICTED_V6, "fd00:1::1", UDP, 53);
+    for _ in 0..9 {
+        chain = chain.ext(Ext::DestinationOptions);
+    }
+    let cases: Vec<(&str, Vec<u8>, Value)> = vec![
+        (
+            "policy_denied",
+            Packet::new(RESTRICTED, "10.1.2.3", TCP, 22)
+                .src_port(40001)
+                .frame(),
+            serde_json::json!({ "peer": "alice", "protocol": "tcp", "src": RESTRICTED,
+                                "dst": "10.1.2.3", "srcPort": 40001, "dstPort": 22, "slot": 0 }),
+        ),
+        (
+            "unknown_source",
+            Packet::new("10.8.0.99", "10.1.2.3", UDP, 53).frame(),
+            serde_json::json!({ "protocol": "udp", "src": "10.8.0.99", "dstPort": 53 }),
+        ),
+        (
+            "malformed",
+            Packet::new(RESTRICTED, "10.1.2.3", TCP, 443)
+                .transport_len(2)
+                .frame(),
+            serde_json::json!({ "peer": "alice", "protocol": "tcp" }),
+        ),
+        (
+            "not_ip",
+            not_ip,
+            serde_json::json!({ "protocol": "not-ip" }),
+        ),
+        (
+            "header_chain",
+            chain.frame(),
+            serde_json::json!({ "peer": "alice", "src": RESTRICTED_V6, "dst": "fd00:1::1" }),
+        ),
+    ];
+    for (reason, frame, fields) in &cases {
+        bench.send(std::slice::from_ref(frame));
+        let event = events
+            .recv_timeout(Duration::from_secs(5))
+            .unwrap_or_else(|_| panic!("no event for {reason}"));
+        assert_eq!(event["reason"], *reason, "{event}");
+        for (k, v) in fields.as_object().into_iter().flatten() {
+            assert_eq!(&event[k], v, "{reason}: field {k} of {event}");
+        }
+        if *reason == "unknown_source" || *reason == "not_ip" {
+            assert!(
+                event.get("peer").is_none() && event.get("slot").is_none(),
+                "{event}"
+            );
+        }
+    }
+    // Passed packets produce nothing.
+    bench.send(&[
+        Packet::new(RESTRICTED, "10.1.2.3", TCP, 443).frame(),
+        Packet::new(OPEN, "10.1.2.3", UDP, 9).frame(),
+    ]);
+    assert!(events.recv_timeout(Duration::from_millis(500)).is_err());
+    stop(child);
+}
+
+#[test]
+fn peer_filter_shows_only_that_peer() {
+    let bench = Bench::new(1000);
+    let (child, events) = bench.monitor(&["--peer", "alice"]);
+    bench.send(&[
+        Packet::new("10.8.0.99", "10.1.2.3", UDP, 53).frame(),
+        Packet::new(RESTRICTED, "10.1.2.3", TCP, 22).frame(),
+    ]);
+    let event = events
+        .recv_timeout(Duration::from_secs(5))
+        .unwrap_or_else(|_| panic!("no event for alice"));
+    assert_eq!(event["peer"], "alice", "{event}");
+    assert!(events.recv_timeout(Duration::from_millis(500)).is_err());
+    stop(child);
+
+    let out = Command::new(binary())
+        .args(["monitor", "--interface", &bench.attached, "--peer", "carol"])
+        .args(["--state", &bench.state.0.display().to_string()])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no peer named \"carol\""), "{stderr}");
+}
+
+#[test]
+fn a_flood_yields_at_most_the_configured_event_rate() {
+    const RATE: u32 = 50;
+    let bench = Bench::new(RATE);
+    let (child, events) = bench.monitor(&[]);
+    let frame = Packet::new(RESTRICTED, "10.1.2.3", TCP, 22).frame();
+    let start = Instant::now();
+    let mut sent = 0u64;
+    while start.elapsed() < Duration::from_secs(2) {
+        bench.send(&vec![frame.clone(); 500]);
+        sent += 500;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    thread::sleep(Duration::from_millis(500));
+    let received = events.try_iter().count() as f64;
+    stop(child);
+    // The rate over the flood, plus each CPU's saved-up second (the burst).
+    let bound = f64::from(RATE) * (elapsed + 1.0);
+    assert!(
+        received <= bound,
+        "{received} events from {sent} drops in {elapsed:.1} s, bound {bound}"
+    );
+    assert!(received >= f64::from(RATE) * 0.5, "only {received} events");
+    let counters = bench
+        .dataplane
+        .maps()
+        .counters()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let limited = counters.get(wgfence_common::Counter::EventRateLimited);
+    assert!(limited > 0 && limited + counters.get(wgfence_common::Counter::EventSent) >= sent);
+}
