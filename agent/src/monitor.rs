@@ -4,7 +4,8 @@
 //! The datapath rate-limits events in the kernel (`--drop-events-per-second` of `run`), so a
 //! flood of dropped packets costs the datapath at most that many ring buffer writes, whether
 //! anyone reads or not. A BPF ring buffer has one read position: two monitors on one interface
-//! share the events between them.
+//! share the events between them. A monitor starts with the events after it opened the ring:
+//! what piled up while nobody read is skipped.
 
 use std::{
     collections::BTreeMap,
@@ -56,7 +57,9 @@ impl Monitor {
             source,
         };
         let data = MapData::from_pin(&path).map_err(open_err)?;
-        let ring = RingBuf::try_from(Map::RingBuf(data)).map_err(open_err)?;
+        let mut ring = RingBuf::try_from(Map::RingBuf(data)).map_err(open_err)?;
+        // Events from before the monitor started (nobody was reading) are not news.
+        while ring.next().is_some() {}
         Ok(Self { ring })
     }
 

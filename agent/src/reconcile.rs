@@ -168,7 +168,11 @@ impl Reconciler {
         self.wg_time = Duration::ZERO;
         let writes_before = self.dataplane.maps().writes();
         let wg_before = self.wg.peer_updates();
-        let result = self.apply_config(&desired).and_then(|()| self.apply(&plan));
+        let mut config_ops = 0;
+        let result = self.apply_config(&desired).and_then(|wrote| {
+            config_ops = usize::from(wrote);
+            self.apply(&plan)
+        });
         if result.is_err() {
             self.stale = true;
             self.applied = None;
@@ -176,7 +180,7 @@ impl Reconciler {
             self.applied = Some(desired);
         }
         let outcome = Outcome {
-            ops: plan.ops.len(),
+            ops: plan.ops.len() + config_ops,
             map_writes: self.dataplane.maps().writes() - writes_before,
             wg_peer_updates: self.wg.peer_updates() - wg_before,
             duration: start.elapsed(),
@@ -195,15 +199,17 @@ impl Reconciler {
         self.wg.peer_updates()
     }
 
-    /// Writes the datapath's settings entry if the kernel's differs (one map write).
-    fn apply_config(&mut self, desired: &DesiredState) -> Result<(), ReconcileError> {
+    /// Writes the datapath's settings entry if the kernel's differs (one map write); whether
+    /// it did.
+    fn apply_config(&mut self, desired: &DesiredState) -> Result<bool, ReconcileError> {
         let want = self.settings.config(desired.replies, self.cpus);
-        if self.kernel_config != Some(want) {
-            self.check_open()?;
-            self.dataplane.maps_mut().set_config(&want)?;
-            self.kernel_config = Some(want);
+        if self.kernel_config == Some(want) {
+            return Ok(false);
         }
-        Ok(())
+        self.check_open()?;
+        self.dataplane.maps_mut().set_config(&want)?;
+        self.kernel_config = Some(want);
+        Ok(true)
     }
 
     fn apply(&mut self, plan: &Plan) -> Result<(), ReconcileError> {

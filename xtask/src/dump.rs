@@ -1,5 +1,5 @@
 //! `cargo xtask dump`: what the agent pinned for an interface, through bpftool — the maps with
-//! their BTF field names, and the tcx link.
+//! their BTF field names, and the tcx links.
 
 use std::{fs, io::ErrorKind, path::Path, process::Command};
 
@@ -9,8 +9,10 @@ use crate::util;
 
 /// Pinned map names start with this (agent/src/dataplane, common's map names).
 const MAP_PREFIX: &str = "wgf";
-/// The pinned tcx link (`wgfence::dataplane::LINK_PIN`).
-const LINK_PIN: &str = "link_ingress";
+/// The pinned tcx links (`wgfence::dataplane::LINK_PIN`, `LINK_PIN_EGRESS`) start with this.
+const LINK_PREFIX: &str = "link_";
+/// The drop event ring buffer: bpftool cannot dump a ring buffer, only show it.
+const EVENTS_MAP: &str = "wgf1_events";
 
 pub fn run(interface: &str, bpffs: &Path) -> Result<()> {
     let dir = bpffs.join("wgfence").join(interface);
@@ -45,10 +47,13 @@ pub fn run(interface: &str, bpffs: &Path) -> Result<()> {
     let mut failed = Vec::new();
     for name in &names {
         let path = dir.join(name);
-        let args: &[&str] = if name.starts_with(MAP_PREFIX) {
+        let args: &[&str] = if name == EVENTS_MAP {
+            println!("=== map {name} (ring buffer: `wgfence monitor` reads it) ===");
+            &["map", "show", "pinned"]
+        } else if name.starts_with(MAP_PREFIX) {
             println!("=== map {name} ===");
             &["map", "dump", "pinned"]
-        } else if name == LINK_PIN {
+        } else if name.starts_with(LINK_PREFIX) {
             println!("=== link {name} ===");
             &["link", "show", "pinned"]
         } else {

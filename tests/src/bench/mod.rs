@@ -4,6 +4,7 @@
 
 pub mod baseline;
 pub mod gen;
+pub mod replies;
 pub mod report;
 
 use std::time::Duration;

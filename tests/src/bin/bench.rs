@@ -54,13 +54,14 @@ fn main() {
         .nth(1)
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("."));
+    let only_arg = std::env::args().skip_while(|a| a != "--only").nth(1);
     let config = Config {
         quick,
-        command: if quick {
-            "cargo xtask bench --quick".into()
-        } else {
-            "cargo xtask bench".into()
-        },
+        command: format!(
+            "cargo xtask bench{}{}",
+            if quick { " --quick" } else { "" },
+            only_arg.map(|o| format!(" --only {o}")).unwrap_or_default()
+        ),
     };
     wgfence_tests::require_root();
     let started = Instant::now();
@@ -88,13 +89,14 @@ fn main() {
         .skip_while(|a| a != "--only")
         .nth(1)
         .map(|s| s.split(',').map(str::to_owned).collect());
-    let scenarios: [(&str, Scenario); 6] = [
+    let scenarios: [(&str, Scenario); 7] = [
         ("per_packet", per_packet),
         ("apply", apply_costs),
         ("throughput", throughput),
         ("churn", churn),
         ("revocation", revocations),
         ("restart", restart_and_memory),
+        ("replies", replies_and_events),
     ];
     for (name, scenario) in scenarios {
         if only.as_ref().is_none_or(|o| o.iter().any(|x| x == name)) {
@@ -169,6 +171,12 @@ fn progress(what: &str) {
 
 // ---------------------------------------------------------------------------------------------
 // 1. Per-packet cost.
+
+fn replies_and_events(report: &mut Report, config: &Config) {
+    progress("reply flows and drop events");
+    let (_, desired) = parse_value(&gen::state(10_000, 1));
+    wgfence_tests::bench::replies::run(report, &config.command, &desired);
+}
 
 fn per_packet(report: &mut Report, config: &Config) {
     let sizes = config.sizes(

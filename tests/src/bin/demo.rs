@@ -189,8 +189,68 @@ fn main() {
         ],
     );
 
+    section("replies: the node reaches alice, alice cannot reach the node");
+    println!("alice's rules do not allow the node (10.8.0.1); what the node starts still gets its");
+    println!("replies (the egress program records the flow, the ingress program lets its answers");
+    println!("through), while alice's own attempts are dropped:");
+    for (from, ns, kind, dst, expect) in [
+        ("node", &gw.node, Tcp(22), "10.8.0.2", A),
+        ("node", &gw.node, Udp(161), "10.8.0.2", A),
+        ("node", &gw.node, Ping, "fd00:8::2", A),
+        ("alice", &gw.peers[0].ns, Tcp(22), "10.8.0.1", D),
+        ("alice", &gw.peers[0].ns, Ping, "fd00:8::1", D),
+    ] {
+        let got = probe(ns, kind, dst.parse().unwrap_or_else(|e| panic!("{e}")));
+        let word = |r: Reach| if r == A { "answered" } else { "dropped" };
+        println!(
+            "  {from:<6} {:<9} -> {dst:<10} {:<9} (expected {})",
+            kind.to_string(),
+            word(got),
+            word(expect)
+        );
+        assert_eq!(got, expect, "{from} {kind} -> {dst}");
+    }
+    let dir = gw.bpffs.join("wgfence").join(gw.interface());
+    show(&[
+        "bpftool",
+        "map",
+        "dump",
+        "pinned",
+        &format!("{}/wgf1_flows_v4", dir.display()),
+    ]);
+
+    section("why was it dropped: wgfence monitor");
+    let wgfence = binary().to_string_lossy().into_owned();
+    let mut monitor = Command::new(&wgfence)
+        .args(["monitor", "--interface", gw.interface(), "--count", "3"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("wgfence monitor: {e}"));
+    std::thread::sleep(Duration::from_millis(300));
+    for (i, kind, dst) in [
+        (0, Tcp(80), "10.2.3.4"),
+        (2, Tcp(443), "10.1.2.3"),
+        (0, Ping, "10.2.3.4"),
+    ] {
+        let _ = probe(
+            &gw.peers[i].ns,
+            kind,
+            dst.parse().unwrap_or_else(|e| panic!("{e}")),
+        );
+    }
+    println!("$ wgfence monitor --interface {} --count 3", gw.interface());
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline && matches!(monitor.try_wait(), Ok(None)) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = monitor.kill();
+    match monitor.wait_with_output() {
+        Ok(out) => print!("{}", String::from_utf8_lossy(&out.stdout)),
+        Err(e) => println!("(monitor failed: {e})"),
+    }
+
     section("wgfence status");
-    let status = binary().to_string_lossy().into_owned();
+    let status = wgfence;
     show(&[&status, "status", "--interface", gw.interface()]);
 
     section("the maps, as bpftool shows them");
