@@ -165,3 +165,59 @@ fn a_flow_idle_past_its_timeout_stops_passing() {
         "idle past the timeout"
     );
 }
+
+#[test]
+fn monitor_names_the_running_agents_peers() {
+    use std::io::{BufRead as _, BufReader};
+    let gw = Gateway::new(2);
+    let agent = Agent::start(&gw, Layout::Plain, &state(&gw, None), &[]);
+    agent.wait_ready(&gw);
+    // No --state: the names come from the running agent's state file.
+    let mut monitor = std::process::Command::new(wgfence_tests::agent::binary())
+        .args([
+            "monitor",
+            "--interface",
+            gw.interface(),
+            "--json",
+            "--count",
+            "1",
+        ])
+        .args(["--peer", "peer0"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("wgfence monitor: {e}"));
+    thread::sleep(Duration::from_millis(300));
+    let unrestricted = wgfence_tests::probe::probe(
+        &gw.peers[1].ns,
+        Kind::Tcp(22),
+        "10.8.0.1".parse().unwrap_or_else(|e| panic!("{e}")),
+    );
+    assert_eq!(unrestricted, Reach::Reached);
+    let denied = wgfence_tests::probe::probe(
+        &gw.peers[0].ns,
+        Kind::Tcp(22),
+        "10.8.0.1".parse().unwrap_or_else(|e| panic!("{e}")),
+    );
+    assert_eq!(denied, Reach::Blocked);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline && matches!(monitor.try_wait(), Ok(None)) {
+        thread::sleep(Duration::from_millis(20));
+    }
+    let _ = monitor.kill();
+    let stdout = monitor.stdout.take().unwrap_or_else(|| panic!("no stdout"));
+    let lines: Vec<String> = BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .collect();
+    let _ = monitor.wait();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let event: serde_json::Value =
+        serde_json::from_str(&lines[0]).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(event["peer"], "peer0", "{event}");
+    assert_eq!(event["reason"], "policy_denied", "{event}");
+    assert_eq!(
+        (event["dst"].as_str(), event["dstPort"].as_u64()),
+        (Some("10.8.0.1"), Some(22))
+    );
+    assert!(agent.metric(&gw, "wgfence_drop_events_total{outcome=\"sent\"}") >= 1.0);
+}
