@@ -437,6 +437,8 @@ fn monitor(
             bail!("no peer named {peer:?} in the state file (pass --state if the agent is not running here)");
         }
     }
+    // On stderr, so stdout stays one event per line; scripts can wait for it.
+    eprintln!("monitoring drop events on {interface}; Ctrl-C stops");
     let mut names_at = std::time::Instant::now();
     let mut seen = 0u64;
     let mut events = Vec::new();

@@ -19,7 +19,8 @@ use std::{
 use aya::maps::{Map, MapData, MapError, RingBuf};
 use serde::Serialize;
 use wgfence_common::{
-    map_names, Counter, DropEvent, NO_SLOT, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    map_names, Counter, DropEvent, EVENT_PORTS, NO_SLOT, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP,
+    PROTO_UDP,
 };
 
 use crate::dataplane::pin_dir;
@@ -177,13 +178,15 @@ impl EventView {
             ),
             _ => (None, None),
         };
-        let ports = event.family != 0 && matches!(event.protocol, PROTO_TCP | PROTO_UDP);
+        let ports = event.flags & EVENT_PORTS != 0;
+        let slot = (event.slot != NO_SLOT).then_some(event.slot);
         let time = humantime::format_rfc3339_millis(clock.wall(event.timestamp_ns)).to_string();
         Self {
             time,
             reason: Counter::from_index(event.reason).map_or("unknown", Counter::name),
-            peer: src.and_then(|a| names.get(&a).cloned()),
-            slot: (event.slot != NO_SLOT).then_some(event.slot),
+            // Only a known peer is named: an unknown source's address names nobody.
+            peer: slot.and(src).and_then(|a| names.get(&a).cloned()),
+            slot,
             protocol: if event.family == 0 {
                 "not-ip".into()
             } else {
@@ -237,6 +240,7 @@ mod tests {
             protocol,
             src_port: 40000,
             dst_port: 22,
+            flags: EVENT_PORTS,
             ..DropEvent::default()
         };
         if family == 4 {
@@ -270,7 +274,9 @@ mod tests {
             v.line()
         );
 
-        let v = EventView::new(&event(6, PROTO_ICMPV6), &names, &clock);
+        let mut icmp = event(6, PROTO_ICMPV6);
+        icmp.flags = 0;
+        let v = EventView::new(&icmp, &names, &clock);
         assert_eq!((v.src_port, v.dst_port), (None, None));
         assert!(
             v.line().contains("from slot 3 icmpv6 fd00:8::2 -> fd00::5"),

@@ -145,6 +145,11 @@ impl Actual {
         Self { maps, wg, index }
     }
 
+    /// The WireGuard peer an address is routed to, if any.
+    pub fn holder(&self, addr: IpAddr) -> Option<WgKey> {
+        self.index.holders.get(&IpNet::from(addr)).copied()
+    }
+
     pub fn maps(&self) -> &ActualMaps {
         &self.maps
     }

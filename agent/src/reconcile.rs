@@ -11,6 +11,8 @@
 //! next attempt reads the kernel and plans again from there.
 
 use std::{
+    collections::BTreeSet,
+    net::IpAddr,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
@@ -168,11 +170,28 @@ impl Reconciler {
         self.wg_time = Duration::ZERO;
         let writes_before = self.dataplane.maps().writes();
         let wg_before = self.wg.peer_updates();
+        let moved = moved_addresses(&plan, &desired, &self.actual);
         let mut config_ops = 0;
-        let result = self.apply_config(&desired).and_then(|wrote| {
-            config_ops = usize::from(wrote);
-            self.apply(&plan)
-        });
+        let result = self
+            .apply_config(&desired)
+            .and_then(|wrote| {
+                config_ops = usize::from(wrote);
+                // Before and after: the old holder's traffic may record flows meanwhile.
+                self.forget_flows(&moved)?;
+                self.apply(&plan)
+            })
+            .and_then(|()| {
+                let mut forget = moved;
+                forget.extend(plan.ops.iter().filter_map(|op| match op {
+                    Op::DeletePeerEntry { addr }
+                        if !self.actual.maps().peers.contains_key(addr) =>
+                    {
+                        Some(*addr)
+                    }
+                    _ => None,
+                }));
+                self.forget_flows(&forget)
+            });
         if result.is_err() {
             self.stale = true;
             self.applied = None;
@@ -199,8 +218,29 @@ impl Reconciler {
         self.wg.peer_updates()
     }
 
+    /// Deletes the reply flows recorded for these peer addresses.
+    fn forget_flows(&mut self, addrs: &BTreeSet<IpAddr>) -> Result<(), ReconcileError> {
+        if addrs.is_empty() {
+            return Ok(());
+        }
+        self.check_open()?;
+        let removed = self
+            .dataplane
+            .maps_mut()
+            .remove_flows(|peer| addrs.contains(&peer))?;
+        if removed > 0 {
+            tracing::debug!(
+                removed,
+                addresses = addrs.len(),
+                "forgot the reply flows of addresses that went or moved"
+            );
+        }
+        Ok(())
+    }
+
     /// Writes the datapath's settings entry if the kernel's differs (one map write); whether
-    /// it did.
+    /// it did. Switching replies off forgets every recorded flow, so switching them on again
+    /// starts afresh.
     fn apply_config(&mut self, desired: &DesiredState) -> Result<bool, ReconcileError> {
         let want = self.settings.config(desired.replies, self.cpus);
         if self.kernel_config == Some(want) {
@@ -208,7 +248,11 @@ impl Reconciler {
         }
         self.check_open()?;
         self.dataplane.maps_mut().set_config(&want)?;
+        let replies_were_on = self.kernel_config.is_some_and(|c| c.replies());
         self.kernel_config = Some(want);
+        if replies_were_on && !want.replies() {
+            self.dataplane.maps_mut().remove_flows(|_| true)?;
+        }
         Ok(true)
     }
 
@@ -277,6 +321,28 @@ fn same_kind(a: &Op, b: &Op) -> bool {
         | (_, Op::WgPeer(_) | Op::RemoveWgPeer { .. }) => false,
         _ => true,
     }
+}
+
+/// Addresses the plan gives to another WireGuard peer than the one holding them now: their
+/// reply flows were recorded for the old holder.
+fn moved_addresses(plan: &Plan, desired: &DesiredState, actual: &Actual) -> BTreeSet<IpAddr> {
+    plan.ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::PutPeerEntry { peer, addr, .. } => {
+                let key = desired
+                    .peers
+                    .binary_search_by(|p| p.name.as_str().cmp(peer))
+                    .ok()
+                    .map(|i| desired.peers[i].public_key)?;
+                actual
+                    .holder(*addr)
+                    .filter(|holder| *holder != key)
+                    .map(|_| *addr)
+            }
+            _ => None,
+        })
+        .collect()
 }
 
 /// Applies one map operation of a plan (WireGuard operations are not map operations and are

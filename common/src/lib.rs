@@ -239,13 +239,15 @@ pub const FLOW_OPEN: u32 = 0;
 pub const FLOW_CLOSING: u32 = 1;
 
 /// Value of the flow tables: when the flow last carried a packet (either way), in
-/// `bpf_ktime_get_ns` time (CLOCK_MONOTONIC), and its state.
+/// `bpf_ktime_get_ns` time (CLOCK_MONOTONIC), its state, and the counter slot of the peer that
+/// held the address when the flow was recorded (a reply passes only for that peer, so a flow
+/// never carries over to a new holder of the address).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct FlowValue {
     pub last_seen_ns: u64,
     pub state: u32,
-    pub _pad: u32,
+    pub slot: u32,
 }
 
 /// [`Config::flags`]: replies to flows the network started pass restricted peers' policies.
@@ -285,12 +287,16 @@ pub struct EventBucket {
     pub last_ns: u64,
 }
 
+/// [`DropEvent::flags`]: `src_port` and `dst_port` hold the packet's ports.
+pub const EVENT_PORTS: u8 = 1;
+
 /// [`DropEvent::slot`] when the source is not a known peer.
 pub const NO_SLOT: u32 = u32::MAX;
 
 /// One dropped packet, as `wgfence monitor` receives it. Addresses are network byte order;
 /// an IPv4 address fills the first 4 bytes. Ports are 0 when the packet has none (or the
-/// datapath did not read them: non-first fragments, IPv6 extension headers).
+/// datapath did not read them: non-first fragments, IPv6 extension headers, truncated
+/// headers); [`EVENT_PORTS`] in `flags` tells.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct DropEvent {
@@ -304,10 +310,14 @@ pub struct DropEvent {
     pub len: u32,
     /// 4 or 6; 0 when the packet is not IP.
     pub family: u8,
+    /// IPv4: the protocol; IPv6: the first next header (an extension header's number if the
+    /// packet has one).
     pub protocol: u8,
     pub src_port: u16,
     pub dst_port: u16,
-    pub _pad: [u8; 6],
+    /// [`EVENT_PORTS`] when the ports were read.
+    pub flags: u8,
+    pub _pad: [u8; 5],
     pub src: [u8; 16],
     pub dst: [u8; 16],
 }

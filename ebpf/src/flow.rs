@@ -35,30 +35,67 @@ pub(crate) const fn tcp_closes(flags: u8) -> bool {
     flags & (TCP_FIN | TCP_RST) != 0
 }
 
-/// Egress: a packet toward a restricted peer. `start`: the packet may start a flow (a TCP SYN
-/// without ACK, a UDP datagram, an ICMP echo request); `close`: a TCP FIN or RST. A packet
-/// that cannot start a flow only refreshes one that exists.
+/// The idle timeout of a flow of `protocol` in `state`.
 #[inline(always)]
-pub(crate) fn on_egress<K>(flows: &Flows<K>, key: &K, start: bool, close: bool) {
+fn timeout(config: &Config, protocol: u8, state: u32) -> u64 {
+    match protocol {
+        PROTO_TCP if state == FLOW_CLOSING => config.tcp_closing_timeout_ns,
+        PROTO_TCP => config.tcp_timeout_ns,
+        PROTO_UDP => config.udp_timeout_ns,
+        _ => config.other_timeout_ns,
+    }
+}
+
+/// What the egress program saw of a packet toward a restricted peer.
+pub(crate) struct ToPeer {
+    pub(crate) protocol: u8,
+    /// The packet may start a flow: a TCP SYN without ACK, a UDP datagram, an ICMP echo
+    /// request.
+    pub(crate) start: bool,
+    /// A TCP FIN or RST.
+    pub(crate) close: bool,
+}
+
+/// Egress: refreshes the live flow of a packet toward a restricted peer, or records a new one
+/// when the packet may start one. An expired flow, or one recorded for another holder of the
+/// address, counts as absent. `reply_allowed` (asked only before recording) says whether the
+/// peer's policy already allows the reply: then no flow is needed and none is recorded, so the
+/// answers to the peer's own allowed traffic never fill the table.
+#[inline(always)]
+pub(crate) fn on_egress<K>(
+    flows: &Flows<K>,
+    key: &K,
+    packet: &ToPeer,
+    slot: u32,
+    config: &Config,
+    reply_allowed: impl FnOnce() -> bool,
+) {
     let now = now_ns();
     if let Some(flow) = flows.get_ptr_mut(key) {
         // SAFETY: `flow` points into the map's element for `key`; racing writers store whole
         // aligned words, and a torn timestamp only shifts an idle timeout.
-        unsafe {
-            (*flow).last_seen_ns = now;
-            if close {
-                (*flow).state = FLOW_CLOSING;
-            } else if start {
-                (*flow).state = FLOW_OPEN;
+        let (last_seen, state, owner) =
+            unsafe { ((*flow).last_seen_ns, (*flow).state, (*flow).slot) };
+        let live = owner == slot
+            && now.saturating_sub(last_seen) <= timeout(config, packet.protocol, state);
+        if live {
+            // SAFETY: as above.
+            unsafe {
+                (*flow).last_seen_ns = now;
+                if packet.close {
+                    (*flow).state = FLOW_CLOSING;
+                } else if packet.start {
+                    (*flow).state = FLOW_OPEN;
+                }
             }
+            return;
         }
-        return;
     }
-    if start && !close {
+    if packet.start && !packet.close && !reply_allowed() {
         let flow = FlowValue {
             last_seen_ns: now,
             state: FLOW_OPEN,
-            _pad: 0,
+            slot,
         };
         if flows.insert(key, flow, 0).is_ok() {
             count(Counter::FlowRecorded);
@@ -81,14 +118,9 @@ pub(crate) fn reply<K>(
     };
     let now = now_ns();
     // SAFETY: as in `on_egress`.
-    let (last_seen, state) = unsafe { ((*flow).last_seen_ns, (*flow).state) };
-    let timeout = match protocol {
-        PROTO_TCP if state == FLOW_CLOSING => config.tcp_closing_timeout_ns,
-        PROTO_TCP => config.tcp_timeout_ns,
-        PROTO_UDP => config.udp_timeout_ns,
-        _ => config.other_timeout_ns,
-    };
-    if now.saturating_sub(last_seen) > timeout {
+    let (last_seen, state, owner) = unsafe { ((*flow).last_seen_ns, (*flow).state, (*flow).slot) };
+    // Recorded for another holder of this address: not this peer's flow.
+    if owner != slot || now.saturating_sub(last_seen) > timeout(config, protocol, state) {
         return Err(Drop::peer(Counter::DropPolicy, slot));
     }
     // SAFETY: as in `on_egress`.

@@ -167,7 +167,8 @@ pub fn wgfence_ingress(ctx: TcContext) -> i32 {
 /// continues a flow is recorded, so the peer's replies pass its policy.
 #[classifier]
 pub fn wgfence_egress(ctx: TcContext) -> i32 {
-    let Some(config) = config() else {
+    // A copy: the agent may rewrite the entry while this packet runs.
+    let Some(config) = config().copied() else {
         return TCX_NEXT;
     };
     if !config.replies() {
@@ -178,8 +179,8 @@ pub fn wgfence_egress(ctx: TcContext) -> i32 {
         return TCX_NEXT;
     }
     match ctx.load::<[u8; HEAD_LEN]>(l3) {
-        Ok(head) if head[0] >> 4 == 4 => v4::record(&ctx, l3, &head),
-        Ok(head) if head[0] >> 4 == 6 => v6::record(&ctx, l3, &head),
+        Ok(head) if head[0] >> 4 == 4 => v4::record(&ctx, l3, &head, &config),
+        Ok(head) if head[0] >> 4 == 6 => v6::record(&ctx, l3, &head, &config),
         _ => {}
     }
     TCX_NEXT

@@ -3,13 +3,13 @@
 
 use aya_ebpf::{btf_maps::lpm_trie::Key, programs::TcContext};
 use wgfence_common::{
-    Counter, DropEvent, FlowKeyV4, PeerKeyV4, PolicyKeyV4, POLICY_ID_BITS, PROTO_ICMP, PROTO_TCP,
-    PROTO_UDP, UNRESTRICTED,
+    Counter, DropEvent, FlowKeyV4, PeerKeyV4, PolicyKeyV4, EVENT_PORTS, POLICY_ID_BITS, PROTO_ICMP,
+    PROTO_TCP, PROTO_UDP, UNRESTRICTED,
 };
 
 use crate::{
     config, decide,
-    flow::{self, tcp_closes, tcp_opens, TCP_FLAGS_OFFSET},
+    flow::{self, tcp_closes, tcp_opens, ToPeer, TCP_FLAGS_OFFSET},
     has_ports, ports, unrestricted, Drop, Pass, FLOWS_V4, HEAD_LEN, PEERS_V4, POLICY_V4,
 };
 
@@ -20,6 +20,7 @@ const ICMP_ECHO_REPLY: u8 = 0;
 const ICMP_DEST_UNREACHABLE: u8 = 3;
 const ICMP_ECHO_REQUEST: u8 = 8;
 const ICMP_TIME_EXCEEDED: u8 = 11;
+const ICMP_PARAMETER_PROBLEM: u8 = 12;
 /// Bytes of an ICMP error before the packet it quotes.
 const ICMP_ERROR_LEN: usize = 8;
 
@@ -91,7 +92,8 @@ fn reply(
     slot: u32,
 ) -> Result<Pass, Drop> {
     let denied = Err(Drop::peer(Counter::DropPolicy, slot));
-    let Some(config) = config() else {
+    // A copy: the agent may rewrite the entry while this packet runs.
+    let Some(config) = config().copied() else {
         return denied;
     };
     if !config.replies() {
@@ -109,8 +111,13 @@ fn reply(
             Ok(icmp) if icmp[0] == ICMP_ECHO_REPLY => {
                 (u16::from_be_bytes([icmp[4], icmp[5]]), 0, false)
             }
-            Ok(icmp) if icmp[0] == ICMP_DEST_UNREACHABLE || icmp[0] == ICMP_TIME_EXCEEDED => {
-                return related(ctx, l4 + ICMP_ERROR_LEN, ip, config, slot);
+            Ok(icmp)
+                if matches!(
+                    icmp[0],
+                    ICMP_DEST_UNREACHABLE | ICMP_TIME_EXCEEDED | ICMP_PARAMETER_PROBLEM
+                ) =>
+            {
+                return related(ctx, l4 + ICMP_ERROR_LEN, ip, &config, slot);
             }
             _ => return denied,
         },
@@ -124,7 +131,7 @@ fn reply(
         protocol,
         _pad: [0; 3],
     };
-    flow::reply(&FLOWS_V4, &key, protocol, close, config, slot)
+    flow::reply(&FLOWS_V4, &key, protocol, close, &config, slot)
 }
 
 /// An ICMP error from the peer about a packet of a flow the network started (conntrack's
@@ -175,7 +182,12 @@ fn related(
 
 /// Egress: records or refreshes the flow of a packet toward a restricted peer.
 #[inline(always)]
-pub(crate) fn record(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) {
+pub(crate) fn record(
+    ctx: &TcContext,
+    l3: usize,
+    ip: &[u8; HEAD_LEN],
+    config: &wgfence_common::Config,
+) {
     let dst = PeerKeyV4 { addr: addr(ip, 16) };
     // SAFETY: the value is copied out at once; no reference outlives the lookup.
     let Some(peer) = (unsafe { PEERS_V4.get(&dst) }).copied() else {
@@ -227,7 +239,24 @@ pub(crate) fn record(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) {
         protocol,
         _pad: [0; 3],
     };
-    flow::on_egress(&FLOWS_V4, &key, start, close);
+    let packet = ToPeer {
+        protocol,
+        start,
+        close,
+    };
+    // The peer's reply: to the remote, its port (none for an echo reply).
+    let reply_allowed = || {
+        let policy_key = Key::new(
+            POLICY_ID_BITS + 32,
+            PolicyKeyV4 {
+                policy: peer.policy,
+                addr: key.remote,
+            },
+        );
+        let port = (protocol != PROTO_ICMP).then_some(remote_port);
+        decide(POLICY_V4.get(&policy_key), peer.slot, protocol, port).is_ok()
+    };
+    flow::on_egress(&FLOWS_V4, &key, &packet, peer.slot, config, reply_allowed);
 }
 
 /// Fills a drop event's addresses, protocol and (when the header is at hand) ports.
@@ -242,6 +271,7 @@ pub(crate) fn describe(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN], event: &
         if let Ok(p) = ctx.load::<[u8; 4]>(l3 + header_len) {
             event.src_port = u16::from_be_bytes([p[0], p[1]]);
             event.dst_port = u16::from_be_bytes([p[2], p[3]]);
+            event.flags |= EVENT_PORTS;
         }
     }
 }

@@ -4,13 +4,13 @@
 
 use aya_ebpf::{btf_maps::lpm_trie::Key, programs::TcContext};
 use wgfence_common::{
-    Counter, DropEvent, FlowKeyV6, PeerKeyV6, PolicyKeyV6, MAX_IPV6_EXT_HEADERS, POLICY_ID_BITS,
-    PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, UNRESTRICTED,
+    Counter, DropEvent, FlowKeyV6, PeerKeyV6, PolicyKeyV6, EVENT_PORTS, MAX_IPV6_EXT_HEADERS,
+    POLICY_ID_BITS, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, UNRESTRICTED,
 };
 
 use crate::{
     config, decide,
-    flow::{self, tcp_closes, tcp_opens, TCP_FLAGS_OFFSET},
+    flow::{self, tcp_closes, tcp_opens, ToPeer, TCP_FLAGS_OFFSET},
     has_ports, ports, unrestricted, Drop, Pass, FLOWS_V6, HEAD_LEN, PEERS_V6, POLICY_V6,
 };
 
@@ -21,7 +21,9 @@ const FRAGMENT: u8 = 44;
 const AUTHENTICATION: u8 = 51;
 const DESTINATION_OPTIONS: u8 = 60;
 const ICMPV6_DEST_UNREACHABLE: u8 = 1;
+const ICMPV6_PACKET_TOO_BIG: u8 = 2;
 const ICMPV6_TIME_EXCEEDED: u8 = 3;
+const ICMPV6_PARAMETER_PROBLEM: u8 = 4;
 const ICMPV6_ECHO_REQUEST: u8 = 128;
 const ICMPV6_ECHO_REPLY: u8 = 129;
 /// Bytes of an ICMPv6 error before the packet it quotes.
@@ -123,7 +125,8 @@ fn reply(
     slot: u32,
 ) -> Result<Pass, Drop> {
     let denied = Err(Drop::peer(Counter::DropPolicy, slot));
-    let Some(config) = config() else {
+    // A copy: the agent may rewrite the entry while this packet runs.
+    let Some(config) = config().copied() else {
         return denied;
     };
     if !config.replies() {
@@ -141,8 +144,16 @@ fn reply(
             Ok(icmp) if icmp[0] == ICMPV6_ECHO_REPLY => {
                 (u16::from_be_bytes([icmp[4], icmp[5]]), 0, false)
             }
-            Ok(icmp) if icmp[0] == ICMPV6_DEST_UNREACHABLE || icmp[0] == ICMPV6_TIME_EXCEEDED => {
-                return related(ctx, l4 + ICMPV6_ERROR_LEN, src, dst, config, slot);
+            Ok(icmp)
+                if matches!(
+                    icmp[0],
+                    ICMPV6_DEST_UNREACHABLE
+                        | ICMPV6_PACKET_TOO_BIG
+                        | ICMPV6_TIME_EXCEEDED
+                        | ICMPV6_PARAMETER_PROBLEM
+                ) =>
+            {
+                return related(ctx, l4 + ICMPV6_ERROR_LEN, src, dst, &config, slot);
             }
             _ => return denied,
         },
@@ -156,7 +167,7 @@ fn reply(
         protocol,
         _pad: [0; 3],
     };
-    flow::reply(&FLOWS_V6, &key, protocol, close, config, slot)
+    flow::reply(&FLOWS_V6, &key, protocol, close, &config, slot)
 }
 
 /// An ICMPv6 error from the peer about a packet of a flow the network started (conntrack's
@@ -205,7 +216,12 @@ fn related(
 /// whose upper-layer header follows the fixed header are recorded (the egress side does not
 /// walk extension headers; a peer's reply to such a flow is judged by its policy alone).
 #[inline(always)]
-pub(crate) fn record(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) {
+pub(crate) fn record(
+    ctx: &TcContext,
+    l3: usize,
+    head: &[u8; HEAD_LEN],
+    config: &wgfence_common::Config,
+) {
     let Ok(tail) = ctx.load::<[u8; TAIL_LEN]>(l3 + HEAD_LEN) else {
         return;
     };
@@ -262,7 +278,24 @@ pub(crate) fn record(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) {
     };
     key.remote[..12].copy_from_slice(&head[8..20]);
     key.remote[12..].copy_from_slice(&tail[..4]);
-    flow::on_egress(&FLOWS_V6, &key, start, close);
+    let packet = ToPeer {
+        protocol,
+        start,
+        close,
+    };
+    // The peer's reply: to the remote, its port (none for an echo reply).
+    let reply_allowed = || {
+        let policy_key = Key::new(
+            POLICY_ID_BITS + 128,
+            PolicyKeyV6 {
+                policy: peer.policy,
+                addr: key.remote,
+            },
+        );
+        let port = (protocol != PROTO_ICMPV6).then_some(remote_port);
+        decide(POLICY_V6.get(&policy_key), peer.slot, protocol, port).is_ok()
+    };
+    flow::on_egress(&FLOWS_V6, &key, &packet, peer.slot, config, reply_allowed);
 }
 
 /// Fills a drop event's addresses, protocol and (when the upper-layer header follows the fixed
@@ -281,6 +314,7 @@ pub(crate) fn describe(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN], event:
         if let Ok(p) = ctx.load::<[u8; 4]>(l3 + HEADER_LEN) {
             event.src_port = u16::from_be_bytes([p[0], p[1]]);
             event.dst_port = u16::from_be_bytes([p[2], p[3]]);
+            event.flags |= EVENT_PORTS;
         }
     }
 }

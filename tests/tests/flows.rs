@@ -17,7 +17,8 @@ use wgfence_tests::{
     require_root,
 };
 
-/// The restricted peer; its policy allows only TCP 443 to 10.0.0.0/8 and fd00:1::/32.
+/// The restricted peer; its policy allows only TCP 443 to 10.0.0.0/8 and fd00:1::/32, and
+/// UDP 53 to 10.0.0.0/8.
 const PEER_V4: &str = "10.8.0.2";
 const PEER_V6: &str = "fd00:8::2";
 /// An unrestricted peer.
@@ -40,6 +41,11 @@ fn program(settings: DatapathSettings, replies: bool) -> TestProgram {
                 net("10.0.0.0/8"),
                 Protocol::Tcp,
                 vec![PortRange::single(443)],
+            ),
+            Rule::new(
+                net("10.0.0.0/8"),
+                Protocol::Udp,
+                vec![PortRange::single(53)],
             ),
             Rule::new(
                 net("fd00:1::/32"),
@@ -390,4 +396,95 @@ fn a_full_flow_table_forgets_old_flows_and_keeps_taking_new_ones() {
         &Packet::new(PEER_V4, NODE_V4, UDP, 53000).src_port(161),
         Counter::PassReply,
     );
+}
+
+#[test]
+fn answers_to_what_the_policy_allows_record_no_flow() {
+    let mut p = default_program();
+    // The peer's DNS query to 10.1.2.3:53 is allowed; the answer toward the peer needs no flow
+    // (and must not fill the table, or outlive a later change of the policy).
+    from_peer(
+        &mut p,
+        &Packet::new(PEER_V4, "10.1.2.3", UDP, 53).src_port(5353),
+        Counter::PassPolicy,
+    );
+    to_peer(
+        &mut p,
+        &Packet::new("10.1.2.3", PEER_V4, UDP, 5353).src_port(53),
+    );
+    assert_eq!(recorded(&p), 0);
+    // The same server from another port is a flow the network starts.
+    to_peer(
+        &mut p,
+        &Packet::new("10.1.2.3", PEER_V4, UDP, 5353).src_port(54),
+    );
+    assert_eq!(recorded(&p), 1);
+}
+
+#[test]
+fn a_flow_belongs_to_the_peer_that_held_the_address() {
+    let mut p = default_program();
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, UDP, 161).src_port(52000),
+    );
+    let answer = Packet::new(PEER_V4, NODE_V4, UDP, 52000).src_port(161);
+    from_peer(&mut p, &answer, Counter::PassReply);
+    // The address goes to another peer (another counter slot): the old flow is not its own.
+    p.maps_mut()
+        .upsert_peer(
+            ip(PEER_V4),
+            PeerEntry {
+                policy: 1,
+                slot: SLOT + 10,
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    from_peer(&mut p, &answer, Counter::DropPolicy);
+    // Nor does the network's next datagram refresh it for the new holder: it records anew.
+    let before = recorded(&p);
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, UDP, 161).src_port(52000),
+    );
+    assert_eq!(recorded(&p), before + 1);
+    from_peer(&mut p, &answer, Counter::PassReply);
+}
+
+#[test]
+fn packets_that_cannot_start_a_flow_do_not_revive_an_expired_one() {
+    let short = Duration::from_millis(200);
+    let settings = DatapathSettings {
+        tcp_closing_timeout: short,
+        ..DatapathSettings::default()
+    };
+    let mut p = program(settings, true);
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, TCP, 22).src_port(51000),
+    );
+    let ack = Packet::new(PEER_V4, NODE_V4, TCP, 51000)
+        .src_port(22)
+        .tcp_flags(TCP_ACK);
+    from_peer(&mut p, &ack.clone().tcp_flags(TCP_RST), Counter::PassReply);
+    thread::sleep(short * 2);
+    // The node's late ACK toward the peer does not bring the closed flow back.
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, TCP, 22)
+            .src_port(51000)
+            .tcp_flags(TCP_ACK),
+    );
+    from_peer(&mut p, &ack, Counter::DropPolicy);
+}
+
+#[test]
+fn icmpv6_packet_too_big_about_a_flow_passes() {
+    let mut p = default_program();
+    let probe = Packet::new(NODE_V6, PEER_V6, TCP, 22).src_port(51000);
+    to_peer(&mut p, &probe);
+    let too_big = Packet::new(PEER_V6, NODE_V6, ICMPV6, 0)
+        .icmp(2, 0)
+        .quoting(&probe);
+    from_peer(&mut p, &too_big, Counter::PassReply);
 }

@@ -126,10 +126,13 @@ impl Bench {
             ])
             .args(extra)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::piped())
             .spawn()
             .unwrap_or_else(|e| panic!("wgfence monitor: {e}"));
         let stdout = child.stdout.take().unwrap_or_else(|| panic!("no stdout"));
+        let stderr = child.stderr.take().unwrap_or_else(|| panic!("no stderr"));
+        let child = Running(child);
+        wait_until_monitoring(stderr);
         let (tx, rx) = mpsc::channel();
         thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
@@ -139,9 +142,7 @@ impl Bench {
                 }
             }
         });
-        // The monitor opens the ring buffer before it prints anything; give it that moment.
-        thread::sleep(Duration::from_millis(300));
-        (Running(child), rx)
+        (child, rx)
     }
 
     fn send(&self, frames: &[Vec<u8>]) {
@@ -156,6 +157,25 @@ impl Drop for Bench {
             self.dataplane.interface(),
         );
     }
+}
+
+/// Waits for the monitor's "monitoring ..." line on stderr: from then on it sees every event.
+fn wait_until_monitoring(stderr: std::process::ChildStderr) {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let mut lines = BufReader::new(stderr).lines();
+        let first = lines.next().and_then(Result::ok).unwrap_or_default();
+        let _ = tx.send(first);
+        // Keep draining, so the monitor never blocks on a full pipe.
+        for _ in lines {}
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(10))
+        .unwrap_or_else(|_| panic!("wgfence monitor did not start within 10 s"));
+    assert!(
+        line.starts_with("monitoring drop events"),
+        "monitor: {line}"
+    );
 }
 
 /// A running monitor, stopped on drop (also when a test fails).

@@ -83,11 +83,37 @@ fn the_network_reaches_a_restricted_peer_that_cannot_reach_it() {
     }
     check_all(&from_node(Reached));
 
+    // A peer that leaves takes its flows with it: a later holder of the address starts afresh.
+    let flows_of = |addr: std::net::IpAddr| {
+        Dataplane::open_maps(&gw.bpffs, gw.interface())
+            .and_then(|m| m.flows())
+            .unwrap_or_else(|e| panic!("{e}"))
+            .into_iter()
+            .filter(|f| f.peer == addr)
+            .count()
+    };
+    assert!(flows_of(gw.peers[0].v4.into()) > 0);
+    let without = json!({ "version": 1, "peers": [gw.peer_json(1, None)] }).to_string();
+    let before = agent.reconciles(&gw);
+    agent.write_state(&without);
+    agent.wait_reconciles(&gw, before, 1.0);
+    assert_eq!(flows_of(gw.peers[0].v4.into()), 0);
+    assert_eq!(flows_of(gw.peers[0].v6.into()), 0);
+    let before = agent.reconciles(&gw);
+    agent.write_state(&state(&gw, None));
+    agent.wait_reconciles(&gw, before, 1.0);
+    check_all(&from_node(Reached));
+
     // "replies": false stops them at once, recorded flows included.
     let before = agent.reconciles(&gw);
     agent.write_state(&state(&gw, Some(false)));
     agent.wait_reconciles(&gw, before, 1.0);
     check_all(&from_node(Blocked));
+    assert_eq!(
+        flows_of(gw.peers[0].v4.into()),
+        0,
+        "switching replies off forgets the flows"
+    );
     // The unrestricted peer is not affected either way.
     check_all(&[
         case("node", node, Tcp(22), "10.8.0.3", Reached),
@@ -184,9 +210,17 @@ fn monitor_names_the_running_agents_peers() {
         ])
         .args(["--peer", "peer0"])
         .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("wgfence monitor: {e}"));
-    thread::sleep(Duration::from_millis(300));
+    let stderr = monitor.stderr.take().unwrap_or_else(|| panic!("no stderr"));
+    let mut first = String::new();
+    let mut reader = BufReader::new(stderr);
+    let _ = reader.read_line(&mut first);
+    assert!(
+        first.starts_with("monitoring drop events"),
+        "monitor: {first}"
+    );
     let unrestricted = wgfence_tests::probe::probe(
         &gw.peers[1].ns,
         Kind::Tcp(22),

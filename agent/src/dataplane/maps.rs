@@ -340,6 +340,34 @@ impl Maps {
         Ok(flows)
     }
 
+    /// Deletes the reply flows whose peer address `forget` selects (one pass over each table);
+    /// returns how many went. Flows the datapath adds meanwhile are not affected.
+    pub fn remove_flows(&mut self, forget: impl Fn(IpAddr) -> bool) -> Result<u64> {
+        let v4: Vec<FlowKeyV4> = self
+            .flows_v4
+            .keys()
+            .filter_map(|k| k.ok())
+            .filter(|k| forget(IpAddr::V4(k.peer.into())))
+            .collect();
+        let v6: Vec<FlowKeyV6> = self
+            .flows_v6
+            .keys()
+            .filter_map(|k| k.ok())
+            .filter(|k| forget(IpAddr::V6(k.peer.into())))
+            .collect();
+        // A flow the LRU evicted since it was listed is already gone: not an error.
+        let mut count = 0;
+        for key in &v4 {
+            self.writes += 1;
+            count += u64::from(removed(map_names::FLOWS_V4, self.flows_v4.remove(key))?);
+        }
+        for key in &v6 {
+            self.writes += 1;
+            count += u64::from(removed(map_names::FLOWS_V6, self.flows_v6.remove(key))?);
+        }
+        Ok(count)
+    }
+
     /// Inserts a reply flow as the egress program would (for tests and benchmarks). Flows of
     /// mixed address families are an error.
     pub fn insert_flow(&mut self, flow: &Flow) -> Result<()> {
