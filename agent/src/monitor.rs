@@ -289,8 +289,10 @@ mod tests {
         unknown.reason = Counter::DropUnknownSource as u32;
         let v = EventView::new(&unknown, &names, &clock);
         assert_eq!(v.slot, None);
+        assert_eq!(v.peer, None, "an unknown source is nobody's");
         assert!(
-            v.line().contains("drop (unknown_source) from alice udp"),
+            v.line()
+                .contains("drop (unknown_source) from not a peer udp"),
             "{}",
             v.line()
         );
