@@ -31,6 +31,7 @@ use crate::{
     source::{SourceError, StateSource},
     state::{self, DesiredState},
     status::{LastReconcile, StatusFile},
+    trust::{self, TrustError},
     wg::{WgError, WireGuard},
 };
 
@@ -48,6 +49,8 @@ pub struct RunOptions {
     pub datapath_debug: bool,
     /// Reply flow timeouts and the drop event rate.
     pub settings: crate::settings::DatapathSettings,
+    /// Read a state file that users other than root can change (see [`crate::trust`]).
+    pub allow_insecure_state: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +63,12 @@ pub enum DaemonError {
     Reconcile(#[from] ReconcileError),
     #[error(transparent)]
     Source(#[from] SourceError),
+    #[error("state file {path}")]
+    Untrusted {
+        path: PathBuf,
+        #[source]
+        source: TrustError,
+    },
     #[error("metrics address {addr}")]
     MetricsBind {
         addr: SocketAddr,
@@ -95,6 +104,7 @@ struct Core {
     status: StatusFile,
     map_writes_seen: u64,
     wg_updates_seen: u64,
+    allow_insecure_state: bool,
 }
 
 /// Counts of a desired state, for logs, metrics and the status snapshot (O(peers), cheap).
@@ -129,6 +139,15 @@ enum Next {
 
 impl Core {
     fn load(&mut self, force: bool) -> Next {
+        if !self.allow_insecure_state {
+            if let Err(e) = trust::check_state_path(&self.state_path) {
+                let why = format!("state file not trusted: {}", crate::error_chain(&e));
+                tracing::error!("{why}; keeping what is enforced");
+                self.not_ready(&why);
+                self.applied = None;
+                return Next::Idle;
+            }
+        }
         let bytes = match std::fs::read(&self.state_path) {
             Ok(bytes) => bytes,
             Err(e) => {
@@ -297,6 +316,14 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         options.interface.clone(),
         options.peer_metrics,
     ));
+    if !options.allow_insecure_state {
+        // Before anything else: an agent that would take its policy from a file others can
+        // write does not start at all.
+        trust::check_state_path(&options.state).map_err(|source| DaemonError::Untrusted {
+            path: options.state.clone(),
+            source,
+        })?;
+    }
     let health = Arc::new(Health::default());
     health.set_not_ready("no valid state loaded yet");
     // Bind before touching the kernel: a second agent started by mistake on the same node
@@ -353,6 +380,7 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         status: StatusFile::new(&options.interface, &options.state),
         map_writes_seen: 0,
         wg_updates_seen: 0,
+        allow_insecure_state: options.allow_insecure_state,
     });
 
     let mut next = step(&mut core, |c| c.load(false)).await?;

@@ -18,6 +18,7 @@ pub mod settings;
 pub mod source;
 pub mod state;
 pub mod status;
+pub mod trust;
 pub mod wg;
 
 /// An error and its sources, `outer: inner: innermost`, for logs and the command line. The

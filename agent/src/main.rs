@@ -76,6 +76,11 @@ enum Command {
         datapath_debug: bool,
         #[command(flatten)]
         datapath: DatapathArgs,
+        /// Read the state file even if users other than root can change it (it, a directory
+        /// on its path or a symlink's target is group/world-writable or another user's). By
+        /// default the agent refuses to start, and refuses such a file while it runs.
+        #[arg(long)]
+        allow_insecure_state: bool,
     },
     /// Validate a state file; exits non-zero and lists every error found.
     Check {
@@ -218,6 +223,7 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             peer_metrics,
             datapath_debug,
             datapath,
+            allow_insecure_state,
         } => {
             daemon::run(RunOptions {
                 interface: interface.clone(),
@@ -228,6 +234,7 @@ fn dispatch(command: Command) -> Result<ExitCode> {
                 peer_metrics,
                 datapath_debug,
                 settings: datapath.settings(),
+                allow_insecure_state,
             })
             .with_context(|| format!("wgfence run on {interface}"))?;
             Ok(ExitCode::SUCCESS)
