@@ -25,7 +25,7 @@ use tokio::{
 };
 
 use crate::{
-    dataplane::{AttachOptions, Dataplane, DataplaneError},
+    dataplane::{AttachOptions, Check, Dataplane, DataplaneError},
     metrics::{self, Health, Metrics},
     reconcile::{ReconcileError, Reconciler},
     source::{SourceError, StateSource},
@@ -37,6 +37,8 @@ use crate::{
 
 /// Longest wait before retrying after a kernel error.
 const MAX_RETRY: Duration = Duration::from_secs(30);
+/// How often the attachment and the pins are checked (a name lookup and a few `stat`s).
+const DATAPLANE_CHECK: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -105,6 +107,8 @@ struct Core {
     map_writes_seen: u64,
     wg_updates_seen: u64,
     allow_insecure_state: bool,
+    /// The last dataplane check found the interface gone, the pins detached or an error.
+    dataplane_fault: bool,
 }
 
 /// Counts of a desired state, for logs, metrics and the status snapshot (O(peers), cheap).
@@ -297,6 +301,59 @@ impl Core {
         }
     }
 
+    /// Checks the attachment and the pins, repairing what it can (see [`Dataplane::check`]).
+    fn check_dataplane(&mut self) -> Next {
+        let check = self.reconciler.dataplane_mut().check();
+        match check {
+            Ok(Check::Intact) => {
+                if self.dataplane_fault {
+                    // It was gone and is back as it was: read the kernel and apply again.
+                    self.dataplane_fault = false;
+                    return self.resync();
+                }
+                Next::Idle
+            }
+            Ok(Check::Repaired { reattached, .. }) => {
+                self.dataplane_fault = false;
+                if reattached {
+                    // A new device has none of the old one's WireGuard peers.
+                    self.resync()
+                } else {
+                    Next::Idle
+                }
+            }
+            Ok(Check::InterfaceGone) => {
+                if !self.dataplane_fault {
+                    tracing::warn!(
+                        interface = %self.reconciler.dataplane().interface(),
+                        "the interface is gone; the program is attached again when it comes back"
+                    );
+                    self.dataplane_fault = true;
+                    self.not_ready("the WireGuard interface is gone");
+                    self.applied = None;
+                }
+                Next::Idle
+            }
+            Ok(Check::Detached) => {
+                if !self.dataplane_fault {
+                    self.dataplane_fault = true;
+                    self.not_ready(
+                        "detached (the pin directory was removed); restart the agent to attach again",
+                    );
+                    self.applied = None;
+                }
+                Next::Idle
+            }
+            Err(e) => {
+                tracing::error!(error = %crate::error_chain(&e), "checking the datapath's attachment failed; will retry");
+                self.metrics.reconcile_errors.inc();
+                self.dataplane_fault = true;
+                self.not_ready(&format!("datapath: {}", crate::error_chain(&e)));
+                Next::Idle
+            }
+        }
+    }
+
     fn resync(&mut self) -> Next {
         if let Err(e) = self.reconciler.refresh() {
             if !matches!(e, ReconcileError::Closed) {
@@ -381,11 +438,14 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         map_writes_seen: 0,
         wg_updates_seen: 0,
         allow_insecure_state: options.allow_insecure_state,
+        dataplane_fault: false,
     });
 
     let mut next = step(&mut core, |c| c.load(false)).await?;
     let mut retry_delay = Duration::from_secs(1);
     let mut resync = tokio::time::interval_at(Instant::now() + options.resync, options.resync);
+    let mut check = tokio::time::interval_at(Instant::now() + DATAPLANE_CHECK, DATAPLANE_CHECK);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stop = shutdown.clone();
     loop {
         let retry_at = (next == Next::Retry).then(|| Instant::now() + retry_delay);
@@ -396,6 +456,13 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
             }
             _ = resync.tick() => {
                 next = step(&mut core, Core::resync).await?;
+            }
+            _ = check.tick() => {
+                let checked = step(&mut core, Core::check_dataplane).await?;
+                // A pending retry stays pending.
+                if checked == Next::Retry {
+                    next = Next::Retry;
+                }
             }
             () = sleep_until(retry_at) => {
                 next = step(&mut core, |c| c.load(true)).await?;

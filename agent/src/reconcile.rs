@@ -123,6 +123,10 @@ impl Reconciler {
         &self.dataplane
     }
 
+    pub fn dataplane_mut(&mut self) -> &mut Dataplane {
+        &mut self.dataplane
+    }
+
     pub fn wireguard(&self) -> &WireGuard {
         &self.wg
     }

@@ -14,6 +14,16 @@ pub enum DataplaneError {
          (expected a WireGuard/TUN device or an Ethernet-like device)"
     )]
     UnsupportedLinkType { interface: String, link_type: u16 },
+    #[error(
+        "interface {interface} was recreated with another link type; restart the agent to \
+         load a program for it"
+    )]
+    InterfaceChanged { interface: String },
+    #[error(
+        "pin directory {path} is owned by uid {uid} (not root, not this agent) or is not a \
+         directory; remove it (`wgfence detach`) and start again"
+    )]
+    UnsafePinDir { path: PathBuf, uid: u32 },
     #[error("{path} is not a mounted BPF filesystem (mount it with `mount -t bpf bpf {path}`)")]
     NotBpffs { path: PathBuf },
     #[error("{path}")]

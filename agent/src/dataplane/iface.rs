@@ -23,6 +23,26 @@ pub(crate) fn l3_offset(interface: &str) -> Result<u32> {
     }
 }
 
+/// The interface's index in the calling thread's network namespace; `ENODEV` if it does not
+/// exist.
+pub(crate) fn index(interface: &str) -> Result<u32> {
+    let err = |source: io::Error| DataplaneError::Interface {
+        interface: interface.to_owned(),
+        source,
+    };
+    let name = CString::new(interface).map_err(|_| {
+        err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "name contains NUL",
+        ))
+    })?;
+    // SAFETY: if_nametoindex reads a NUL-terminated string.
+    match unsafe { libc::if_nametoindex(name.as_ptr()) } {
+        0 => Err(err(io::Error::last_os_error())),
+        index => Ok(index),
+    }
+}
+
 fn link_type(interface: &str) -> Result<u16> {
     let err = |source: io::Error| DataplaneError::Interface {
         interface: interface.to_owned(),

@@ -6,6 +6,12 @@
 //! Restart safety: a second [`Dataplane::attach`] reuses the pinned maps (after checking their
 //! layout) and replaces each program through its pinned link with `bpf_link_update`, so there
 //! is no instant without a program or without the maps' contents.
+//!
+//! While it runs, the agent holds the links and every map open itself, so [`Dataplane::check`]
+//! can repair what happens behind its back: a WireGuard interface deleted and created again
+//! (the old tcx links died with the old device: attach new ones) and pins removed by hand
+//! (pin again what is missing). A pin directory removed whole is `wgfence detach` (or an
+//! operator doing the same by hand): the agent lets go of the links and does not re-attach.
 
 mod error;
 mod iface;
@@ -21,6 +27,7 @@ use std::{
 };
 
 use aya::{
+    maps::MapData,
     programs::{
         links::{FdLink, LinkOrder, PinnedLink},
         tc::{SchedClassifierLink, TcAttachOptions},
@@ -108,14 +115,45 @@ pub enum Attachment {
     Replaced,
 }
 
+/// What [`Dataplane::check`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Check {
+    /// Attached to the interface as it is now, every pin in place.
+    Intact,
+    /// Something was repaired; the strings say what, for the log.
+    Repaired {
+        repairs: Vec<String>,
+        /// The programs were attached to a new device (the interface was recreated): its
+        /// WireGuard peers are gone too, so the caller must read the kernel again.
+        reattached: bool,
+    },
+    /// The interface does not exist (now): nothing to attach to until it comes back.
+    InterfaceGone,
+    /// The pin directory was removed (`wgfence detach`): the agent let go of the links, the
+    /// programs are detached, and nothing is re-attached until the agent starts again.
+    Detached,
+}
+
 /// The attached datapath of one interface and its maps.
 pub struct Dataplane {
     interface: String,
     pin_dir: PathBuf,
     maps: Maps,
     attachment: Attachment,
-    /// The loaded object; kept so the datapath's log ring buffer stays readable.
+    /// The loaded object; kept so the datapath's log ring buffer stays readable and the
+    /// programs can be attached again.
     ebpf: Ebpf,
+    /// The tcx links, one per [`HOOKS`] entry, held open: pins removed by hand do not detach
+    /// the programs while the agent runs, and can be pinned again from here.
+    links: Vec<Option<FdLink>>,
+    /// The pin directory was removed: the links are let go and never attached again.
+    detached: bool,
+    /// The interface index the links were made for.
+    ifindex: u32,
+    /// Where the IP header starts on that interface: a load-time constant of the programs.
+    l3_offset: u32,
+    /// The maps, opened a second time to pin them again if their pins are removed.
+    map_pins: Vec<(&'static str, MapData)>,
 }
 
 impl Dataplane {
@@ -130,6 +168,7 @@ impl Dataplane {
         ensure_bpffs(&options.bpffs)?;
         let pin_dir = pin_dir(&options.bpffs, interface);
         create_private_dir(&pin_dir)?;
+        let ifindex = iface::index(interface)?;
 
         let pins: Vec<(&'static str, PathBuf)> = map_names::ALL
             .iter()
@@ -151,16 +190,26 @@ impl Dataplane {
         let mut ebpf = loader.load(OBJECT)?;
         // Before anything is attached: an adopted map of another layout is an error.
         let maps = Maps::from_ebpf(&mut ebpf)?;
+        let map_pins = pins
+            .iter()
+            .map(|(name, path)| {
+                MapData::from_pin(path)
+                    .map(|data| (*name, data))
+                    .map_err(|source| DataplaneError::Map { map: name, source })
+            })
+            .collect::<Result<Vec<_>>>()?;
 
         let mut attachment = Attachment::Created;
+        let mut links = Vec::with_capacity(HOOKS.len());
         for hook in &HOOKS {
             let program = classifier(&mut ebpf, hook.program)?;
             program.load().map_err(program_err(hook.program))?;
             let link_path = pin_dir.join(hook.link_pin);
-            let attached = attach_or_replace(program, hook, interface, &link_path)?;
+            let (attached, link) = attach_or_replace(program, hook, interface, &link_path)?;
             if hook.program == INGRESS_PROGRAM {
                 attachment = attached;
             }
+            links.push(Some(link));
         }
         tracing::info!(
             interface,
@@ -175,6 +224,116 @@ impl Dataplane {
             maps,
             attachment,
             ebpf,
+            links,
+            detached: false,
+            ifindex,
+            l3_offset,
+            map_pins,
+        })
+    }
+
+    /// Checks that the programs are attached to the interface as it exists now and that every
+    /// pin is in place, repairing what is not: a recreated interface gets new links (first in
+    /// its tcx chains), a missing map or link pin is pinned again from the agent's own fds.
+    /// Cheap (a name lookup and a few `stat`s): the daemon runs it every second.
+    pub fn check(&mut self) -> Result<Check> {
+        if self.detached {
+            return Ok(Check::Detached);
+        }
+        if !self.pin_dir.exists() {
+            // `wgfence detach` renames the directory away before it removes anything, so a
+            // missing directory is an operator's decision, never a half-done detach.
+            self.links.iter_mut().for_each(|l| *l = None);
+            self.detached = true;
+            tracing::warn!(
+                interface = %self.interface,
+                pin_dir = %self.pin_dir.display(),
+                "the pin directory was removed (wgfence detach?): the programs are detached \
+                 and stay so until the agent starts again"
+            );
+            return Ok(Check::Detached);
+        }
+        let ifindex = match iface::index(&self.interface) {
+            Ok(index) => index,
+            Err(DataplaneError::Interface { source, .. })
+                if source.raw_os_error() == Some(libc::ENODEV) =>
+            {
+                return Ok(Check::InterfaceGone)
+            }
+            Err(e) => return Err(e),
+        };
+        let mut repairs = Vec::new();
+        for (name, data) in &self.map_pins {
+            let path = self.pin_dir.join(name);
+            if !path.exists() {
+                data.pin(&path).map_err(|source| DataplaneError::Pin {
+                    path: path.clone(),
+                    source,
+                })?;
+                repairs.push(format!("pinned {} again", path.display()));
+            }
+        }
+        let reattached = ifindex != self.ifindex;
+        if reattached {
+            let l3_offset = iface::l3_offset(&self.interface)?;
+            if l3_offset != self.l3_offset {
+                return Err(DataplaneError::InterfaceChanged {
+                    interface: self.interface.clone(),
+                });
+            }
+        }
+        for (i, hook) in HOOKS.iter().enumerate() {
+            let link_path = self.pin_dir.join(hook.link_pin);
+            let slot = self
+                .links
+                .get_mut(i)
+                .ok_or(DataplaneError::MissingMap(hook.link_pin))?;
+            if reattached {
+                // The old link died with its device: a new one, and the old pin replaced.
+                remove_if_exists(&link_path)?;
+                *slot = None;
+                let program = classifier(&mut self.ebpf, hook.program)?;
+                *slot = Some(attach_new(program, hook, &self.interface, &link_path)?);
+            } else if !link_path.exists() {
+                // The link is alive (this agent holds it): pin it again. Should that fail, the
+                // link is gone with its fd, and a new one is attached (tcx takes a program once
+                // per hook, so not before).
+                let pinned = match slot.take() {
+                    Some(link) => link.pin(&link_path).map(FdLink::from).map_err(|e| {
+                        tracing::warn!(
+                            link = %link_path.display(),
+                            error = %crate::error_chain(&e),
+                            "pinning the link again failed; attaching a new one"
+                        );
+                    }),
+                    None => Err(()),
+                };
+                let link = match pinned {
+                    Ok(link) => link,
+                    Err(()) => {
+                        let program = classifier(&mut self.ebpf, hook.program)?;
+                        attach_new(program, hook, &self.interface, &link_path)?
+                    }
+                };
+                *slot = Some(link);
+                repairs.push(format!("pinned the link again at {}", link_path.display()));
+            }
+        }
+        if reattached {
+            self.ifindex = ifindex;
+            repairs.push(format!(
+                "attached to the recreated interface {} (index {ifindex})",
+                self.interface
+            ));
+        }
+        Ok(if repairs.is_empty() {
+            Check::Intact
+        } else {
+            tracing::warn!(interface = %self.interface, ?repairs, "datapath repaired");
+            Check::Repaired {
+                repairs,
+                reattached,
+            }
         })
     }
 
@@ -186,11 +345,26 @@ impl Dataplane {
 
     /// Removes everything pinned for an interface: the link (which detaches the program) and
     /// the maps. What is already gone is not an error. Returns whether anything was removed.
+    ///
+    /// The directory is first renamed away (atomically, inside bpffs): a running agent sees it
+    /// gone as a whole, lets go of its links and does not pin anything again, where removing
+    /// the pins one by one would look like pins lost by accident, which it repairs.
     pub fn detach(bpffs: &Path, interface: &str) -> Result<bool> {
-        let dir = pin_dir(bpffs, interface);
+        let pinned = pin_dir(bpffs, interface);
+        // bpffs refuses names with a dot; longer than 15 characters, this is no interface's.
+        let dir = pinned.with_file_name(format!("detaching-{interface}-{}", std::process::id()));
+        match fs::rename(&pinned, &dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(false),
+            Err(source) => {
+                return Err(DataplaneError::Io {
+                    path: pinned,
+                    source,
+                })
+            }
+        }
         let entries = match fs::read_dir(&dir) {
             Ok(entries) => entries,
-            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(false),
             Err(source) => return Err(DataplaneError::Io { path: dir, source }),
         };
         // The links first (ingress before egress): the programs stop before their maps go.
@@ -278,26 +452,27 @@ pub(crate) fn classifier<'a>(
 }
 
 /// Replaces the program behind the pinned link if it is still attached; otherwise (no pin, or
-/// a pin whose interface went away) attaches anew and pins the new link.
+/// a pin whose interface went away) attaches anew and pins the new link. Returns the link, held
+/// open by the caller.
 fn attach_or_replace(
     program: &mut SchedClassifier,
     hook: &Hook,
     interface: &str,
     link_path: &Path,
-) -> Result<Attachment> {
+) -> Result<(Attachment, FdLink)> {
+    let link_err = |source| DataplaneError::Link {
+        path: link_path.to_owned(),
+        source,
+    };
     if link_path.exists() {
-        let pinned = PinnedLink::from_pin(link_path).map_err(|source| DataplaneError::Link {
-            path: link_path.to_owned(),
-            source,
-        })?;
-        let link = SchedClassifierLink::try_from(FdLink::from(pinned)).map_err(|source| {
-            DataplaneError::Link {
-                path: link_path.to_owned(),
-                source,
-            }
-        })?;
+        let pinned = PinnedLink::from_pin(link_path).map_err(link_err)?;
+        let link = SchedClassifierLink::try_from(FdLink::from(pinned)).map_err(link_err)?;
         match program.attach_to_link(link) {
-            Ok(_) => return Ok(Attachment::Replaced),
+            Ok(id) => {
+                let link = program.take_link(id).map_err(program_err(hook.program))?;
+                let link = FdLink::try_from(link).map_err(link_err)?;
+                return Ok((Attachment::Replaced, link));
+            }
             Err(e) => {
                 // ENOLINK: the interface the link was made for is gone (e.g. recreated).
                 tracing::warn!(
@@ -310,6 +485,19 @@ fn attach_or_replace(
             }
         }
     }
+    Ok((
+        Attachment::Created,
+        attach_new(program, hook, interface, link_path)?,
+    ))
+}
+
+/// Attaches the loaded program with a new tcx link, first in the chain, and pins the link.
+fn attach_new(
+    program: &mut SchedClassifier,
+    hook: &Hook,
+    interface: &str,
+    link_path: &Path,
+) -> Result<FdLink> {
     // First in the tcx chain: a program before ours could pass packets we must drop (ingress),
     // or drop packets before their flow is recorded (egress: harmless, but first is simplest).
     let id = program
@@ -324,11 +512,11 @@ fn attach_or_replace(
         path: link_path.to_owned(),
         source,
     })?;
-    link.pin(link_path).map_err(|source| DataplaneError::Pin {
+    let pinned = link.pin(link_path).map_err(|source| DataplaneError::Pin {
         path: link_path.to_owned(),
         source,
     })?;
-    Ok(Attachment::Created)
+    Ok(FdLink::from(pinned))
 }
 
 fn ensure_bpffs(path: &Path) -> Result<()> {
@@ -355,8 +543,13 @@ fn ensure_bpffs(path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Creates the pin directory (and its parents) readable by root only.
+/// Creates the pin directory (and its parents) readable by root only, and tightens
+/// `<bpffs>/wgfence` and the interface's directory to 0700 if they were adopted with a looser
+/// mode: whoever can open a pin can change the policy (the pins are the maps), and whoever can
+/// write to the directories can replace them before the next start adopts them. A directory
+/// owned by another user is refused: that user could have put anything in it.
 fn create_private_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
     fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -364,7 +557,32 @@ fn create_private_dir(dir: &Path) -> Result<()> {
         .map_err(|source| DataplaneError::Io {
             path: dir.to_owned(),
             source,
-        })
+        })?;
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    for d in [dir.parent(), Some(dir)].into_iter().flatten() {
+        let io_err = |source| DataplaneError::Io {
+            path: d.to_owned(),
+            source,
+        };
+        let meta = fs::symlink_metadata(d).map_err(io_err)?;
+        if !meta.is_dir() || (meta.uid() != 0 && meta.uid() != euid) {
+            return Err(DataplaneError::UnsafePinDir {
+                path: d.to_owned(),
+                uid: meta.uid(),
+            });
+        }
+        let mode = meta.mode() & 0o7777;
+        if mode & 0o077 != 0 {
+            fs::set_permissions(d, fs::Permissions::from_mode(0o700)).map_err(io_err)?;
+            tracing::warn!(
+                path = %d.display(),
+                mode = format!("{mode:04o}"),
+                "pin directory was accessible to other users; tightened to 0700"
+            );
+        }
+    }
+    Ok(())
 }
 
 fn remove_if_exists(path: &Path) -> Result<()> {
