@@ -192,8 +192,13 @@ impl Agent {
     }
 
     pub fn wait_readyz(&self, gw: &Gateway, status: u16) {
+        self.wait_readyz_for(gw, status, Duration::from_secs(15));
+    }
+
+    /// Waits up to `timeout` until `/readyz` answers `status`.
+    pub fn wait_readyz_for(&self, gw: &Gateway, status: u16, timeout: Duration) {
         let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(15) {
+        while start.elapsed() < timeout {
             if self.get(gw, "/readyz").map(|(s, _)| s) == Some(status) {
                 return;
             }

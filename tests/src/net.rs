@@ -189,6 +189,29 @@ pub struct WireGuard {
 impl WireGuard {
     /// Starts wireguard-go in `ns` and gives the interface a private key and listen port.
     pub fn start(ns: &Netns, name: &str, listen_port: u16) -> Self {
+        Self::start_with_keys(ns, name, listen_port, KeyPair::generate())
+    }
+
+    /// Kills wireguard-go (its TUN device goes with it) and starts it again: the same name,
+    /// key and port, no peers, no addresses, a new interface index.
+    pub fn recreate(&mut self, ns: &Netns, listen_port: u16) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = fs::remove_file(self.socket());
+        let gone = wait_for(Duration::from_secs(10), || {
+            !ns.try_exec(&["ip", "link", "show", &self.name])
+                .status
+                .success()
+        });
+        assert!(gone.is_some(), "{} did not go away", self.name);
+        let mut new = Self::start_with_keys(ns, &self.name, listen_port, self.keys.clone());
+        // Keep the new process; the old (dead) one drops with `new`, which must not remove the
+        // socket the new process just made.
+        std::mem::swap(&mut self.child, &mut new.child);
+        new.name = unique("gone");
+    }
+
+    fn start_with_keys(ns: &Netns, name: &str, listen_port: u16, keys: KeyPair) -> Self {
         let child = Command::new("ip")
             .args(["netns", "exec", ns.name(), "wireguard-go", "-f", name])
             // wireguard-go refuses to run on Linux without this (the kernel module is absent).
@@ -198,7 +221,6 @@ impl WireGuard {
             .stderr(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start wireguard-go (is it installed?): {e}"));
-        let keys = KeyPair::generate();
         let wg = Self {
             name: name.to_owned(),
             keys,

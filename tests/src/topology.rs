@@ -168,6 +168,47 @@ impl Gateway {
         Peer { wg, ns, v4, v6 }
     }
 
+    /// Deletes the node's WireGuard interface and creates it again (same name, key, port and
+    /// addresses; no peers, a new interface index), as a reboot of wireguard-go or a
+    /// `wg-quick down; wg-quick up` does.
+    pub fn recreate_interface(&mut self) {
+        self.wg.recreate(&self.node, WG_PORT);
+        self.node
+            .ip(&["addr", "add", "10.8.0.1/24", "dev", &self.wg.name]);
+        self.node.ip(&[
+            "-6",
+            "addr",
+            "add",
+            "fd00:8::1/64",
+            "dev",
+            &self.wg.name,
+            "nodad",
+        ]);
+    }
+
+    /// Makes peer `i` forget its session with the node and start a new one (after the node's
+    /// interface was recreated, the peer would otherwise wait for its rekey timeout).
+    pub fn new_session(&self, i: usize) {
+        let peer = &self.peers[i];
+        let node_key = self.wg.keys.public.clone();
+        peer.wg.set_peer(&node_key, &["remove"]);
+        peer.wg.set_peer(
+            &node_key,
+            &[
+                "allowed-ips",
+                "0.0.0.0/0,::/0",
+                "endpoint",
+                &format!("198.18.{i}.1:{WG_PORT}"),
+            ],
+        );
+        for route in PEER_ROUTES {
+            let _ = peer
+                .ns
+                .try_exec(&["ip", "route", "replace", route, "dev", &peer.wg.name]);
+        }
+        self.handshake(i);
+    }
+
     /// Makes peer `i` start its WireGuard session and waits until the node has seen it.
     pub fn handshake(&self, i: usize) {
         let peer = &self.peers[i];

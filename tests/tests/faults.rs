@@ -1,0 +1,492 @@
+//! Faults: the agent SIGKILLed in the middle of a large apply, a state larger than the maps,
+//! the WireGuard interface deleted and created again, pins removed by hand, the state file
+//! deleted, and a state file others can write. Each ends in the kernel holding exactly what
+//! the state says (or, where the agent must not act, exactly what it held before).
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs,
+    net::IpAddr,
+    os::unix::fs::PermissionsExt as _,
+    process::Command,
+    thread,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use ipnet::IpNet;
+use serde_json::{json, Value};
+use wgfence::dataplane::Dataplane;
+use wgfence_common::{Allow, UNRESTRICTED};
+use wgfence_tests::{
+    agent::{binary, Agent, Layout},
+    bench::gen::{self, Rng},
+    ip,
+    net::wait_for,
+    probe::{probe, Kind, Reach},
+    state,
+    topology::Gateway,
+};
+
+fn web_only() -> Value {
+    json!([
+        { "cidr": "10.2.3.4/32", "protocol": "tcp", "ports": [80] },
+        { "cidr": "10.8.0.1/32", "protocol": "icmp" },
+    ])
+}
+
+/// Peer 0 restricted to tcp/80 on 10.2.3.4: one probe that must pass, one that must not.
+#[track_caller]
+fn assert_enforced(gw: &Gateway, when: &str) {
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Tcp(80), ip("10.2.3.4")),
+        Reach::Reached,
+        "{when}: allowed traffic did not arrive"
+    );
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Tcp(22), ip("10.2.3.4")),
+        Reach::Blocked,
+        "{when}: denied traffic arrived"
+    );
+}
+
+/// The kernel holds exactly `desired`: every address entry and no other, each peer's
+/// addresses on one slot and on the compiled entries of its own rules, no policy entry that no
+/// peer references, and WireGuard has exactly the desired peers with their addresses.
+#[track_caller]
+fn assert_converged(gw: &Gateway, desired_json: &str) {
+    let desired = wgfence::state::parse(desired_json)
+        .unwrap_or_else(|e| panic!("the test's own state is invalid: {e}"));
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface())
+        .unwrap_or_else(|e| panic!("opening the pinned maps: {e}"));
+    let peers: BTreeMap<IpAddr, _> = maps
+        .peers()
+        .unwrap_or_else(|e| panic!("reading peers: {e}"))
+        .into_iter()
+        .collect();
+    let mut tries: BTreeMap<u32, BTreeMap<IpNet, Vec<Allow>>> = BTreeMap::new();
+    for e in maps
+        .policies()
+        .unwrap_or_else(|e| panic!("reading policies: {e}"))
+    {
+        tries
+            .entry(e.policy)
+            .or_default()
+            .insert(e.prefix, e.value.allows().to_vec());
+    }
+
+    let want_addrs: BTreeSet<IpAddr> = desired.peers.iter().flat_map(|p| p.addrs()).collect();
+    let have_addrs: BTreeSet<IpAddr> = peers.keys().copied().collect();
+    let leaked: Vec<_> = have_addrs.difference(&want_addrs).take(5).collect();
+    let missing: Vec<_> = want_addrs.difference(&have_addrs).take(5).collect();
+    assert!(
+        leaked.is_empty() && missing.is_empty(),
+        "address entries: {} leaked (e.g. {leaked:?}), {} missing (e.g. {missing:?})",
+        have_addrs.difference(&want_addrs).count(),
+        want_addrs.difference(&have_addrs).count()
+    );
+
+    let mut slots = BTreeSet::new();
+    let mut referenced = BTreeSet::new();
+    for p in &desired.peers {
+        let entries: Vec<_> = p.addrs().filter_map(|a| peers.get(&a)).collect();
+        let Some(first) = entries.first().copied() else {
+            panic!("peer {} has no address entry", p.name);
+        };
+        assert!(
+            entries
+                .iter()
+                .all(|e| e.slot == first.slot && e.policy == first.policy),
+            "peer {}'s addresses disagree: {entries:?}",
+            p.name
+        );
+        assert!(slots.insert(first.slot), "slot {} used twice", first.slot);
+        match &p.policy {
+            None => assert_eq!(
+                first.policy, UNRESTRICTED,
+                "peer {} should be unrestricted",
+                p.name
+            ),
+            Some(policy) => {
+                assert_ne!(
+                    first.policy, UNRESTRICTED,
+                    "peer {} should be restricted",
+                    p.name
+                );
+                referenced.insert(first.policy);
+                let want: BTreeMap<IpNet, Vec<Allow>> =
+                    policy.entries().map(|(n, a)| (n, a.to_vec())).collect();
+                assert_eq!(
+                    tries.get(&first.policy),
+                    Some(&want),
+                    "peer {}'s policy {} does not hold its rules",
+                    p.name,
+                    first.policy
+                );
+            }
+        }
+    }
+    let ids: BTreeSet<u32> = tries.keys().copied().collect();
+    let unreferenced: Vec<_> = ids.difference(&referenced).collect();
+    assert!(
+        unreferenced.is_empty(),
+        "policy entries no peer references (leaked): ids {unreferenced:?}"
+    );
+
+    // WireGuard: exactly these peers, each with exactly its addresses.
+    let out = wgfence_tests::net::run(&["wg", "show", gw.interface(), "allowed-ips"]);
+    let have_wg: BTreeMap<String, BTreeSet<String>> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| {
+            let mut parts = line.split_whitespace();
+            let key = parts.next()?.to_owned();
+            Some((key, parts.map(str::to_owned).collect()))
+        })
+        .collect();
+    let want_wg: BTreeMap<String, BTreeSet<String>> = desired
+        .peers
+        .iter()
+        .map(|p| {
+            let nets = p
+                .addrs()
+                .map(|a| IpNet::from(a).to_string())
+                .collect::<BTreeSet<_>>();
+            (p.public_key.to_base64(), nets)
+        })
+        .collect();
+    if have_wg != want_wg {
+        let extra: Vec<_> = have_wg
+            .keys()
+            .filter(|k| !want_wg.contains_key(*k))
+            .take(3)
+            .collect();
+        let differ: Vec<_> = want_wg
+            .iter()
+            .filter(|(k, v)| have_wg.get(*k) != Some(v))
+            .take(3)
+            .collect();
+        panic!(
+            "WireGuard peers differ: {} present, {} desired; extra e.g. {extra:?}; missing or \
+             different e.g. {differ:?}",
+            have_wg.len(),
+            want_wg.len()
+        );
+    }
+}
+
+/// The seed of a randomised test: `WGFENCE_TEST_SEED`, else the clock; printed so a failure
+/// can be replayed.
+fn seed() -> u64 {
+    let seed = std::env::var("WGFENCE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
+    eprintln!("seed {seed} (replay with WGFENCE_TEST_SEED={seed})");
+    seed
+}
+
+/// Generated peers `from..to` (same index, same key and addresses in every generated state),
+/// with policies drawn from `seed`'s pool, plus the gateway's real peer 0.
+fn generated(gw: &Gateway, from: usize, to: usize, seed: u64) -> String {
+    let mut s = gen::state(to, seed);
+    if let Some(peers) = s["peers"].as_array_mut() {
+        peers.drain(..from);
+        peers.push(gw.peer_json(0, Some(web_only())));
+    }
+    s.to_string()
+}
+
+/// SIGKILL at a random instant of a 10,000-peer apply (policy switches, revocations, new
+/// peers, WireGuard adds and removes), restart, and the kernel ends exactly at the state:
+/// no leaked entry, no missing peer, for a few random kill points.
+#[test]
+fn sigkill_during_a_large_apply_converges_after_restart() {
+    let seed = seed();
+    let mut rng = Rng::new(seed);
+    let gw = Gateway::new(1);
+    // A: peers 0..10000 with one policy pool; B: 2,000 of them gone, 2,000 new, the rest
+    // with policies of another pool.
+    let a = generated(&gw, 0, 10_000, seed);
+    let b = generated(&gw, 2_000, 12_000, seed.wrapping_add(1));
+    let mut agent = Agent::start(&gw, Layout::Plain, &a, &[]);
+    let t = Instant::now();
+    agent.wait_readyz_for(&gw, 200, Duration::from_secs(120));
+    let full_apply = t.elapsed();
+    eprintln!("first apply of 10,001 peers: {full_apply:?}");
+    assert_converged(&gw, &a);
+
+    let mut current = &a;
+    for round in 0..3 {
+        let next = if std::ptr::eq(current, &a) { &b } else { &a };
+        let before = agent.reconciles(&gw);
+        agent.write_state(next);
+        // Kill somewhere between the file change and the end of the apply it starts.
+        let delay = Duration::from_millis(rng.below(full_apply.as_millis() as u64 + 100));
+        thread::sleep(delay);
+        let finished = agent.reconciles(&gw) > before;
+        eprintln!("round {round}: SIGKILL {delay:?} after the change (apply finished: {finished})");
+        agent.kill();
+        agent.restart(&gw, &[]);
+        agent.wait_readyz_for(&gw, 200, Duration::from_secs(120));
+        assert_converged(&gw, next);
+        current = next;
+    }
+    // The real peer kept its policy through all of it.
+    assert_enforced(&gw, "after the kills");
+}
+
+/// A state with more peers than the maps hold is refused whole before any write: the map
+/// write counter does not move and the maps keep what they had.
+#[test]
+fn a_state_beyond_the_maps_capacity_is_rejected_before_any_write() {
+    let gw = Gateway::new(1);
+    let good = state(vec![gw.peer_json(0, Some(web_only()))]);
+    let agent = Agent::start(&gw, Layout::Plain, &good, &[]);
+    agent.wait_ready(&gw);
+    let writes = agent.metric(&gw, "wgfence_bpf_map_writes_total");
+    let before = Dataplane::open_maps(&gw.bpffs, gw.interface())
+        .and_then(|m| m.peers())
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    // One more than the maps' MAX_PEERS (131,072), minimal peers, the real one among them.
+    let max = wgfence_common::MAX_PEERS as usize;
+    let mut peers: Vec<Value> = (0..max)
+        .map(|i| {
+            json!({
+                "name": format!("p{i}"),
+                "publicKey": gen::peer_key(i).to_base64(),
+                "address": gen::peer_v4(i).to_string(),
+            })
+        })
+        .collect();
+    peers.push(gw.peer_json(0, Some(web_only())));
+    agent.write_state(&state(peers));
+    let rejected = || agent.metric(&gw, "wgfence_state_rejected_total") >= 1.0;
+    assert!(
+        wait_for(Duration::from_secs(120), rejected).is_some(),
+        "the oversized state was not rejected; log:\n{}",
+        agent.log_text()
+    );
+    assert!(
+        agent
+            .log_text()
+            .contains("131073 peers, the maps hold at most 131072"),
+        "{}",
+        agent.log_text()
+    );
+    assert_eq!(agent.metric(&gw, "wgfence_bpf_map_writes_total"), writes);
+    let after = Dataplane::open_maps(&gw.bpffs, gw.interface())
+        .and_then(|m| m.peers())
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(after, before, "the maps changed");
+    assert_eq!(gw.wg_peers().len(), 1);
+    let (status, body) = agent.get(&gw, "/readyz").unwrap_or_default();
+    assert_eq!(status, 503, "{body}");
+    assert_enforced(&gw, "after the rejection");
+}
+
+/// The WireGuard interface deleted and created again (new index, no peers): the running agent
+/// attaches to the new device and puts the peers back; a stopped agent does the same when it
+/// starts. Traffic proves the policy is enforced on the new device.
+#[test]
+fn a_recreated_interface_is_reattached_and_reconverged() {
+    let mut gw = Gateway::new(1);
+    let s = state(vec![gw.peer_json(0, Some(web_only()))]);
+    let mut agent = Agent::start(&gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+    assert_enforced(&gw, "before");
+    let (link_before, _) = Dataplane::link_info(&gw.bpffs, gw.interface())
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| panic!("no pinned link"));
+
+    // While the agent runs.
+    gw.recreate_interface();
+    let key = gw.peers[0].wg.keys.public.clone();
+    let back = wait_for(Duration::from_secs(15), || gw.wg_peers() == [key.clone()]);
+    assert!(
+        back.is_some(),
+        "the agent did not put the peer back on the new device; log:\n{}",
+        agent.log_text()
+    );
+    agent.wait_ready(&gw);
+    assert!(agent
+        .log_text()
+        .contains("attached to the recreated interface"));
+    let (link_after, _) = Dataplane::link_info(&gw.bpffs, gw.interface())
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| panic!("no pinned link after the recreation"));
+    assert_ne!(link_before, link_after, "the dead link is still pinned");
+    gw.new_session(0);
+    assert_enforced(
+        &gw,
+        "after the interface was recreated under a running agent",
+    );
+    assert_converged(&gw, &s);
+
+    // While the agent is stopped: the next start finds a dead link pinned.
+    assert!(agent.stop().is_some_and(|s| s.success()));
+    gw.recreate_interface();
+    agent.restart(&gw, &[]);
+    agent.wait_ready(&gw);
+    gw.new_session(0);
+    assert_enforced(
+        &gw,
+        "after the interface was recreated under a stopped agent",
+    );
+    assert_converged(&gw, &s);
+}
+
+/// Pins removed by hand while the agent runs: the program stays attached (the agent holds the
+/// link), and the agent pins them again within seconds, so `bpftool` and the next start's
+/// adoption see them. The pin directory removed whole (`wgfence detach`) is an operator's
+/// decision: the agent lets go and says so.
+#[test]
+fn pins_removed_by_hand_are_restored_and_a_detach_is_respected() {
+    let gw = Gateway::new(1);
+    let s = state(vec![gw.peer_json(0, Some(web_only()))]);
+    let agent = Agent::start(&gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+    let dir = gw.bpffs.join("wgfence").join(gw.interface());
+    let removed = [
+        dir.join("link_ingress"),
+        dir.join(wgfence_common::map_names::PEERS_V4),
+        dir.join(wgfence_common::map_names::POLICY_V4),
+    ];
+    for pin in &removed {
+        fs::remove_file(pin).unwrap_or_else(|e| panic!("{}: {e}", pin.display()));
+    }
+    // Still enforcing at once: the program did not go with its link's pin.
+    assert_enforced(&gw, "right after the pins were removed");
+    let restored = wait_for(Duration::from_secs(5), || {
+        removed.iter().all(|p| p.exists())
+    });
+    assert!(
+        restored.is_some(),
+        "the pins were not restored; log:\n{}",
+        agent.log_text()
+    );
+    // The restored pins are the live objects: what the maps hold, and the link the program
+    // runs on.
+    assert_converged(&gw, &s);
+    assert!(Dataplane::link_info(&gw.bpffs, gw.interface())
+        .ok()
+        .flatten()
+        .is_some());
+    assert_enforced(&gw, "after the pins were restored");
+    assert_eq!(agent.get(&gw, "/readyz").map(|(s, _)| s), Some(200));
+
+    // `wgfence detach` while the agent runs: enforcement stops and stays stopped.
+    let out = Command::new(binary())
+        .args(["detach", "--interface", gw.interface()])
+        .output()
+        .unwrap_or_else(|e| panic!("wgfence detach: {e}"));
+    assert!(out.status.success(), "{out:?}");
+    agent.wait_readyz(&gw, 503);
+    let (_, body) = agent.get(&gw, "/readyz").unwrap_or_default();
+    assert!(body.contains("detached"), "{body}");
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Tcp(22), ip("10.2.3.4")),
+        Reach::Reached,
+        "still filtering after detach"
+    );
+    thread::sleep(Duration::from_secs(2));
+    assert!(!dir.exists(), "the agent pinned again after a detach");
+}
+
+/// The state file deleted: the last applied state stays enforced, /readyz and `wgfence
+/// status` say why the agent is not ready, and it recovers when the file returns.
+#[test]
+fn a_deleted_state_file_keeps_enforcing_and_recovers() {
+    let gw = Gateway::new(1);
+    let s = state(vec![gw.peer_json(0, Some(web_only()))]);
+    let agent = Agent::start(&gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+    let writes = agent.metric(&gw, "wgfence_bpf_map_writes_total");
+
+    fs::remove_file(&agent.state).unwrap_or_else(|e| panic!("{e}"));
+    agent.wait_readyz(&gw, 503);
+    let (_, body) = agent.get(&gw, "/readyz").unwrap_or_default();
+    assert!(body.contains("state file missing"), "{body}");
+    let out = Command::new(binary())
+        .args(["status", "--interface", gw.interface(), "--json"])
+        .output()
+        .unwrap_or_else(|e| panic!("wgfence status: {e}"));
+    let report: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("status --json: {e}: {out:?}"));
+    assert_eq!(report["agent"]["ready"], false, "{report:#}");
+    assert!(
+        report["agent"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("state file missing")),
+        "{report:#}"
+    );
+    assert_enforced(&gw, "with the state file gone");
+    assert_converged(&gw, &s);
+    assert_eq!(agent.metric(&gw, "wgfence_bpf_map_writes_total"), writes);
+
+    agent.write_state(&s);
+    agent.wait_ready(&gw);
+    assert_eq!(agent.metric(&gw, "wgfence_bpf_map_writes_total"), writes);
+    assert_enforced(&gw, "after the state file returned");
+}
+
+/// A state file others can write: the agent refuses to start (naming the path and the mode),
+/// starts with --allow-insecure-state, and stops applying a file that becomes writable while
+/// it runs.
+#[test]
+fn a_state_file_others_can_write_is_refused() {
+    let gw = Gateway::new(1);
+    let s = state(vec![gw.peer_json(0, Some(web_only()))]);
+    let mut agent = Agent::start(&gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+    assert!(agent.stop().is_some_and(|s| s.success()));
+
+    fs::set_permissions(&agent.state, fs::Permissions::from_mode(0o666))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let out = gw
+        .node
+        .command(binary())
+        .args([
+            "run",
+            "--interface",
+            gw.interface(),
+            "--no-metrics",
+            "--state",
+        ])
+        .arg(&agent.state)
+        .output()
+        .unwrap_or_else(|e| panic!("wgfence run: {e}"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "{} (mode 0666) is writable by its group and all users",
+            agent.state.display()
+        )),
+        "{stderr}"
+    );
+
+    agent.restart(&gw, &["--allow-insecure-state"]);
+    agent.wait_ready(&gw);
+    assert!(agent.stop().is_some_and(|s| s.success()));
+
+    // Secure at start, made writable while running: the next load is refused.
+    fs::set_permissions(&agent.state, fs::Permissions::from_mode(0o644))
+        .unwrap_or_else(|e| panic!("{e}"));
+    agent.restart(&gw, &[]);
+    agent.wait_ready(&gw);
+    fs::set_permissions(&agent.state, fs::Permissions::from_mode(0o664))
+        .unwrap_or_else(|e| panic!("{e}"));
+    // A chmod is no directory event: touch the directory the way an update would.
+    agent.write_state_in_place(&s);
+    agent.wait_readyz(&gw, 503);
+    let (_, body) = agent.get(&gw, "/readyz").unwrap_or_default();
+    assert!(body.contains("not trusted"), "{body}");
+    assert_enforced(&gw, "with an untrusted state file");
+}
