@@ -291,3 +291,118 @@ pub fn inject(interface: &str, frames: &[Vec<u8>]) {
         libc::close(fd);
     }
 }
+impl Packet {
+    /// The IP packet alone (no Ethernet header), for a raw socket.
+    pub fn ip(&self) -> Vec<u8> {
+        self.frame().split_off(14)
+    }
+}
+
+/// An IPv4 UDP datagram of `payload` split into fragments of `chunk` bytes (a multiple of 8)
+/// of the IP payload (UDP header included), all with identification `id`; checksums zero (UDP
+/// over IPv4 may omit its own; the kernel fills in the IP header's for a raw socket).
+pub fn udp4_fragments(
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    dst_port: u16,
+    id: u16,
+    payload: &[u8],
+    chunk: usize,
+) -> Vec<Vec<u8>> {
+    let mut udp = Vec::with_capacity(8 + payload.len());
+    udp.extend(40000u16.to_be_bytes());
+    udp.extend(dst_port.to_be_bytes());
+    udp.extend(((8 + payload.len()) as u16).to_be_bytes());
+    udp.extend([0, 0]);
+    udp.extend(payload);
+    let chunks: Vec<&[u8]> = udp.chunks(chunk).collect();
+    let n = chunks.len();
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(i, part)| {
+            let mut ip = vec![0u8; 20];
+            ip[0] = 0x45;
+            ip[2..4].copy_from_slice(&((20 + part.len()) as u16).to_be_bytes());
+            ip[4..6].copy_from_slice(&id.to_be_bytes());
+            let more = if i + 1 < n { 0x2000u16 } else { 0 };
+            let offset = ((i * chunk) / 8) as u16;
+            ip[6..8].copy_from_slice(&(more | offset).to_be_bytes());
+            ip[8] = 64;
+            ip[9] = UDP;
+            ip[12..16].copy_from_slice(&src.octets());
+            ip[16..20].copy_from_slice(&dst.octets());
+            ip.extend(part);
+            ip
+        })
+        .collect()
+}
+
+/// Sends one complete IP packet (header included, any source address) through a raw socket
+/// of the calling thread's network namespace: it leaves by whatever route its destination
+/// takes (in a peer's namespace, the WireGuard tunnel).
+pub fn send_raw(packet: &[u8]) -> std::io::Result<()> {
+    use std::{io, mem, os::fd::FromRawFd as _};
+    let v6 = packet.first().is_some_and(|b| b >> 4 == 6);
+    let family = if v6 { libc::AF_INET6 } else { libc::AF_INET };
+    // SAFETY: plain socket(2); the fd is owned by `socket` below. IPPROTO_RAW implies
+    // IP_HDRINCL (and IPV6_HDRINCL): the packet is sent as it is.
+    let fd = unsafe {
+        libc::socket(
+            family,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            libc::IPPROTO_RAW,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just created and is owned by nothing else.
+    let socket = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let raw = std::os::fd::AsRawFd::as_raw_fd(&socket);
+    let rc = if v6 {
+        let dst: [u8; 16] = packet
+            .get(24..40)
+            .and_then(|d| d.try_into().ok())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "short IPv6 packet"))?;
+        // SAFETY: sockaddr_in6 is plain old data; all-zero is valid.
+        let mut addr: libc::sockaddr_in6 = unsafe { mem::zeroed() };
+        addr.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+        addr.sin6_addr.s6_addr = dst;
+        // SAFETY: buffer and address are valid for the lengths given.
+        unsafe {
+            libc::sendto(
+                raw,
+                packet.as_ptr().cast(),
+                packet.len(),
+                0,
+                (&addr as *const libc::sockaddr_in6).cast(),
+                mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+            )
+        }
+    } else {
+        let dst: [u8; 4] = packet
+            .get(16..20)
+            .and_then(|d| d.try_into().ok())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "short IPv4 packet"))?;
+        // SAFETY: sockaddr_in is plain old data; all-zero is valid.
+        let mut addr: libc::sockaddr_in = unsafe { mem::zeroed() };
+        addr.sin_family = libc::AF_INET as libc::sa_family_t;
+        addr.sin_addr.s_addr = u32::from_ne_bytes(dst);
+        // SAFETY: buffer and address are valid for the lengths given.
+        unsafe {
+            libc::sendto(
+                raw,
+                packet.as_ptr().cast(),
+                packet.len(),
+                0,
+                (&addr as *const libc::sockaddr_in).cast(),
+                mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            )
+        }
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
