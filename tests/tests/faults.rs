@@ -490,3 +490,26 @@ fn a_state_file_others_can_write_is_refused() {
     assert!(body.contains("not trusted"), "{body}");
     assert_enforced(&gw, "with an untrusted state file");
 }
+
+/// A pin directory adopted with a looser mode (a hand-made one, or a bpffs mounted 1777) is
+/// tightened to root only: whoever can open a pin can rewrite the policy.
+#[test]
+fn a_loose_pin_directory_is_tightened_to_root_only() {
+    let gw = Gateway::new(1);
+    let dir = gw.bpffs.join("wgfence").join(gw.interface());
+    fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap_or_else(|e| panic!("{e}"));
+    let s = state(vec![gw.peer_json(0, Some(web_only()))]);
+    let agent = Agent::start(&gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+    let mode = fs::metadata(&dir)
+        .map(|m| m.permissions().mode() & 0o7777)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(mode, 0o700, "{:o}", mode);
+    assert!(agent.log_text().contains("tightened to 0700"));
+    let parent = fs::metadata(gw.bpffs.join("wgfence"))
+        .map(|m| m.permissions().mode() & 0o077)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(parent, 0, "<bpffs>/wgfence is open to others");
+    assert_enforced(&gw, "after adopting the directory");
+}
