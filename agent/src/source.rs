@@ -34,6 +34,10 @@ pub enum SourceError {
 pub struct StateSource {
     path: PathBuf,
     events: mpsc::UnboundedReceiver<()>,
+    /// An event was taken from the channel and its burst not yet reported: `changed` was
+    /// cancelled during the debounce (the daemon's `select!` drops it whenever another branch
+    /// wins), and the next call must report it rather than wait for another event.
+    pending: bool,
     _watcher: RecommendedWatcher,
 }
 
@@ -75,6 +79,7 @@ impl StateSource {
         Ok(Self {
             path: path.to_owned(),
             events,
+            pending: false,
             _watcher: watcher,
         })
     }
@@ -84,13 +89,20 @@ impl StateSource {
     }
 
     /// Waits for the next change in the directory, then for the burst to end.
+    ///
+    /// Cancel-safe: dropped at any await point (as `select!` does when another branch wins),
+    /// no change is lost; the next call picks up where this one stopped.
     pub async fn changed(&mut self) {
-        if self.events.recv().await.is_none() {
-            // The watcher is gone; only resyncs will read the file.
-            std::future::pending::<()>().await;
+        if !self.pending {
+            if self.events.recv().await.is_none() {
+                // The watcher is gone; only resyncs will read the file.
+                std::future::pending::<()>().await;
+            }
+            self.pending = true;
         }
         // Drain the burst: stop at the first quiet DEBOUNCE.
         while let Ok(Some(())) = tokio::time::timeout(DEBOUNCE, self.events.recv()).await {}
+        self.pending = false;
     }
 
     /// The file's contents; `None` if it does not exist (or its symlink dangles).
@@ -100,5 +112,35 @@ impl StateSource {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// The daemon's loop drops `changed()` whenever a timer fires first; a change whose first
+    /// event was already taken must still be reported by the next call.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_change_survives_a_cancelled_wait() {
+        let dir = std::env::temp_dir().join(format!("wgfence-source-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.join("state.json");
+        let mut source = StateSource::watch(&path).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(&path, "{}").unwrap_or_else(|e| panic!("{e}"));
+        // Cancelled after the first event arrived, during the debounce.
+        let _ = tokio::time::timeout(DEBOUNCE / 2 + Duration::from_millis(5), async {
+            // Wait for the first event to be taken, then let the timeout cancel the debounce.
+            source.changed().await;
+        })
+        .await;
+        let reported = tokio::time::timeout(Duration::from_secs(2), source.changed()).await;
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            reported.is_ok(),
+            "the change was lost with the cancelled wait"
+        );
     }
 }
