@@ -1470,8 +1470,13 @@ fn soak(report: &mut Report, config: &Config) {
     let t = Instant::now();
     for cycle in 1..=agent_cycles {
         let before = agent.reconciles(&gw);
-        let (_, _) = drive_churn_once(&mut rng, &json_pool, &mut peers);
-        state = json!({ "version": 1, "peers": peers });
+        // A change that leaves the file as it was (a peer given the policy it had) would
+        // cost the agent nothing and never reconcile: draw again.
+        let previous = state.clone();
+        while state == previous {
+            drive_churn_once(&mut rng, &json_pool, &mut peers);
+            state = json!({ "version": 1, "peers": peers });
+        }
         agent.write_state(&state.to_string());
         agent.wait_reconciles(&gw, before, 1.0);
         if cycle % (agent_cycles / 10).max(1) == 0 {
@@ -1543,7 +1548,7 @@ fn soak(report: &mut Report, config: &Config) {
 }
 
 /// One change of `drive_churn`'s kind to a JSON peer list (every peer may change).
-fn drive_churn_once(rng: &mut Rng, pool: &[Value], peers: &mut Vec<Value>) -> (usize, usize) {
+fn drive_churn_once(rng: &mut Rng, pool: &[Value], peers: &mut Vec<Value>) {
     let n = peers.len();
     match rng.below(2) {
         0 if n > 1 => {
@@ -1563,5 +1568,4 @@ fn drive_churn_once(rng: &mut Rng, pool: &[Value], peers: &mut Vec<Value>) -> (u
         }
         _ => {}
     }
-    (n, peers.len())
 }
