@@ -1480,6 +1480,9 @@ fn soak(report: &mut Report, config: &Config) {
         agent.write_state(&state.to_string());
         agent.wait_reconciles(&gw, before, 1.0);
         if cycle % (agent_cycles / 10).max(1) == 0 {
+            // Let the load finish (the agent hands freed memory back after an apply) and the
+            // metrics connection that saw the reconcile close.
+            thread::sleep(Duration::from_millis(300));
             agent_samples.push((cycle, rss_kib(pid), fd_count(&pid_s)));
         }
     }
@@ -1524,6 +1527,15 @@ fn soak(report: &mut Report, config: &Config) {
     );
     let fds_flat = samples.first().map(|s| s.2) == samples.last().map(|s| s.2)
         && agent_samples.get(1).map(|s| s.2) == agent_samples.last().map(|s| s.2);
+    let rss_of = |s: Option<&(usize, u64, usize)>| s.map_or(0.0, |s| s.1 as f64 / 1024.0);
+    report.paragraph(&format!(
+        "Agent RSS after the first {} changes {:.1} MiB, at the end {:.1} MiB, highest sample \
+         {:.1} MiB.",
+        agent_samples.get(1).map_or(0, |s| s.0),
+        rss_of(agent_samples.get(1)),
+        rss_of(agent_samples.last()),
+        agent_samples.iter().map(|s| s.1).max().unwrap_or(0) as f64 / 1024.0
+    ));
     report.paragraph(&format!(
         "Maps equal to the last state: in process {} ({} peers; WireGuard {wg_peers} peers), \
          agent {} ({} peers; WireGuard {agent_wg} peers). Open fds flat: {}.",
