@@ -1359,7 +1359,7 @@ fn restart_and_memory(report: &mut Report, config: &Config) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 10. Soak: thousands of reconciles of random changes at N=10k; memory, fds, final maps.
+// 11. Soak: thousands of reconciles of random changes at N=10k; memory, fds, final maps.
 
 fn fd_count(pid: &str) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
@@ -1500,7 +1500,7 @@ fn soak(report: &mut Report, config: &Config) {
         vec![c.to_string(), f(*r as f64 / 1024.0, 1), fds.to_string()]
     };
     report.section(
-        "10. Soak",
+        "11. Soak",
         &format!(
             "N={n} generated peers on a wireguard-go device. First the agent's reconciler in the \
              benchmark's own process: {cycles} reconciles, each of 1-5 random changes (a peer \
