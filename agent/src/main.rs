@@ -348,6 +348,15 @@ fn print_status(r: &Report) {
     if let (Some(link), Some(prog)) = (r.link_id, r.program_id) {
         println!("link             id {link}, program id {prog} (bpftool link show id {link})");
     }
+    match (r.egress_link_id, r.egress_program_id) {
+        (Some(link), Some(prog)) => {
+            println!("egress link      id {link}, program id {prog} (reply flows)")
+        }
+        _ if r.attached => {
+            println!("egress link      NOT pinned: replies to network-started flows do not pass")
+        }
+        _ => {}
+    }
     match &r.agent {
         Some(a) => {
             let last = &a.last_reconcile;

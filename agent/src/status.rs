@@ -171,6 +171,11 @@ pub struct Report {
     pub link_id: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub program_id: Option<u32>,
+    /// The egress link (reply flows), when pinned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub egress_link_id: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub egress_program_id: Option<u32>,
     pub peers: PeerCounts,
     /// Distinct policies referenced by peer entries.
     pub policies: usize,
@@ -250,6 +255,7 @@ pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Rep
     }
     let maps = Dataplane::open_maps(bpffs, interface)?;
     let link = Dataplane::link_info(bpffs, interface)?;
+    let egress = Dataplane::egress_link_info(bpffs, interface)?;
     let agent = AgentStatus::read(interface).ok();
 
     let entries = maps.peers()?;
@@ -313,6 +319,8 @@ pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Rep
         attached: link.is_some(),
         link_id: link.map(|l| l.0),
         program_id: link.map(|l| l.1),
+        egress_link_id: egress.map(|l| l.0),
+        egress_program_id: egress.map(|l| l.1),
         peers,
         policies: policies.len(),
         policy_entries: policy_entries.len(),

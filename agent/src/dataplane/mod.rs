@@ -394,7 +394,17 @@ impl Dataplane {
 
     /// The pinned link of an interface, if any: (link id, program id).
     pub fn link_info(bpffs: &Path, interface: &str) -> Result<Option<(u32, u32)>> {
-        let path = pin_dir(bpffs, interface).join(LINK_PIN);
+        Self::pinned_link_info(bpffs, interface, LINK_PIN)
+    }
+
+    /// The pinned egress link of an interface, if any: (link id, program id). Without it,
+    /// replies to network-started flows do not pass (enforcement is the ingress link's).
+    pub fn egress_link_info(bpffs: &Path, interface: &str) -> Result<Option<(u32, u32)>> {
+        Self::pinned_link_info(bpffs, interface, LINK_PIN_EGRESS)
+    }
+
+    fn pinned_link_info(bpffs: &Path, interface: &str, pin: &str) -> Result<Option<(u32, u32)>> {
+        let path = pin_dir(bpffs, interface).join(pin);
         if !path.exists() {
             return Ok(None);
         }

@@ -150,7 +150,7 @@ pub fn run(report: &mut Report, command: &str, desired: &DesiredState) {
         cost(&mut program, true, &to_open, true),
     );
     row(
-        "egress, TCP SYN to a restricted peer (records the flow)",
+        "egress, TCP SYN to a restricted peer (the first records the flow, the rest refresh it)",
         "egress_record",
         cost(&mut program, true, &to_peer_syn, true),
     );
