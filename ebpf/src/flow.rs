@@ -7,31 +7,32 @@
 //! from its side. Idle timeouts are the agent's ([`Config`]), checked against the entry's
 //! timestamp at lookup; the LRU map forgets the least recently used flows when it is full.
 
-use aya_ebpf::btf_maps::LruHashMap;
+use aya_ebpf::{btf_maps::LruHashMap, programs::TcContext};
 use wgfence_common::{
-    Config, Counter, FlowValue, FLOW_CLOSING, FLOW_OPEN, MAX_FLOWS, PROTO_TCP, PROTO_UDP,
+    Config, Counter, FlowValue, FLOW_CLOSING, FLOW_OPEN, MAX_FLOWS, PROTO_ICMP, PROTO_ICMPV6,
+    PROTO_TCP, PROTO_UDP,
 };
 
 use crate::{count, now_ns, Drop, Pass};
 
 pub(crate) type Flows<K> = LruHashMap<K, FlowValue, { MAX_FLOWS as usize }>;
 
-pub(crate) const TCP_FIN: u8 = 0x01;
-pub(crate) const TCP_SYN: u8 = 0x02;
-pub(crate) const TCP_RST: u8 = 0x04;
-pub(crate) const TCP_ACK: u8 = 0x10;
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
 /// Offset of the flags byte in a TCP header.
-pub(crate) const TCP_FLAGS_OFFSET: usize = 13;
+const TCP_FLAGS_OFFSET: usize = 13;
 
 /// A TCP segment that opens a connection: SYN without ACK (a SYN-ACK answers one).
 #[inline(always)]
-pub(crate) const fn tcp_opens(flags: u8) -> bool {
+const fn tcp_opens(flags: u8) -> bool {
     flags & (TCP_SYN | TCP_ACK) == TCP_SYN
 }
 
 /// A TCP segment that closes a connection: FIN or RST.
 #[inline(always)]
-pub(crate) const fn tcp_closes(flags: u8) -> bool {
+const fn tcp_closes(flags: u8) -> bool {
     flags & (TCP_FIN | TCP_RST) != 0
 }
 
@@ -134,4 +135,125 @@ pub(crate) fn reply<K>(
         why: Counter::PassReply,
         slot,
     })
+}
+
+/// The ICMP numbers of one address family.
+pub(crate) struct Icmp {
+    pub(crate) protocol: u8,
+    pub(crate) echo_request: u8,
+    pub(crate) echo_reply: u8,
+    /// Bit `t` set: type `t` is an error that quotes the packet it is about.
+    pub(crate) errors: u32,
+}
+
+pub(crate) const ICMP_V4: Icmp = Icmp {
+    protocol: PROTO_ICMP,
+    echo_request: 8,
+    echo_reply: 0,
+    // Destination unreachable, time exceeded, parameter problem.
+    errors: 1 << 3 | 1 << 11 | 1 << 12,
+};
+
+pub(crate) const ICMP_V6: Icmp = Icmp {
+    protocol: PROTO_ICMPV6,
+    echo_request: 128,
+    echo_reply: 129,
+    // Destination unreachable, packet too big, time exceeded, parameter problem.
+    errors: 1 << 1 | 1 << 2 | 1 << 3 | 1 << 4,
+};
+
+/// Bytes of an ICMP error before the packet it quotes (both families).
+pub(crate) const ICMP_ERROR_LEN: usize = 8;
+
+/// The flow of a packet from the remote toward the peer whose transport header is at `l4`:
+/// (peer port, remote port), the echo identifier for an echo request; `None` when no flow can
+/// have it. Reads at most the 8 bytes an ICMP error quotes.
+#[inline(always)]
+pub(crate) fn toward_peer(
+    ctx: &TcContext,
+    l4: usize,
+    protocol: u8,
+    icmp: &Icmp,
+) -> Option<(u16, u16)> {
+    let h = ctx.load::<[u8; 6]>(l4).ok()?;
+    match protocol {
+        PROTO_TCP | PROTO_UDP => Some((
+            u16::from_be_bytes([h[2], h[3]]),
+            u16::from_be_bytes([h[0], h[1]]),
+        )),
+        p if p == icmp.protocol && h[0] == icmp.echo_request => {
+            Some((u16::from_be_bytes([h[4], h[5]]), 0))
+        }
+        _ => None,
+    }
+}
+
+/// Egress: what a packet toward the peer does to its flow.
+#[inline(always)]
+pub(crate) fn effect(ctx: &TcContext, l4: usize, protocol: u8) -> Option<ToPeer> {
+    let (start, close) = if protocol == PROTO_TCP {
+        let flags = ctx.load::<u8>(l4 + TCP_FLAGS_OFFSET).ok()?;
+        (tcp_opens(flags), tcp_closes(flags))
+    } else {
+        (true, false)
+    };
+    Some(ToPeer {
+        protocol,
+        start,
+        close,
+    })
+}
+
+/// How a peer's packet that its policy denied could answer a flow.
+pub(crate) enum Answer {
+    /// A reply on the flow (peer port, remote port); `close`: a TCP FIN or RST.
+    Flow {
+        peer_port: u16,
+        remote_port: u16,
+        close: bool,
+    },
+    /// An ICMP error: the packet it quotes, at `l4 + ICMP_ERROR_LEN`, names the flow.
+    Error,
+}
+
+/// Ingress: reads what a peer's packet (transport header at `l4`, `ports` as the policy check
+/// read them) could answer.
+#[inline(always)]
+pub(crate) fn answer(
+    ctx: &TcContext,
+    l4: usize,
+    protocol: u8,
+    ports: Option<(u16, u16)>,
+    icmp: &Icmp,
+) -> Option<Answer> {
+    match (protocol, ports) {
+        (PROTO_TCP, Some((src, dst))) => {
+            let flags = ctx.load::<u8>(l4 + TCP_FLAGS_OFFSET).ok()?;
+            Some(Answer::Flow {
+                peer_port: src,
+                remote_port: dst,
+                close: tcp_closes(flags),
+            })
+        }
+        (PROTO_UDP, Some((src, dst))) => Some(Answer::Flow {
+            peer_port: src,
+            remote_port: dst,
+            close: false,
+        }),
+        (p, _) if p == icmp.protocol => {
+            let h = ctx.load::<[u8; 6]>(l4).ok()?;
+            if h[0] == icmp.echo_reply {
+                Some(Answer::Flow {
+                    peer_port: u16::from_be_bytes([h[4], h[5]]),
+                    remote_port: 0,
+                    close: false,
+                })
+            } else if h[0] < 32 && icmp.errors >> h[0] & 1 == 1 {
+                Some(Answer::Error)
+            } else {
+                None
+            }
+        }
+        _ => None,
+    }
 }

@@ -9,20 +9,13 @@ use wgfence_common::{
 
 use crate::{
     config, decide,
-    flow::{self, tcp_closes, tcp_opens, ToPeer, TCP_FLAGS_OFFSET},
+    flow::{self, Answer, ICMP_ERROR_LEN, ICMP_V4},
     has_ports, ports, unrestricted, Drop, Pass, FLOWS_V4, HEAD_LEN, PEERS_V4, POLICY_V4,
 };
 
 const MIN_HEADER_LEN: usize = HEAD_LEN;
 /// Fragment offset bits of the flags/fragment-offset field.
 const FRAGMENT_OFFSET_MASK: u16 = 0x1fff;
-const ICMP_ECHO_REPLY: u8 = 0;
-const ICMP_DEST_UNREACHABLE: u8 = 3;
-const ICMP_ECHO_REQUEST: u8 = 8;
-const ICMP_TIME_EXCEEDED: u8 = 11;
-const ICMP_PARAMETER_PROBLEM: u8 = 12;
-/// Bytes of an ICMP error before the packet it quotes.
-const ICMP_ERROR_LEN: usize = 8;
 
 #[inline(always)]
 fn header_len(ip: &[u8; HEAD_LEN]) -> usize {
@@ -99,29 +92,14 @@ fn reply(
     if !config.replies() {
         return denied;
     }
-    let (peer_port, remote_port, close) = match (protocol, ports) {
-        (PROTO_TCP, Some((src, dst))) => {
-            let Ok(flags) = ctx.load::<u8>(l4 + TCP_FLAGS_OFFSET) else {
-                return denied;
-            };
-            (src, dst, tcp_closes(flags))
-        }
-        (PROTO_UDP, Some((src, dst))) => (src, dst, false),
-        (PROTO_ICMP, _) => match ctx.load::<[u8; 6]>(l4) {
-            Ok(icmp) if icmp[0] == ICMP_ECHO_REPLY => {
-                (u16::from_be_bytes([icmp[4], icmp[5]]), 0, false)
-            }
-            Ok(icmp)
-                if matches!(
-                    icmp[0],
-                    ICMP_DEST_UNREACHABLE | ICMP_TIME_EXCEEDED | ICMP_PARAMETER_PROBLEM
-                ) =>
-            {
-                return related(ctx, l4 + ICMP_ERROR_LEN, ip, &config, slot);
-            }
-            _ => return denied,
-        },
-        _ => return denied,
+    let (peer_port, remote_port, close) = match flow::answer(ctx, l4, protocol, ports, &ICMP_V4) {
+        Some(Answer::Flow {
+            peer_port,
+            remote_port,
+            close,
+        }) => (peer_port, remote_port, close),
+        Some(Answer::Error) => return related(ctx, l4 + ICMP_ERROR_LEN, ip, &config, slot),
+        None => return denied,
     };
     let key = FlowKeyV4 {
         peer: addr(ip, 12),
@@ -158,16 +136,10 @@ fn related(
         return denied;
     }
     let protocol = inner[9];
-    let Ok(l4) = ctx.load::<[u8; 6]>(quoted + header_len) else {
+    let Some((peer_port, remote_port)) =
+        flow::toward_peer(ctx, quoted + header_len, protocol, &ICMP_V4)
+    else {
         return denied;
-    };
-    let (peer_port, remote_port) = match protocol {
-        PROTO_TCP | PROTO_UDP => (
-            u16::from_be_bytes([l4[2], l4[3]]),
-            u16::from_be_bytes([l4[0], l4[1]]),
-        ),
-        PROTO_ICMP if l4[0] == ICMP_ECHO_REQUEST => (u16::from_be_bytes([l4[4], l4[5]]), 0),
-        _ => return denied,
     };
     let key = FlowKeyV4 {
         peer: addr(ip, 12),
@@ -199,37 +171,11 @@ pub(crate) fn record(
     }
     let protocol = ip[9];
     let l4 = l3 + header_len;
-    let (peer_port, remote_port, start, close) = match protocol {
-        PROTO_TCP => {
-            let Ok(tcp) = ctx.load::<[u8; TCP_FLAGS_OFFSET + 1]>(l4) else {
-                return;
-            };
-            let flags = tcp[TCP_FLAGS_OFFSET];
-            (
-                u16::from_be_bytes([tcp[2], tcp[3]]),
-                u16::from_be_bytes([tcp[0], tcp[1]]),
-                tcp_opens(flags),
-                tcp_closes(flags),
-            )
-        }
-        PROTO_UDP => {
-            let Ok(udp) = ctx.load::<[u8; 4]>(l4) else {
-                return;
-            };
-            (
-                u16::from_be_bytes([udp[2], udp[3]]),
-                u16::from_be_bytes([udp[0], udp[1]]),
-                true,
-                false,
-            )
-        }
-        PROTO_ICMP => match ctx.load::<[u8; 6]>(l4) {
-            Ok(icmp) if icmp[0] == ICMP_ECHO_REQUEST => {
-                (u16::from_be_bytes([icmp[4], icmp[5]]), 0, true, false)
-            }
-            _ => return,
-        },
-        _ => return,
+    let Some((peer_port, remote_port)) = flow::toward_peer(ctx, l4, protocol, &ICMP_V4) else {
+        return;
+    };
+    let Some(packet) = flow::effect(ctx, l4, protocol) else {
+        return;
     };
     let key = FlowKeyV4 {
         peer: dst.addr,
@@ -238,11 +184,6 @@ pub(crate) fn record(
         remote_port,
         protocol,
         _pad: [0; 3],
-    };
-    let packet = ToPeer {
-        protocol,
-        start,
-        close,
     };
     // The peer's reply: to the remote, its port (none for an echo reply).
     let reply_allowed = || {

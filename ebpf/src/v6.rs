@@ -10,7 +10,7 @@ use wgfence_common::{
 
 use crate::{
     config, decide,
-    flow::{self, tcp_closes, tcp_opens, ToPeer, TCP_FLAGS_OFFSET},
+    flow::{self, Answer, ICMP_ERROR_LEN, ICMP_V6},
     has_ports, ports, unrestricted, Drop, Pass, FLOWS_V6, HEAD_LEN, PEERS_V6, POLICY_V6,
 };
 
@@ -20,14 +20,6 @@ const ROUTING: u8 = 43;
 const FRAGMENT: u8 = 44;
 const AUTHENTICATION: u8 = 51;
 const DESTINATION_OPTIONS: u8 = 60;
-const ICMPV6_DEST_UNREACHABLE: u8 = 1;
-const ICMPV6_PACKET_TOO_BIG: u8 = 2;
-const ICMPV6_TIME_EXCEEDED: u8 = 3;
-const ICMPV6_PARAMETER_PROBLEM: u8 = 4;
-const ICMPV6_ECHO_REQUEST: u8 = 128;
-const ICMPV6_ECHO_REPLY: u8 = 129;
-/// Bytes of an ICMPv6 error before the packet it quotes.
-const ICMPV6_ERROR_LEN: usize = 8;
 /// The second half of the fixed header: the rest of the source and the destination.
 const TAIL_LEN: usize = HEADER_LEN - HEAD_LEN;
 
@@ -132,32 +124,16 @@ fn reply(
     if !config.replies() {
         return denied;
     }
-    let (peer_port, remote_port, close) = match (protocol, ports) {
-        (PROTO_TCP, Some((src, dst))) => {
-            let Ok(flags) = ctx.load::<u8>(l4 + TCP_FLAGS_OFFSET) else {
-                return denied;
-            };
-            (src, dst, tcp_closes(flags))
+    let (peer_port, remote_port, close) = match flow::answer(ctx, l4, protocol, ports, &ICMP_V6) {
+        Some(Answer::Flow {
+            peer_port,
+            remote_port,
+            close,
+        }) => (peer_port, remote_port, close),
+        Some(Answer::Error) => {
+            return related(ctx, l4 + ICMP_ERROR_LEN, src, dst, &config, slot);
         }
-        (PROTO_UDP, Some((src, dst))) => (src, dst, false),
-        (PROTO_ICMPV6, _) => match ctx.load::<[u8; 6]>(l4) {
-            Ok(icmp) if icmp[0] == ICMPV6_ECHO_REPLY => {
-                (u16::from_be_bytes([icmp[4], icmp[5]]), 0, false)
-            }
-            Ok(icmp)
-                if matches!(
-                    icmp[0],
-                    ICMPV6_DEST_UNREACHABLE
-                        | ICMPV6_PACKET_TOO_BIG
-                        | ICMPV6_TIME_EXCEEDED
-                        | ICMPV6_PARAMETER_PROBLEM
-                ) =>
-            {
-                return related(ctx, l4 + ICMPV6_ERROR_LEN, src, dst, &config, slot);
-            }
-            _ => return denied,
-        },
-        _ => return denied,
+        None => return denied,
     };
     let key = FlowKeyV6 {
         peer: src.addr,
@@ -190,16 +166,10 @@ fn related(
         return denied;
     }
     let protocol = inner[6];
-    let Ok(l4) = ctx.load::<[u8; 6]>(quoted + HEADER_LEN) else {
+    let Some((peer_port, remote_port)) =
+        flow::toward_peer(ctx, quoted + HEADER_LEN, protocol, &ICMP_V6)
+    else {
         return denied;
-    };
-    let (peer_port, remote_port) = match protocol {
-        PROTO_TCP | PROTO_UDP => (
-            u16::from_be_bytes([l4[2], l4[3]]),
-            u16::from_be_bytes([l4[0], l4[1]]),
-        ),
-        PROTO_ICMPV6 if l4[0] == ICMPV6_ECHO_REQUEST => (u16::from_be_bytes([l4[4], l4[5]]), 0),
-        _ => return denied,
     };
     let key = FlowKeyV6 {
         peer: src.addr,
@@ -236,37 +206,11 @@ pub(crate) fn record(
     }
     let protocol = head[6];
     let l4 = l3 + HEADER_LEN;
-    let (peer_port, remote_port, start, close) = match protocol {
-        PROTO_TCP => {
-            let Ok(tcp) = ctx.load::<[u8; TCP_FLAGS_OFFSET + 1]>(l4) else {
-                return;
-            };
-            let flags = tcp[TCP_FLAGS_OFFSET];
-            (
-                u16::from_be_bytes([tcp[2], tcp[3]]),
-                u16::from_be_bytes([tcp[0], tcp[1]]),
-                tcp_opens(flags),
-                tcp_closes(flags),
-            )
-        }
-        PROTO_UDP => {
-            let Ok(udp) = ctx.load::<[u8; 4]>(l4) else {
-                return;
-            };
-            (
-                u16::from_be_bytes([udp[2], udp[3]]),
-                u16::from_be_bytes([udp[0], udp[1]]),
-                true,
-                false,
-            )
-        }
-        PROTO_ICMPV6 => match ctx.load::<[u8; 6]>(l4) {
-            Ok(icmp) if icmp[0] == ICMPV6_ECHO_REQUEST => {
-                (u16::from_be_bytes([icmp[4], icmp[5]]), 0, true, false)
-            }
-            _ => return,
-        },
-        _ => return,
+    let Some((peer_port, remote_port)) = flow::toward_peer(ctx, l4, protocol, &ICMP_V6) else {
+        return;
+    };
+    let Some(packet) = flow::effect(ctx, l4, protocol) else {
+        return;
     };
     let mut key = FlowKeyV6 {
         peer: dst.addr,
@@ -278,11 +222,6 @@ pub(crate) fn record(
     };
     key.remote[..12].copy_from_slice(&head[8..20]);
     key.remote[12..].copy_from_slice(&tail[..4]);
-    let packet = ToPeer {
-        protocol,
-        start,
-        close,
-    };
     // The peer's reply: to the remote, its port (none for an echo reply).
     let reply_allowed = || {
         let policy_key = Key::new(

@@ -131,7 +131,10 @@ fn status_reports_the_datapath_the_agent_and_per_peer_counters() {
     let link_id = count(&before["linkId"]);
     // The egress link (reply flows) is reported too, and is another link.
     let egress_link_id = count(&before["egressLinkId"]);
-    assert!(egress_link_id > 0 && egress_link_id != link_id, "{before:#}");
+    assert!(
+        egress_link_id > 0 && egress_link_id != link_id,
+        "{before:#}"
+    );
     let program_id = count(&before["programId"]);
     let link = pin_dir.join("link_ingress");
     let out = Command::new("bpftool")
