@@ -221,6 +221,7 @@ fn main() {
 
     section("why was it dropped: wgfence monitor");
     let wgfence = binary().to_string_lossy().into_owned();
+    println!("$ wgfence monitor --interface {} --count 3", gw.interface());
     let mut monitor = Command::new(&wgfence)
         .args(["monitor", "--interface", gw.interface(), "--count", "3"])
         .stdout(std::process::Stdio::piped())
@@ -238,7 +239,6 @@ fn main() {
             dst.parse().unwrap_or_else(|e| panic!("{e}")),
         );
     }
-    println!("$ wgfence monitor --interface {} --count 3", gw.interface());
     let deadline = Instant::now() + Duration::from_secs(3);
     while Instant::now() < deadline && matches!(monitor.try_wait(), Ok(None)) {
         std::thread::sleep(Duration::from_millis(50));
