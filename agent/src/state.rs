@@ -4,6 +4,8 @@
 //! the whole state if there is any: nothing is ever half-applied. The result does not depend
 //! on the order of peers or of rules: peers are sorted by name and rules are a sorted set.
 
+mod fast;
+
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     fmt,
@@ -15,7 +17,7 @@ use ipnet::IpNet;
 use serde_json::{Map, Value};
 use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 
-use crate::policy::{compile, CompiledPolicy, PortRange, Protocol, Rule};
+use crate::policy::{compile, CompiledPolicy, PolicyError, PortRange, Protocol, Rule};
 
 /// The schema version this agent reads.
 pub const SCHEMA_VERSION: u64 = 1;
@@ -102,6 +104,78 @@ impl DesiredState {
     pub fn restricted_peers(&self) -> usize {
         self.peers.iter().filter(|p| p.policy.is_some()).count()
     }
+
+    /// The state as a state file in canonical form: every field written the one way the
+    /// schema's defaults allow (`replies` always, optional fields only when set), peers by name,
+    /// rules and their ports sorted. Parsing it gives back an equal state, and equal states give
+    /// the same text.
+    pub fn to_canonical_json(&self) -> String {
+        let peers: Vec<Value> = self.peers.iter().map(PeerSpec::to_json).collect();
+        serde_json::json!({ "version": SCHEMA_VERSION, "replies": self.replies, "peers": peers })
+            .to_string()
+    }
+}
+
+impl PeerSpec {
+    fn to_json(&self) -> Value {
+        let mut peer = Map::new();
+        let mut set = |field: &str, value: Value| {
+            peer.insert(field.to_owned(), value);
+        };
+        set("name", self.name.clone().into());
+        set("publicKey", self.public_key.to_base64().into());
+        if let Some(address) = self.address {
+            set("address", address.to_string().into());
+        }
+        if let Some(address) = self.address_v6 {
+            set("addressV6", address.to_string().into());
+        }
+        if let Some(endpoint) = self.endpoint {
+            set("endpoint", endpoint.to_string().into());
+        }
+        if let Some(key) = self.preshared_key {
+            set("presharedKey", key.to_base64().into());
+        }
+        if let Some(secs) = self.persistent_keepalive {
+            set("persistentKeepalive", secs.into());
+        }
+        if !self.rules.is_empty() {
+            set(
+                "egress",
+                self.rules
+                    .iter()
+                    .map(rule_to_json)
+                    .collect::<Vec<_>>()
+                    .into(),
+            );
+        }
+        Value::Object(peer)
+    }
+}
+
+fn rule_to_json(rule: &Rule) -> Value {
+    let protocol = match rule.protocol {
+        Protocol::Any => "any",
+        Protocol::Tcp => "tcp",
+        Protocol::Udp => "udp",
+        Protocol::Icmp => "icmp",
+    };
+    let mut value = serde_json::json!({ "cidr": rule.cidr.to_string(), "protocol": protocol });
+    if !rule.ports.is_empty() {
+        let ports: Vec<Value> = rule
+            .ports
+            .iter()
+            .map(|r| {
+                if r.lo == r.hi {
+                    r.lo.into()
+                } else {
+                    format!("{}-{}", r.lo, r.hi).into()
+                }
+            })
+            .collect();
+        value["ports"] = ports.into();
+    }
+    value
 }
 
 /// Rule sets seen while parsing one state, with their shared copy and compiled policy.
@@ -181,7 +255,22 @@ impl Errors<'_> {
 }
 
 /// Parses and validates a state file's contents.
+///
+/// A valid file (the common case, on every push) is deserialized into typed structs that
+/// borrow from `text` and validated without building a JSON value tree. Anything the typed
+/// pass does not accept, it hands to [`parse_value_tree`], which walks the file as a value tree
+/// and names every error; so the result is always exactly what that walk decides.
 pub fn parse(text: &str) -> Result<DesiredState, StateError> {
+    match fast::parse(text) {
+        Some(state) => Ok(state),
+        None => parse_value_tree(text),
+    }
+}
+
+/// Parses and validates a state file's contents by walking it as a JSON value tree, collecting
+/// every error. [`parse`] uses it for files its typed pass rejects; tests and the fuzzers use
+/// it as the reference the typed pass must agree with.
+pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
     let fail = |field: &str, message: String| StateError {
         errors: vec![FieldError {
             location: String::new(),
@@ -306,16 +395,7 @@ pub fn parse(text: &str) -> Result<DesiredState, StateError> {
         }
     }
 
-    // Capacity of the policy tries: distinct policies' entries per family.
-    let (mut v4_entries, mut v6_entries) = (0usize, 0usize);
-    for (_, policy) in compiled.values() {
-        for (prefix, _) in policy.entries() {
-            match prefix {
-                IpNet::V4(_) => v4_entries += 1,
-                IpNet::V6(_) => v6_entries += 1,
-            }
-        }
-    }
+    let (v4_entries, v6_entries) = trie_entries(&compiled);
     for (family, n) in [("IPv4", v4_entries), ("IPv6", v6_entries)] {
         if n > MAX_POLICY_ENTRIES as usize {
             Errors {
@@ -350,7 +430,7 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
         }
     }
     let name = match obj.get("name") {
-        Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_NAME_LEN => Some(s.clone()),
+        Some(Value::String(s)) if valid_name(s) => Some(s.clone()),
         Some(Value::String(s)) if s.is_empty() => {
             e.add("name", "must not be empty");
             None
@@ -381,9 +461,9 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
     }
     let endpoint = match obj.get("endpoint") {
         None | Some(Value::Null) => None,
-        Some(Value::String(s)) => match s.parse::<SocketAddr>() {
-            Ok(ep) if ep.port() != 0 && !ep.ip().is_unspecified() => Some(ep),
-            _ => {
+        Some(Value::String(s)) => match parse_endpoint(s) {
+            Some(ep) => Some(ep),
+            None => {
                 e.add(
                     "endpoint",
                     format!(
@@ -400,10 +480,9 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
     };
     let persistent_keepalive = match obj.get("persistentKeepalive") {
         None | Some(Value::Null) => None,
-        Some(v) => match v.as_u64().map(u16::try_from) {
-            Some(Ok(0)) => None,
-            Some(Ok(secs)) => Some(secs),
-            _ => {
+        Some(v) => match v.as_u64().and_then(keepalive) {
+            Some(secs) => secs,
+            None => {
                 e.add(
                     "persistentKeepalive",
                     format!("{v} is not a number of seconds from 0 to 65535"),
@@ -440,23 +519,11 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
     if e.all.len() > before {
         return None;
     }
-    // Peers with equal rule sets share one copy of the rules and one compiled policy.
-    let (rules, policy) = if rules.is_empty() {
-        (Arc::default(), None)
-    } else if let Some((shared, policy)) = compiled.get(&rules) {
-        (Arc::clone(shared), Some(Arc::clone(policy)))
-    } else {
-        match compile(&rules) {
-            Ok(policy) => {
-                let policy = Arc::new(policy);
-                let shared = Arc::new(rules.clone());
-                compiled.insert(rules, (Arc::clone(&shared), Arc::clone(&policy)));
-                (shared, Some(policy))
-            }
-            Err(err) => {
-                e.add("egress", err.to_string());
-                return None;
-            }
+    let (rules, policy) = match share(rules, compiled) {
+        Ok(shared) => shared,
+        Err(err) => {
+            e.add("egress", err.to_string());
+            return None;
         }
     };
     Some(PeerSpec {
@@ -470,6 +537,39 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
         rules,
         policy,
     })
+}
+
+/// A peer's canonical rule set and its compiled policy (`None`: unrestricted). Peers with equal
+/// rule sets share one copy of the rules and one compiled policy.
+#[allow(clippy::type_complexity)]
+fn share(
+    rules: Vec<Rule>,
+    compiled: &mut Compiled,
+) -> Result<(Arc<Vec<Rule>>, Option<Arc<CompiledPolicy>>), PolicyError> {
+    if rules.is_empty() {
+        return Ok((Arc::default(), None));
+    }
+    if let Some((shared, policy)) = compiled.get(&rules) {
+        return Ok((Arc::clone(shared), Some(Arc::clone(policy))));
+    }
+    let policy = Arc::new(compile(&rules)?);
+    let shared = Arc::new(rules.clone());
+    compiled.insert(rules, (Arc::clone(&shared), Arc::clone(&policy)));
+    Ok((shared, Some(policy)))
+}
+
+/// Capacity of the policy tries: the distinct policies' entries per family (IPv4, IPv6).
+fn trie_entries(compiled: &Compiled) -> (usize, usize) {
+    let (mut v4, mut v6) = (0usize, 0usize);
+    for (_, policy) in compiled.values() {
+        for (prefix, _) in policy.entries() {
+            match prefix {
+                IpNet::V4(_) => v4 += 1,
+                IpNet::V6(_) => v6 += 1,
+            }
+        }
+    }
+    (v4, v6)
 }
 
 fn key_field(
@@ -507,9 +607,7 @@ where
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => match s.parse::<A>() {
             Ok(addr) => {
-                let ip: IpAddr = addr.into();
-                if ip.is_unspecified() || ip.is_multicast() || ip == IpAddr::V4(Ipv4Addr::BROADCAST)
-                {
+                if !usable_tunnel_addr(addr.into()) {
                     e.add(field, format!("{s} cannot be a peer's tunnel address"));
                     None
                 } else {
@@ -568,15 +666,12 @@ fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
     };
     let protocol = match obj.get("protocol") {
         None | Some(Value::Null) => Some(Protocol::Any),
-        Some(Value::String(s)) => match s.as_str() {
-            "any" => Some(Protocol::Any),
-            "tcp" => Some(Protocol::Tcp),
-            "udp" => Some(Protocol::Udp),
-            "icmp" => Some(Protocol::Icmp),
-            other => {
+        Some(Value::String(s)) => match protocol_named(s) {
+            Some(protocol) => Some(protocol),
+            None => {
                 e.add(
                     format!("{path}.protocol"),
-                    format!("{other:?} is not one of tcp, udp, icmp, any"),
+                    format!("{s:?} is not one of tcp, udp, icmp, any"),
                 );
                 None
             }
@@ -626,41 +721,81 @@ fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
 }
 
 fn parse_port(raw: &Value) -> Result<PortRange, String> {
-    let port = |v: u64| -> Result<u16, String> {
-        match u16::try_from(v) {
-            Ok(0) => Err("port 0 is not a destination port".into()),
-            Ok(p) => Ok(p),
-            Err(_) => Err(format!("{v} is not a port (1-65535)")),
-        }
-    };
     match raw {
         Value::Number(n) => match n.as_u64() {
-            Some(v) => port(v).map(PortRange::single),
+            Some(v) => port_number(v).map(PortRange::single),
             None => Err(format!("{n} is not a port (1-65535)")),
         },
-        Value::String(s) => {
-            let parsed = s.split_once('-').and_then(|(lo, hi)| {
-                Some((
-                    lo.trim().parse::<u64>().ok()?,
-                    hi.trim().parse::<u64>().ok()?,
-                ))
-            });
-            match parsed {
-                Some((lo, hi)) => {
-                    let (lo, hi) = (port(lo)?, port(hi)?);
-                    if lo > hi {
-                        Err(format!("range {s:?} is reversed"))
-                    } else {
-                        Ok(PortRange::new(lo, hi))
-                    }
-                }
-                None => match s.trim().parse::<u64>() {
-                    Ok(v) => port(v).map(PortRange::single),
-                    Err(_) => Err(format!("{s:?} is not a port or a \"lo-hi\" range")),
-                },
+        Value::String(s) => port_text(s),
+        other => Err(format!("{other} is not a port or a \"lo-hi\" range")),
+    }
+}
+
+// The checks of single values, shared by the typed pass and the value-tree walk so that both
+// decide alike.
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= MAX_NAME_LEN
+}
+
+fn usable_tunnel_addr(ip: IpAddr) -> bool {
+    !(ip.is_unspecified() || ip.is_multicast() || ip == IpAddr::V4(Ipv4Addr::BROADCAST))
+}
+
+fn parse_endpoint(s: &str) -> Option<SocketAddr> {
+    s.parse::<SocketAddr>()
+        .ok()
+        .filter(|ep| ep.port() != 0 && !ep.ip().is_unspecified())
+}
+
+/// `persistentKeepalive` in seconds: `Some(None)` is off (0), `None` is out of range.
+fn keepalive(secs: u64) -> Option<Option<u16>> {
+    match u16::try_from(secs) {
+        Ok(0) => Some(None),
+        Ok(secs) => Some(Some(secs)),
+        Err(_) => None,
+    }
+}
+
+fn protocol_named(name: &str) -> Option<Protocol> {
+    match name {
+        "any" => Some(Protocol::Any),
+        "tcp" => Some(Protocol::Tcp),
+        "udp" => Some(Protocol::Udp),
+        "icmp" => Some(Protocol::Icmp),
+        _ => None,
+    }
+}
+
+fn port_number(v: u64) -> Result<u16, String> {
+    match u16::try_from(v) {
+        Ok(0) => Err("port 0 is not a destination port".into()),
+        Ok(p) => Ok(p),
+        Err(_) => Err(format!("{v} is not a port (1-65535)")),
+    }
+}
+
+/// A port written as a string: `"443"` or a `"lo-hi"` range.
+fn port_text(s: &str) -> Result<PortRange, String> {
+    let parsed = s.split_once('-').and_then(|(lo, hi)| {
+        Some((
+            lo.trim().parse::<u64>().ok()?,
+            hi.trim().parse::<u64>().ok()?,
+        ))
+    });
+    match parsed {
+        Some((lo, hi)) => {
+            let (lo, hi) = (port_number(lo)?, port_number(hi)?);
+            if lo > hi {
+                Err(format!("range {s:?} is reversed"))
+            } else {
+                Ok(PortRange::new(lo, hi))
             }
         }
-        other => Err(format!("{other} is not a port or a \"lo-hi\" range")),
+        None => match s.trim().parse::<u64>() {
+            Ok(v) => port_number(v).map(PortRange::single),
+            Err(_) => Err(format!("{s:?} is not a port or a \"lo-hi\" range")),
+        },
     }
 }
 
@@ -935,6 +1070,77 @@ mod tests {
         let one = parse(&state(vec![a, peer("b", 3), peer("c", 4)]));
         let two = parse(&state(vec![peer("c", 4), a2, peer("b", 3)]));
         assert_eq!(one, two);
+    }
+
+    #[test]
+    fn the_typed_pass_accepts_what_the_value_tree_walk_accepts() {
+        let mut a = peer("a\u{e9}\"quoted\"", 2);
+        a["addressV6"] = json!("fd00:8::2");
+        a["endpoint"] = json!("[2001:db8::7]:51820");
+        a["presharedKey"] = json!(key(9));
+        a["persistentKeepalive"] = json!(0);
+        a["egress"] = json!([
+            { "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443, "8000-8100", " 22 ", 443] },
+            { "cidr": "fd00::/8", "protocol": null, "ports": null },
+            { "cidr": "0.0.0.0/0", "protocol": "icmp" },
+        ]);
+        let mut b = peer("b", 3);
+        b["egress"] = json!(null);
+        b["endpoint"] = json!(null);
+        let texts = [
+            state(vec![a.clone(), b.clone()]),
+            json!({ "version": 1, "replies": false, "peers": [a, b] }).to_string(),
+            json!({ "version": 1, "replies": null, "peers": [] }).to_string(),
+            // Escapes where the typed pass borrows strings.
+            r#"{"version":1,"peers":[{"name":"cA","publicKey":"AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=","address":"10.8.0.9","egress":[{"cidr":"10.0.0.0\/8","protocol":"tcp","ports":["1-9"]}]}]}"#.to_owned(),
+        ];
+        for text in texts {
+            let typed = fast::parse(&text);
+            assert!(typed.is_some(), "the typed pass handed over {text}");
+            assert_eq!(typed.map(Ok), Some(parse_value_tree(&text)), "{text}");
+        }
+    }
+
+    #[test]
+    fn the_typed_pass_hands_every_doubt_to_the_value_tree_walk() {
+        let texts = [
+            // Repeated fields: the walk takes the last, the typed pass does not decide.
+            r#"{"version":1,"version":1,"peers":[]}"#.to_owned(),
+            json!({ "version": 1, "peers": [peer("a", 2), peer("a", 3)] }).to_string(),
+            json!({ "version": 1, "peers": [{ "name": "a", "publicKey": key(2) }] }).to_string(),
+            json!({ "version": 1.0, "peers": [] }).to_string(),
+            json!({ "version": 1, "peers": [], "x": 1 }).to_string(),
+        ];
+        for text in texts {
+            assert!(fast::parse(&text).is_none(), "{text}");
+        }
+        // ... and the answer is still the walk's.
+        let repeated = r#"{"version":1,"version":1,"peers":[]}"#;
+        assert_eq!(parse(repeated), parse_value_tree(repeated));
+    }
+
+    #[test]
+    fn canonical_json_parses_back_to_the_same_state() {
+        let mut a = peer("alice", 2);
+        a["addressV6"] = json!("fd00:8::2");
+        a["endpoint"] = json!("[2001:db8::7]:51820");
+        a["presharedKey"] = json!(key(9));
+        a["persistentKeepalive"] = json!(25);
+        a["egress"] = json!([
+            { "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": ["8000-8100", 443] },
+            { "cidr": "fd00::/8" },
+            { "cidr": "0.0.0.0/0", "protocol": "icmp" },
+        ]);
+        let text = json!({ "version": 1, "replies": false, "peers": [peer("bob", 3), a] });
+        let s = parse(&text.to_string()).unwrap_or_else(|e| panic!("{e}"));
+        let canonical = s.to_canonical_json();
+        let again = parse(&canonical).unwrap_or_else(|e| panic!("{e}\n{canonical}"));
+        assert_eq!(again, s);
+        assert_eq!(again.to_canonical_json(), canonical);
+        assert!(
+            canonical.contains(r#""ports":[443,"8000-8100"]"#),
+            "{canonical}"
+        );
     }
 
     #[test]

@@ -1,0 +1,243 @@
+//! The typed pass over a state file: deserialize into structs that borrow from the text, then
+//! validate, without a JSON value tree. It only ever answers "this is the state" or "ask the
+//! value-tree walk": every check is the walk's own (the helpers in the parent module), and any
+//! doubt (a type, an unknown or repeated field, a failed check) is handed over to it, so the
+//! walk stays the one place that decides what is an error and says so.
+
+use std::{
+    borrow::Cow,
+    collections::{BTreeSet, HashMap, HashSet},
+    fmt,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
+
+use ipnet::IpNet;
+use serde::{
+    de::{self, Visitor},
+    Deserialize, Deserializer,
+};
+use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
+
+use super::{
+    keepalive, parse_endpoint, port_number, port_text, protocol_named, share, trie_entries,
+    usable_tunnel_addr, valid_name, Compiled, DesiredState, PeerSpec, WgKey, MAX_RULES_PER_PEER,
+    SCHEMA_VERSION,
+};
+use crate::policy::{PortRange, Protocol, Rule};
+
+/// A JSON string, borrowed from the text unless it has escapes.
+struct Str<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Str<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct StrVisitor<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for StrVisitor<'a> {
+            type Value = Str<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Str(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Str(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Str(Cow::Owned(v)))
+            }
+        }
+        deserializer.deserialize_str(StrVisitor(std::marker::PhantomData))
+    }
+}
+
+/// An entry of `ports`: a number or a string (`"443"`, `"8000-8100"`).
+enum Port<'a> {
+    Number(u64),
+    Text(Str<'a>),
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Port<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct PortVisitor<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for PortVisitor<'a> {
+            type Value = Port<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a port number or a \"lo-hi\" string")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                Ok(Port::Number(v))
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Port::Text(Str(Cow::Borrowed(v))))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Port::Text(Str(Cow::Owned(v.to_owned()))))
+            }
+        }
+        deserializer.deserialize_any(PortVisitor(std::marker::PhantomData))
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawState<'a> {
+    version: u64,
+    replies: Option<bool>,
+    #[serde(borrow)]
+    peers: Vec<RawPeer<'a>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawPeer<'a> {
+    #[serde(borrow)]
+    name: Str<'a>,
+    #[serde(borrow)]
+    public_key: Str<'a>,
+    #[serde(borrow)]
+    address: Option<Str<'a>>,
+    #[serde(borrow)]
+    address_v6: Option<Str<'a>>,
+    #[serde(borrow)]
+    endpoint: Option<Str<'a>>,
+    #[serde(borrow)]
+    preshared_key: Option<Str<'a>>,
+    persistent_keepalive: Option<u64>,
+    #[serde(borrow)]
+    egress: Option<Vec<RawRule<'a>>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule<'a> {
+    #[serde(borrow)]
+    cidr: Str<'a>,
+    #[serde(borrow)]
+    protocol: Option<Str<'a>>,
+    #[serde(borrow)]
+    ports: Option<Vec<Port<'a>>>,
+}
+
+/// The state, if `text` is a valid state file; `None` if anything is wrong or unusual.
+pub(super) fn parse(text: &str) -> Option<DesiredState> {
+    let raw: RawState<'_> = serde_json::from_str(text).ok()?;
+    if raw.version != SCHEMA_VERSION || raw.peers.len() > MAX_PEERS as usize {
+        return None;
+    }
+    let mut compiled: Compiled = HashMap::new();
+    let mut names: HashSet<&str> = HashSet::with_capacity(raw.peers.len());
+    let mut keys: HashSet<WgKey> = HashSet::with_capacity(raw.peers.len());
+    let mut addrs: HashSet<IpAddr> = HashSet::with_capacity(raw.peers.len() * 2);
+    let mut peers = Vec::with_capacity(raw.peers.len());
+    for raw_peer in &raw.peers {
+        let peer = peer(raw_peer, &mut compiled)?;
+        let unique = names.insert(raw_peer.name.0.as_ref())
+            && keys.insert(peer.public_key)
+            && peer.addrs().all(|addr| addrs.insert(addr));
+        if !unique {
+            return None;
+        }
+        peers.push(peer);
+    }
+    let (v4_entries, v6_entries) = trie_entries(&compiled);
+    if v4_entries.max(v6_entries) > MAX_POLICY_ENTRIES as usize {
+        return None;
+    }
+    peers.sort_by(|a, b| a.name.cmp(&b.name));
+    Some(DesiredState {
+        peers,
+        replies: raw.replies.unwrap_or(true),
+    })
+}
+
+fn peer(raw: &RawPeer<'_>, compiled: &mut Compiled) -> Option<PeerSpec> {
+    let name = &raw.name.0;
+    if !valid_name(name) {
+        return None;
+    }
+    let public_key = WgKey::from_base64(&raw.public_key.0)?;
+    let preshared_key = match &raw.preshared_key {
+        Some(key) => Some(WgKey::from_base64(&key.0)?),
+        None => None,
+    };
+    let address = match &raw.address {
+        Some(a) => Some(addr::<Ipv4Addr>(&a.0)?),
+        None => None,
+    };
+    let address_v6 = match &raw.address_v6 {
+        Some(a) => Some(addr::<Ipv6Addr>(&a.0)?),
+        None => None,
+    };
+    if address.is_none() && address_v6.is_none() {
+        return None;
+    }
+    let endpoint = match &raw.endpoint {
+        Some(ep) => Some(parse_endpoint(&ep.0)?),
+        None => None,
+    };
+    let persistent_keepalive = match raw.persistent_keepalive {
+        Some(secs) => keepalive(secs)?,
+        None => None,
+    };
+    let rules = match &raw.egress {
+        Some(rules) if rules.len() > MAX_RULES_PER_PEER => return None,
+        Some(rules) => {
+            let mut set = BTreeSet::new();
+            for r in rules {
+                set.insert(rule(r)?);
+            }
+            set.into_iter().collect()
+        }
+        None => Vec::new(),
+    };
+    let (rules, policy) = share(rules, compiled).ok()?;
+    Some(PeerSpec {
+        name: name.clone().into_owned(),
+        public_key,
+        address,
+        address_v6,
+        endpoint,
+        preshared_key,
+        persistent_keepalive,
+        rules,
+        policy,
+    })
+}
+
+fn addr<A>(s: &str) -> Option<A>
+where
+    A: std::str::FromStr + Into<IpAddr> + Copy,
+{
+    s.parse::<A>()
+        .ok()
+        .filter(|a| usable_tunnel_addr((*a).into()))
+}
+
+fn rule(raw: &RawRule<'_>) -> Option<Rule> {
+    let cidr = raw
+        .cidr
+        .0
+        .parse::<IpNet>()
+        .ok()
+        .filter(|n| n.trunc() == *n)?;
+    let protocol = match &raw.protocol {
+        Some(name) => protocol_named(&name.0)?,
+        None => Protocol::Any,
+    };
+    let mut ports: Vec<PortRange> = Vec::new();
+    if let Some(list) = &raw.ports {
+        if list.is_empty() || matches!(protocol, Protocol::Any | Protocol::Icmp) {
+            return None;
+        }
+        ports.reserve(list.len());
+        for port in list {
+            ports.push(match port {
+                Port::Number(v) => PortRange::single(port_number(*v).ok()?),
+                Port::Text(s) => port_text(&s.0).ok()?,
+            });
+        }
+        ports.sort_unstable();
+        ports.dedup();
+    }
+    Some(Rule::new(cidr, protocol, ports))
+}
