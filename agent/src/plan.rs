@@ -36,6 +36,8 @@ use crate::{
     state::{DesiredState, PeerSpec, WgKey},
 };
 
+pub mod invariants;
+
 /// The datapath maps as read back from the kernel.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ActualMaps {
@@ -763,7 +765,7 @@ mod tests {
     use serde_json::{json, Value};
 
     use super::*;
-    use crate::state::{parse, PeerSpec};
+    use crate::state::parse;
 
     /// The kernel, modelled by [`Actual::apply`].
     #[derive(Debug, Clone, Default)]
@@ -774,134 +776,27 @@ mod tests {
             self.0.clone()
         }
 
-        fn holder(&self, addr: IpAddr) -> Option<WgKey> {
-            let host = IpNet::from(addr);
-            self.0
-                .wg
-                .peers
-                .iter()
-                .find(|(_, p)| p.allowed_ips.contains(&host))
-                .map(|(k, _)| *k)
-        }
-
-        /// The complete content of a policy id as the datapath would see it.
-        fn content(&self, id: u32) -> CompiledPolicy {
-            self.0.maps.policies.get(&id).cloned().unwrap_or_default()
-        }
-
         fn apply(&mut self, op: &Op) {
-            if let Op::WgPeer(c) = op {
-                assert_eq!(c.create, !self.0.wg.peers.contains_key(&c.key), "{c:?}");
+            if let Err(e) = invariants::check_op(&self.0, op) {
+                panic!("{e}");
             }
             self.0.apply(op);
         }
     }
 
-    fn policy_of(peer: &PeerSpec) -> Option<CompiledPolicy> {
-        peer.policy.as_deref().cloned()
-    }
-
     /// The kernel enforces exactly `desired`.
+    #[track_caller]
     fn assert_converged(kernel: &Kernel, desired: &DesiredState) {
-        let mut addrs = BTreeSet::new();
-        for peer in &desired.peers {
-            for addr in peer.addrs() {
-                addrs.insert(addr);
-                let entry = kernel.0.maps.peers.get(&addr).copied();
-                let entry =
-                    entry.unwrap_or_else(|| panic!("{} has no entry for {addr}", peer.name));
-                match policy_of(peer) {
-                    None => assert_eq!(entry.policy, UNRESTRICTED),
-                    Some(p) => assert_eq!(kernel.content(entry.policy), p, "{}", peer.name),
-                }
-                assert_eq!(kernel.holder(addr), Some(peer.public_key), "{addr}");
-            }
-            let wg = &kernel.0.wg.peers[&peer.public_key];
-            if let Some(ep) = peer.endpoint {
-                assert_eq!(wg.endpoint, Some(ep));
-            }
-            assert_eq!(wg.preshared_key, peer.preshared_key);
-            assert_eq!(wg.persistent_keepalive, peer.persistent_keepalive);
-        }
-        assert_eq!(
-            kernel.0.maps.peers.keys().copied().collect::<BTreeSet<_>>(),
-            addrs
-        );
-        let keys: BTreeSet<WgKey> = desired.peers.iter().map(|p| p.public_key).collect();
-        assert_eq!(
-            kernel.0.wg.peers.keys().copied().collect::<BTreeSet<_>>(),
-            keys
-        );
-        // No leaked policy entries: exactly the referenced ids remain.
-        let referenced: BTreeSet<u32> = kernel
-            .0
-            .maps
-            .peers
-            .values()
-            .map(|e| e.policy)
-            .filter(|p| *p != UNRESTRICTED)
-            .collect();
-        let present: BTreeSet<u32> = kernel.0.maps.policies.keys().copied().collect();
-        assert_eq!(referenced, present);
-        // One slot per peer.
-        let mut slots = BTreeMap::new();
-        for peer in &desired.peers {
-            for addr in peer.addrs() {
-                let slot = kernel.0.maps.peers[&addr].slot;
-                if let Some(other) = slots.insert(slot, &peer.name) {
-                    assert_eq!(other, &peer.name, "slot {slot} shared");
-                }
-            }
+        if let Err(e) = invariants::check_converged(&kernel.0, desired) {
+            panic!("{e}");
         }
     }
 
     /// Invariants that must hold after every single operation of the transition old -> new.
+    #[track_caller]
     fn assert_safe_midway(kernel: &Kernel, old: &DesiredState, new: &DesiredState) {
-        let by_key = |s: &DesiredState| -> BTreeMap<WgKey, Option<CompiledPolicy>> {
-            s.peers
-                .iter()
-                .map(|p| (p.public_key, policy_of(p)))
-                .collect()
-        };
-        let (old_keys, new_keys) = (by_key(old), by_key(new));
-        for (addr, entry) in &kernel.0.maps.peers {
-            // Fail closed: an entry never points at a policy that is not completely written.
-            let content = (entry.policy != UNRESTRICTED).then(|| kernel.content(entry.policy));
-            let complete = old
-                .peers
-                .iter()
-                .chain(&new.peers)
-                .any(|p| policy_of(p) == content);
-            assert!(
-                complete,
-                "{addr} points at incomplete policy {}",
-                entry.policy
-            );
-            // No escalation: whoever WireGuard routes this address to runs one of its own
-            // policies.
-            if let Some(holder) = kernel.holder(*addr) {
-                let own = [old_keys.get(&holder), new_keys.get(&holder)];
-                assert!(
-                    own.iter().flatten().any(|p| **p == content),
-                    "{addr}: holder {holder} runs a policy that is not its own"
-                );
-            }
-        }
-        // No interruption: a peer unchanged between old and new keeps its entries and routes.
-        for peer in &new.peers {
-            let Some(before) = old.peers.iter().find(|p| p.name == peer.name) else {
-                continue;
-            };
-            if before.public_key != peer.public_key || policy_of(before) != policy_of(peer) {
-                continue;
-            }
-            for addr in peer.addrs().filter(|a| before.addrs().any(|b| b == *a)) {
-                let entry = kernel.0.maps.peers.get(&addr);
-                let entry = entry.unwrap_or_else(|| panic!("{}: {addr} interrupted", peer.name));
-                let content = (entry.policy != UNRESTRICTED).then(|| kernel.content(entry.policy));
-                assert_eq!(content, policy_of(peer), "{}: {addr}", peer.name);
-                assert_eq!(kernel.holder(addr), Some(peer.public_key), "{addr}");
-            }
+        if let Err(e) = invariants::check_safe_midway(&kernel.0, old, new) {
+            panic!("{e}");
         }
     }
 
