@@ -9,6 +9,7 @@ use std::{
     collections::{BTreeSet, HashMap, HashSet},
     fmt,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    sync::Arc,
 };
 
 use ipnet::IpNet;
@@ -16,6 +17,7 @@ use serde::{
     de::{self, Visitor},
     Deserialize, Deserializer,
 };
+use serde_json::value::RawValue;
 use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 
 use super::{
@@ -23,7 +25,7 @@ use super::{
     usable_tunnel_addr, valid_name, Compiled, DesiredState, PeerSpec, WgKey, MAX_RULES_PER_PEER,
     SCHEMA_VERSION,
 };
-use crate::policy::{PortRange, Protocol, Rule};
+use crate::policy::{CompiledPolicy, PortRange, Protocol, Rule};
 
 /// A JSON string, borrowed from the text unless it has escapes.
 struct Str<'a>(Cow<'a, str>);
@@ -103,8 +105,10 @@ struct RawPeer<'a> {
     #[serde(borrow)]
     preshared_key: Option<Str<'a>>,
     persistent_keepalive: Option<u64>,
+    /// Kept as text: peers that share a policy usually carry the same text, which is then
+    /// parsed, validated and compiled once.
     #[serde(borrow)]
-    egress: Option<Vec<RawRule<'a>>>,
+    egress: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -125,12 +129,13 @@ pub(super) fn parse(text: &str) -> Option<DesiredState> {
         return None;
     }
     let mut compiled: Compiled = HashMap::new();
+    let mut egress: Egress<'_> = HashMap::new();
     let mut names: HashSet<&str> = HashSet::with_capacity(raw.peers.len());
     let mut keys: HashSet<WgKey> = HashSet::with_capacity(raw.peers.len());
     let mut addrs: HashSet<IpAddr> = HashSet::with_capacity(raw.peers.len() * 2);
     let mut peers = Vec::with_capacity(raw.peers.len());
     for raw_peer in &raw.peers {
-        let peer = peer(raw_peer, &mut compiled)?;
+        let peer = peer(raw_peer, &mut egress, &mut compiled)?;
         let unique = names.insert(raw_peer.name.0.as_ref())
             && keys.insert(peer.public_key)
             && peer.addrs().all(|addr| addrs.insert(addr));
@@ -150,7 +155,15 @@ pub(super) fn parse(text: &str) -> Option<DesiredState> {
     })
 }
 
-fn peer(raw: &RawPeer<'_>, compiled: &mut Compiled) -> Option<PeerSpec> {
+/// The rules and compiled policy of each distinct `egress` text seen.
+type Egress<'a> = HashMap<&'a str, Shared>;
+type Shared = (Arc<Vec<Rule>>, Option<Arc<CompiledPolicy>>);
+
+fn peer<'a>(
+    raw: &RawPeer<'a>,
+    egress: &mut Egress<'a>,
+    compiled: &mut Compiled,
+) -> Option<PeerSpec> {
     let name = &raw.name.0;
     if !valid_name(name) {
         return None;
@@ -179,18 +192,17 @@ fn peer(raw: &RawPeer<'_>, compiled: &mut Compiled) -> Option<PeerSpec> {
         Some(secs) => keepalive(secs)?,
         None => None,
     };
-    let rules = match &raw.egress {
-        Some(rules) if rules.len() > MAX_RULES_PER_PEER => return None,
-        Some(rules) => {
-            let mut set = BTreeSet::new();
-            for r in rules {
-                set.insert(rule(r)?);
+    let (rules, policy) = match raw.egress {
+        None => (Arc::default(), None),
+        Some(text) => match egress.get(text.get()) {
+            Some((rules, policy)) => (Arc::clone(rules), policy.clone()),
+            None => {
+                let shared = rules(text.get(), compiled)?;
+                egress.insert(text.get(), shared.clone());
+                shared
             }
-            set.into_iter().collect()
-        }
-        None => Vec::new(),
+        },
     };
-    let (rules, policy) = share(rules, compiled).ok()?;
     Some(PeerSpec {
         name: name.clone().into_owned(),
         public_key,
@@ -202,6 +214,20 @@ fn peer(raw: &RawPeer<'_>, compiled: &mut Compiled) -> Option<PeerSpec> {
         rules,
         policy,
     })
+}
+
+/// An `egress` array: its canonical rule set and compiled policy.
+fn rules(text: &str, compiled: &mut Compiled) -> Option<Shared> {
+    let raw: Option<Vec<RawRule<'_>>> = serde_json::from_str(text).ok()?;
+    let raw = raw.unwrap_or_default();
+    if raw.len() > MAX_RULES_PER_PEER {
+        return None;
+    }
+    let mut set = BTreeSet::new();
+    for r in &raw {
+        set.insert(rule(r)?);
+    }
+    share(set.into_iter().collect(), compiled).ok()
 }
 
 fn addr<A>(s: &str) -> Option<A>
