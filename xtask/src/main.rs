@@ -5,6 +5,7 @@ mod bench;
 mod build;
 mod demo;
 mod dump;
+mod fuzz;
 mod linker;
 mod setup;
 mod test;
@@ -56,11 +57,13 @@ enum Task {
         /// A reduced set (smaller N, shorter runs) for a quick look.
         #[arg(long)]
         quick: bool,
-        /// Only these scenarios (comma-separated: per_packet, apply, throughput, churn,
+        /// Only these scenarios (comma-separated: per_packet, parse, apply, throughput, churn,
         /// revocation, restart); the report then goes to target/bench/partial.md.
         #[arg(long)]
         only: Option<String>,
     },
+    /// Run a cargo-fuzz target (installs cargo-fuzz if missing): `fuzz state --seconds 600`.
+    Fuzz(fuzz::Options),
     /// Show what the agent pinned for an interface: its maps' contents and its tcx link.
     Dump {
         /// The WireGuard interface.
@@ -91,6 +94,7 @@ fn run(cli: Cli) -> Result<()> {
         Task::Test(options) => test::run(options),
         Task::Demo => demo::run(),
         Task::Bench { quick, only } => bench::run(quick, only),
+        Task::Fuzz(options) => fuzz::run(&options),
         Task::Dump { interface, bpffs } => dump::run(&interface, &bpffs),
     }
 }
@@ -132,6 +136,17 @@ mod tests {
         assert!(options.no_lint && !options.unit);
         assert_eq!(options.test_args, ["--exact", "revoke"]);
         assert!(parse(&["test", "revoke"]).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn fuzz_takes_a_known_target_and_a_budget() -> Result<(), clap::Error> {
+        let Task::Fuzz(options) = parse(&["fuzz", "plan", "--seconds", "30"])? else {
+            panic!("not parsed as `fuzz`");
+        };
+        assert_eq!((options.target.as_str(), options.seconds), ("plan", 30));
+        assert!(!options.no_sanitizer);
+        assert!(parse(&["fuzz", "nothing"]).is_err());
         Ok(())
     }
 }

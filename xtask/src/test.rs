@@ -12,7 +12,10 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use crate::{setup, util};
+use crate::{fuzz, setup, util};
+
+/// Seconds each fuzz target runs in `cargo xtask test` (CI has 2 cores and 90 minutes).
+const FUZZ_SECONDS: u64 = 25;
 
 #[derive(Args)]
 pub struct Options {
@@ -22,6 +25,12 @@ pub struct Options {
     /// Skip the privileged integration tests (lint and unit tests need no root).
     #[arg(long)]
     pub unit: bool,
+    /// Skip the short fuzzing run of every cargo-fuzz target.
+    #[arg(long)]
+    pub no_fuzz: bool,
+    /// Seconds each fuzz target runs.
+    #[arg(long, default_value_t = FUZZ_SECONDS)]
+    pub fuzz_seconds: u64,
     /// Arguments for the integration test binaries, e.g. a test name filter.
     #[arg(last = true, value_name = "TEST_ARGS")]
     pub test_args: Vec<OsString>,
@@ -65,6 +74,9 @@ pub fn run(options: Options) -> Result<()> {
             ]))
         })?;
     }
+    if !options.no_fuzz {
+        step("cargo-fuzz", fuzz::ensure_cargo_fuzz)?;
+    }
     step("unit tests", || {
         totals.run(util::cargo_command(&root).args([
             "test",
@@ -75,6 +87,15 @@ pub fn run(options: Options) -> Result<()> {
             "wgfence-tests",
         ]))
     })?;
+    if !options.no_fuzz {
+        // A short run of each target from the committed corpus: a regression in the parser or
+        // the planner that the corpus reaches fails here.
+        for target in fuzz::TARGETS {
+            step(&format!("fuzz {target}"), || {
+                fuzz::fuzz(&root, target, options.fuzz_seconds, true)
+            })?;
+        }
+    }
     if !options.unit {
         // The end-to-end tests run the agent binary, which `cargo test` does not build for
         // another package's tests.
