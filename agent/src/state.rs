@@ -1120,6 +1120,41 @@ mod tests {
     }
 
     #[test]
+    fn the_typed_pass_and_the_walk_agree_on_number_edges() {
+        let k = key(2);
+        for (field, value) in [
+            ("persistentKeepalive", "-0"),
+            ("persistentKeepalive", "0"),
+            ("persistentKeepalive", "25.0"),
+            ("persistentKeepalive", "65536"),
+            ("persistentKeepalive", "1e1"),
+            ("persistentKeepalive", "18446744073709551616"),
+        ] {
+            let text = format!(
+                r#"{{"version":1,"peers":[{{"name":"a","publicKey":"{k}","address":"10.8.0.2","{field}":{value}}}]}}"#
+            );
+            assert_eq!(parse(&text), parse_value_tree(&text), "{text}");
+        }
+        for ports in [
+            "[-0]",
+            "[1.0]",
+            "[65535]",
+            "[\"0-1\"]",
+            "[\" 7 \"]",
+            "[\"+7\"]",
+        ] {
+            let text = format!(
+                r#"{{"version":1,"peers":[{{"name":"a","publicKey":"{k}","address":"10.8.0.2","egress":[{{"cidr":"10.0.0.0/8","protocol":"tcp","ports":{ports}}}]}}]}}"#
+            );
+            assert_eq!(parse(&text), parse_value_tree(&text), "{text}");
+        }
+        for version in ["-0", "1.0", "1e0", "01"] {
+            let text = format!(r#"{{"version":{version},"peers":[]}}"#);
+            assert_eq!(parse(&text), parse_value_tree(&text), "{text}");
+        }
+    }
+
+    #[test]
     fn canonical_json_parses_back_to_the_same_state() {
         let mut a = peer("alice", 2);
         a["addressV6"] = json!("fd00:8::2");
