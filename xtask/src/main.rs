@@ -58,7 +58,7 @@ enum Task {
         #[arg(long)]
         quick: bool,
         /// Only these scenarios (comma-separated: per_packet, parse, apply, throughput, churn,
-        /// revocation, restart); the report then goes to target/bench/partial.md.
+        /// revocation, restart, replies, soak); the report then goes to target/bench/partial.md.
         #[arg(long)]
         only: Option<String>,
     },
