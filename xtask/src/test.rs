@@ -59,7 +59,16 @@ pub fn run(options: Options) -> Result<()> {
     })?;
     if !options.no_lint {
         step("fmt", || {
-            util::run(util::cargo_command(&root).args(["fmt", "--all", "--", "--check"]))
+            util::run(util::cargo_command(&root).args(["fmt", "--all", "--", "--check"]))?;
+            // fuzz/ is a workspace of its own, which `--all` does not reach.
+            util::run(util::cargo_command(&root).args([
+                "fmt",
+                "--manifest-path",
+                "fuzz/Cargo.toml",
+                "--all",
+                "--",
+                "--check",
+            ]))
         })?;
         step("clippy", || {
             util::run(util::cargo_command(&root).args([
