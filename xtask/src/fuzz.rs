@@ -22,6 +22,9 @@ pub const TARGETS: [&str; 2] = ["state", "plan"];
 
 /// cargo-fuzz, installed with `cargo install --locked` when missing.
 const CARGO_FUZZ: &str = "cargo-fuzz";
+/// The version verified here with the machine's toolchain (pinned: a later release may need a
+/// newer rustc, and CI must build what was tested).
+const CARGO_FUZZ_VERSION: &str = "0.13.2";
 
 #[derive(Args)]
 pub struct Options {
@@ -56,8 +59,14 @@ pub fn ensure_cargo_fuzz() -> Result<()> {
         return Ok(());
     }
     eprintln!("installing: {CARGO_FUZZ}");
-    util::run(Command::new(util::cargo()).args(["install", "--locked", CARGO_FUZZ]))
-        .context("installing cargo-fuzz")?;
+    util::run(Command::new(util::cargo()).args([
+        "install",
+        "--locked",
+        CARGO_FUZZ,
+        "--version",
+        CARGO_FUZZ_VERSION,
+    ]))
+    .context("installing cargo-fuzz")?;
     if util::query(Command::new(util::cargo()).args(["fuzz", "--version"])).is_none() {
         bail!("installed {CARGO_FUZZ} but `cargo fuzz --version` does not run");
     }
