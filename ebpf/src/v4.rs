@@ -101,6 +101,20 @@ fn reply(
         Some(Answer::Error) => return related(ctx, l4 + ICMP_ERROR_LEN, ip, &config, slot),
         None => return denied,
     };
+    on_flow(ip, peer_port, remote_port, protocol, close, &config, slot)
+}
+
+/// The peer's packet (`ip`) as a reply on the flow (ports, protocol) it names.
+#[inline(always)]
+fn on_flow(
+    ip: &[u8; HEAD_LEN],
+    peer_port: u16,
+    remote_port: u16,
+    protocol: u8,
+    close: bool,
+    config: &wgfence_common::Config,
+    slot: u32,
+) -> Result<Pass, Drop> {
     let key = FlowKeyV4 {
         peer: addr(ip, 12),
         remote: addr(ip, 16),
@@ -109,7 +123,7 @@ fn reply(
         protocol,
         _pad: [0; 3],
     };
-    flow::reply(&FLOWS_V4, &key, protocol, close, &config, slot)
+    flow::reply(&FLOWS_V4, &key, protocol, close, config, slot)
 }
 
 /// An ICMP error from the peer about a packet of a flow the network started (conntrack's
@@ -141,15 +155,7 @@ fn related(
     else {
         return denied;
     };
-    let key = FlowKeyV4 {
-        peer: addr(ip, 12),
-        remote: addr(ip, 16),
-        peer_port,
-        remote_port,
-        protocol,
-        _pad: [0; 3],
-    };
-    flow::reply(&FLOWS_V4, &key, protocol, false, config, slot)
+    on_flow(ip, peer_port, remote_port, protocol, false, config, slot)
 }
 
 /// Egress: records or refreshes the flow of a packet toward a restricted peer.

@@ -135,6 +135,31 @@ fn reply(
         }
         None => return denied,
     };
+    on_flow(
+        src,
+        dst,
+        peer_port,
+        remote_port,
+        protocol,
+        close,
+        &config,
+        slot,
+    )
+}
+
+/// The peer's packet (from `src` to `dst`) as a reply on the flow (ports, protocol) it names.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn on_flow(
+    src: &PeerKeyV6,
+    dst: &[u8; 16],
+    peer_port: u16,
+    remote_port: u16,
+    protocol: u8,
+    close: bool,
+    config: &wgfence_common::Config,
+    slot: u32,
+) -> Result<Pass, Drop> {
     let key = FlowKeyV6 {
         peer: src.addr,
         remote: *dst,
@@ -143,7 +168,7 @@ fn reply(
         protocol,
         _pad: [0; 3],
     };
-    flow::reply(&FLOWS_V6, &key, protocol, close, &config, slot)
+    flow::reply(&FLOWS_V6, &key, protocol, close, config, slot)
 }
 
 /// An ICMPv6 error from the peer about a packet of a flow the network started (conntrack's
@@ -171,15 +196,16 @@ fn related(
     else {
         return denied;
     };
-    let key = FlowKeyV6 {
-        peer: src.addr,
-        remote: *dst,
+    on_flow(
+        src,
+        dst,
         peer_port,
         remote_port,
         protocol,
-        _pad: [0; 3],
-    };
-    flow::reply(&FLOWS_V6, &key, protocol, false, config, slot)
+        false,
+        config,
+        slot,
+    )
 }
 
 /// Egress: records or refreshes the flow of a packet toward a restricted peer. Only packets
