@@ -220,6 +220,19 @@ impl Agent {
         panic!("no reconcile happened; log:\n{}", self.log_text());
     }
 
+    /// Waits (up to two minutes: a large state takes a while to read) until the agent has
+    /// rejected a state, and checks that its log gives `reason`.
+    pub fn wait_rejected(&self, gw: &Gateway, reason: &str) {
+        let rejected = || self.metric(gw, "wgfence_state_rejected_total") >= 1.0;
+        assert!(
+            crate::net::wait_for(Duration::from_secs(120), rejected).is_some(),
+            "the state was not rejected; log:\n{}",
+            self.log_text()
+        );
+        let log = self.log_text();
+        assert!(log.contains(reason), "no {reason:?} in the log:\n{log}");
+    }
+
     pub fn reconciles(&self, gw: &Gateway) -> f64 {
         self.metric(gw, "wgfence_reconcile_duration_seconds_count")
     }

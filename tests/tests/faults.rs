@@ -265,19 +265,7 @@ fn a_state_beyond_the_maps_capacity_is_rejected_before_any_write() {
         .collect();
     peers.push(gw.peer_json(0, Some(web_only())));
     agent.write_state(&state(peers));
-    let rejected = || agent.metric(&gw, "wgfence_state_rejected_total") >= 1.0;
-    assert!(
-        wait_for(Duration::from_secs(120), rejected).is_some(),
-        "the oversized state was not rejected; log:\n{}",
-        agent.log_text()
-    );
-    assert!(
-        agent
-            .log_text()
-            .contains("131073 peers, the maps hold at most 131072"),
-        "{}",
-        agent.log_text()
-    );
+    agent.wait_rejected(&gw, "131073 peers, the maps hold at most 131072");
     assert_eq!(agent.metric(&gw, "wgfence_bpf_map_writes_total"), writes);
     let after = Dataplane::open_maps(&gw.bpffs, gw.interface())
         .and_then(|m| m.peers())
