@@ -269,7 +269,10 @@ impl Drop for Agent {
         if std::thread::panicking() {
             eprintln!("--- wgfence log ({}) ---\n{}", self.node, self.log_text());
         }
-        let _ = fs::remove_file(wgfence::status::status_path(&self.interface));
+        let status = wgfence::status::status_path(&self.interface);
+        // The snapshot, and its temporary file if the agent was killed mid-write.
+        let _ = fs::remove_file(status.with_extension("json.tmp"));
+        let _ = fs::remove_file(status);
         let _ = fs::remove_dir_all(&self.dir);
     }
 }
