@@ -314,20 +314,35 @@ fn plan_command(interface: &str, state_path: &Path, bpffs: &Path) -> Result<Exit
         Ok(desired) => desired,
         Err(e) => bail!("{}: {e}", state_path.display()),
     };
-    let maps = if pin_dir(bpffs, interface).exists() {
-        read_maps(&Dataplane::open_maps(bpffs, interface)?)?
+    // The kernel's reply switch, if anything is pinned (the timeouts and the event rate are
+    // `run`'s options, which this command does not know).
+    let (maps, replies) = if pin_dir(bpffs, interface).exists() {
+        let pinned = Dataplane::open_maps(bpffs, interface)?;
+        (read_maps(&pinned)?, Some(pinned.config()?.replies()))
     } else {
         println!("note: nothing is pinned for {interface}; planning against empty maps");
-        ActualMaps::default()
+        (ActualMaps::default(), None)
     };
     let wg = WireGuard::open(interface)?.read()?;
     let plan = plan(&desired, &Actual::new(maps, wg))?;
+    let on_off = |b: bool| if b { "on" } else { "off" };
+    let settings_writes = match replies {
+        Some(now) if now == desired.replies => 0,
+        now => {
+            println!(
+                "settings: replies {} -> {}",
+                now.map_or("unset", on_off),
+                on_off(desired.replies)
+            );
+            1
+        }
+    };
     for op in &plan.ops {
         println!("{op}");
     }
     println!(
         "{} map writes, {} WireGuard peer changes",
-        plan.map_writes(),
+        plan.map_writes() + settings_writes,
         plan.wg_changes()
     );
     Ok(ExitCode::SUCCESS)

@@ -255,3 +255,38 @@ fn monitor_names_the_running_agents_peers() {
     );
     assert!(agent.metric(&gw, "wgfence_drop_events_total{outcome=\"sent\"}") >= 1.0);
 }
+
+#[test]
+fn plan_shows_the_replies_switch_it_would_write() {
+    let gw = Gateway::new(2);
+    let agent = Agent::start(&gw, Layout::Plain, &state(&gw, None), &[]);
+    agent.wait_ready(&gw);
+    let plan = |text: &str| {
+        let path = agent.dir.join("plan.json");
+        std::fs::write(&path, text).unwrap_or_else(|e| panic!("{e}"));
+        let out = gw
+            .node
+            .command(wgfence_tests::agent::binary())
+            .args(["plan", "--interface", gw.interface(), "--state"])
+            .arg(&path)
+            .output()
+            .unwrap_or_else(|e| panic!("wgfence plan: {e}"));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let same = plan(&state(&gw, None));
+    assert!(
+        same.contains("0 map writes, 0 WireGuard peer changes"),
+        "{same}"
+    );
+    let off = plan(&state(&gw, Some(false)));
+    assert!(off.contains("settings: replies on -> off"), "{off}");
+    assert!(
+        off.contains("1 map writes, 0 WireGuard peer changes"),
+        "{off}"
+    );
+}
