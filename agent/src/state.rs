@@ -1110,10 +1110,30 @@ mod tests {
             json!({ "version": 1, "peers": [{ "name": "a", "publicKey": key(2) }] }).to_string(),
             json!({ "version": 1.0, "peers": [] }).to_string(),
             json!({ "version": 1, "peers": [], "x": 1 }).to_string(),
+            // Positional arrays for objects: serde's derived structs would take them.
+            "[1,null,[]]".to_owned(),
+            format!(
+                r#"[1,false,[["a","{}","10.8.0.2",null,null,null,null,null]]]"#,
+                key(2)
+            ),
+            format!(
+                r#"{{"version":1,"peers":[{{"name":"a","publicKey":"{}","address":"10.8.0.2","egress":[["10.0.0.0/8",null,null]]}}]}}"#,
+                key(2)
+            ),
         ];
         for text in texts {
             assert!(fast::parse(&text).is_none(), "{text}");
         }
+        // The walk names them: a state, a peer and a rule must be objects.
+        assert_error("[1,null,[]]", "must be a JSON object");
+        let array_rule = format!(
+            r#"{{"version":1,"peers":[{{"name":"a","publicKey":"{}","address":"10.8.0.2","egress":[["10.0.0.0/8",null,null]]}}]}}"#,
+            key(2)
+        );
+        assert!(
+            parse(&array_rule).is_err(),
+            "a rule written as an array was accepted"
+        );
         // ... and the answer is still the walk's.
         let repeated = r#"{"version":1,"version":1,"peers":[]}"#;
         assert_eq!(parse(repeated), parse_value_tree(repeated));

@@ -80,13 +80,34 @@ impl<'de: 'a, 'a> Deserialize<'de> for Port<'a> {
     }
 }
 
+/// `T`, deserialized only from a JSON object. serde's derived structs also accept a positional
+/// array (`[1, null, []]` would be a state with no field names to check), which the schema and
+/// the walk do not.
+struct Obj<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Obj<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ObjVisitor<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> Visitor<'de> for ObjVisitor<T> {
+            type Value = Obj<T>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                T::deserialize(de::value::MapAccessDeserializer::new(map)).map(Obj)
+            }
+        }
+        deserializer.deserialize_map(ObjVisitor(std::marker::PhantomData))
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawState<'a> {
     version: u64,
     replies: Option<bool>,
     #[serde(borrow)]
-    peers: Vec<RawPeer<'a>>,
+    peers: Vec<Obj<RawPeer<'a>>>,
 }
 
 #[derive(Deserialize)]
@@ -124,7 +145,7 @@ struct RawRule<'a> {
 
 /// The state, if `text` is a valid state file; `None` if anything is wrong or unusual.
 pub(super) fn parse(text: &str) -> Option<DesiredState> {
-    let raw: RawState<'_> = serde_json::from_str(text).ok()?;
+    let Obj(raw) = serde_json::from_str::<Obj<RawState<'_>>>(text).ok()?;
     if raw.version != SCHEMA_VERSION || raw.peers.len() > MAX_PEERS as usize {
         return None;
     }
@@ -134,7 +155,7 @@ pub(super) fn parse(text: &str) -> Option<DesiredState> {
     let mut keys: HashSet<WgKey> = HashSet::with_capacity(raw.peers.len());
     let mut addrs: HashSet<IpAddr> = HashSet::with_capacity(raw.peers.len() * 2);
     let mut peers = Vec::with_capacity(raw.peers.len());
-    for raw_peer in &raw.peers {
+    for Obj(raw_peer) in &raw.peers {
         let peer = peer(raw_peer, &mut egress, &mut compiled)?;
         let unique = names.insert(raw_peer.name.0.as_ref())
             && keys.insert(peer.public_key)
@@ -218,13 +239,13 @@ fn peer<'a>(
 
 /// An `egress` array: its canonical rule set and compiled policy.
 fn rules(text: &str, compiled: &mut Compiled) -> Option<Shared> {
-    let raw: Option<Vec<RawRule<'_>>> = serde_json::from_str(text).ok()?;
+    let raw: Option<Vec<Obj<RawRule<'_>>>> = serde_json::from_str(text).ok()?;
     let raw = raw.unwrap_or_default();
     if raw.len() > MAX_RULES_PER_PEER {
         return None;
     }
     let mut set = BTreeSet::new();
-    for r in &raw {
+    for Obj(r) in &raw {
         set.insert(rule(r)?);
     }
     share(set.into_iter().collect(), compiled).ok()
