@@ -143,16 +143,35 @@ enum Next {
 
 impl Core {
     fn load(&mut self, force: bool) -> Next {
-        if !self.allow_insecure_state {
-            if let Err(e) = trust::check_state_path(&self.state_path) {
-                let why = format!("state file not trusted: {}", crate::error_chain(&e));
-                tracing::error!("{why}; keeping what is enforced");
-                self.not_ready(&why);
-                self.applied = None;
-                return Next::Idle;
-            }
+        if self.dataplane_fault {
+            // Nothing is applied while the datapath is not attached as it should be: WireGuard
+            // peers added to a device without the program would pass unfiltered, and ready
+            // would say otherwise. The datapath check resyncs once it is repaired.
+            tracing::debug!("datapath fault: the state is applied once the datapath is back");
+            return Next::Idle;
         }
-        let bytes = match std::fs::read(&self.state_path) {
+        let read = if self.allow_insecure_state {
+            std::fs::read(&self.state_path)
+        } else {
+            match trust::read_trusted(&self.state_path) {
+                Ok(bytes) => Ok(bytes),
+                Err(trust::TrustError::Io { source, .. }) => Err(source),
+                // Replaced between the open and the check (a volume update in progress): not a
+                // verdict on the file, read it again.
+                Err(e @ trust::TrustError::Changed { .. }) => {
+                    tracing::warn!(error = %e, "reading the state file again");
+                    return Next::Retry;
+                }
+                Err(e) => {
+                    let why = format!("state file not trusted: {}", crate::error_chain(&e));
+                    tracing::error!("{why}; keeping what is enforced");
+                    self.not_ready(&why);
+                    self.applied = None;
+                    return Next::Idle;
+                }
+            }
+        };
+        let bytes = match read {
             Ok(bytes) => bytes,
             Err(e) => {
                 let why = if e.kind() == io::ErrorKind::NotFound {

@@ -49,6 +49,8 @@ pub enum TrustError {
     Owner { path: PathBuf, uid: u32 },
     #[error("{path}: more than {MAX_SYMLINKS} symlinks")]
     SymlinkLoop { path: PathBuf },
+    #[error("{path} changed while it was being checked; not read")]
+    Changed { path: PathBuf },
     #[error("{path}")]
     Io {
         path: PathBuf,
@@ -60,6 +62,33 @@ pub enum TrustError {
 /// Checks that only root (or the agent's own user) can change what `path` resolves to. A path
 /// that does not exist (yet) is fine as far as it goes: what exists of it is checked.
 pub fn check_state_path(path: &Path) -> Result<(), TrustError> {
+    check_path(path).map(drop)
+}
+
+/// Reads the state file the check approved, and no other: the file is opened first, the path
+/// checked, and the opened file must be the one the check reached (device and inode), so a
+/// file swapped in between (in a sticky directory, say) is never read. A missing file is an
+/// `Io` error of kind `NotFound`.
+pub fn read_trusted(path: &Path) -> Result<Vec<u8>, TrustError> {
+    use std::io::Read as _;
+    let io_err = |source| TrustError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let mut file = fs::File::open(path).map_err(io_err)?;
+    let opened = file.metadata().map_err(io_err)?;
+    if check_path(path)? != Some((opened.dev(), opened.ino())) {
+        return Err(TrustError::Changed {
+            path: path.to_owned(),
+        });
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(opened.len()).unwrap_or(0));
+    file.read_to_end(&mut bytes).map_err(io_err)?;
+    Ok(bytes)
+}
+
+/// The check; `Some((device, inode))` of the file the path reaches, `None` if it reaches none.
+fn check_path(path: &Path) -> Result<Option<(u64, u64)>, TrustError> {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
     let absolute = if path.is_absolute() {
@@ -88,7 +117,7 @@ pub fn check_state_path(path: &Path) -> Result<(), TrustError> {
             Ok(meta) => meta,
             // Nothing there (yet): nothing anyone could have put there that we would read.
             Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::NotADirectory) => {
-                return Ok(())
+                return Ok(None)
             }
             Err(source) => return Err(TrustError::Io { path: next, source }),
         };
@@ -120,10 +149,10 @@ pub fn check_state_path(path: &Path) -> Result<(), TrustError> {
                 });
             }
             // A file in the middle of the path ends it (the read fails with ENOTDIR).
-            return Ok(());
+            return Ok(queue.is_empty().then_some((meta.dev(), meta.ino())));
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 /// Puts `path`'s components in front of the queue; an absolute path restarts at `/`.
@@ -280,6 +309,24 @@ mod tests {
         assert!(matches!(
             check_state_path(&state),
             Err(TrustError::Writable { ref path, .. }) if *path == data
+        ));
+    }
+
+    #[test]
+    fn read_trusted_reads_only_a_checked_file() {
+        let dir = Dir::new("read");
+        let file = dir.0.join("state.json");
+        write(&file, 0o644);
+        assert!(read_trusted(&file).is_ok_and(|b| !b.is_empty()));
+        chmod(&file, 0o666);
+        assert!(matches!(
+            read_trusted(&file),
+            Err(TrustError::Writable { .. })
+        ));
+        let missing = dir.0.join("missing.json");
+        assert!(matches!(
+            read_trusted(&missing),
+            Err(TrustError::Io { source, .. }) if source.kind() == ErrorKind::NotFound
         ));
     }
 
