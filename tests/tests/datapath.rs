@@ -226,3 +226,65 @@ fn adopting_pinned_objects_keeps_traffic_flowing() {
         "{counters:?}"
     );
 }
+
+/// A device recreated under the same name and index is a new device: the held links died with
+/// the old one, so the check must attach again (an index comparison alone would say intact).
+#[test]
+fn a_device_recreated_with_the_same_index_is_attached_again() {
+    use wgfence::dataplane::{AttachOptions, Check, Dataplane, DEFAULT_BPFFS};
+    use wgfence_tests::net::{unique, Netns};
+
+    /// Removes the pins, also when the test fails.
+    struct Pins(String);
+    impl Drop for Pins {
+        fn drop(&mut self) {
+            let _ = Dataplane::detach(std::path::Path::new(DEFAULT_BPFFS), &self.0);
+        }
+    }
+
+    let ns = Netns::new("wgft-idx-");
+    let name = unique("wgi");
+    let create = |index: Option<&str>| {
+        let mut args = vec!["link", "add", name.as_str()];
+        if let Some(index) = index {
+            args.extend(["index", index]);
+        }
+        args.extend(["type", "veth", "peer", "name", "other0"]);
+        ns.ip(&args);
+        ns.ip(&["link", "set", &name, "up"]);
+    };
+    create(None);
+    let index = String::from_utf8_lossy(
+        &ns.exec(&["cat", &format!("/sys/class/net/{name}/ifindex")])
+            .stdout,
+    )
+    .trim()
+    .to_owned();
+    let options = AttachOptions::new(name.clone());
+    let mut dp = ns
+        .enter(|| Dataplane::attach(&options))
+        .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+    let _pins = Pins(name.clone());
+    let intact = ns.enter(|| dp.check());
+    assert!(matches!(intact, Ok(Check::Intact)), "{intact:?}");
+
+    ns.ip(&["link", "del", &name]);
+    create(Some(&index));
+    let on_device = |dp: &mut Dataplane| {
+        ns.enter(|| dp.programs_attached())
+            .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)))
+    };
+    assert!(!on_device(&mut dp), "the new device has no program yet");
+    let repaired = ns.enter(|| dp.check());
+    assert!(
+        matches!(
+            repaired,
+            Ok(Check::Repaired {
+                reattached: true,
+                ..
+            })
+        ),
+        "{repaired:?}"
+    );
+    assert!(on_device(&mut dp), "both programs run on the new device");
+}

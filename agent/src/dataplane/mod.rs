@@ -273,7 +273,9 @@ impl Dataplane {
                 repairs.push(format!("pinned {} again", path.display()));
             }
         }
-        let reattached = ifindex != self.ifindex;
+        // A new index means a new device; so does the same index with our programs missing
+        // from its hooks (recreated with `index N`, or the index reused).
+        let reattached = ifindex != self.ifindex || !self.programs_attached()?;
         if reattached {
             let l3_offset = iface::l3_offset(&self.interface)?;
             if l3_offset != self.l3_offset {
@@ -335,6 +337,21 @@ impl Dataplane {
                 reattached,
             }
         })
+    }
+
+    /// Whether the device's tcx hooks run this dataplane's programs, ingress and egress (two
+    /// queries). Must run in the interface's network namespace.
+    pub fn programs_attached(&mut self) -> Result<bool> {
+        for hook in &HOOKS {
+            let program = classifier(&mut self.ebpf, hook.program)?;
+            let id = program.info().map_err(program_err(hook.program))?.id();
+            let (_, attached) = SchedClassifier::query_tcx(&self.interface, hook.attach_type)
+                .map_err(program_err(hook.program))?;
+            if !attached.iter().any(|p| p.id() == id) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Opens the maps pinned for an interface without loading or attaching anything (for
