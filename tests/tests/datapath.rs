@@ -288,3 +288,34 @@ fn a_device_recreated_with_the_same_index_is_attached_again() {
     );
     assert!(on_device(&mut dp), "both programs run on the new device");
 }
+
+/// A detach interrupted after renaming the pin directory away (its links still pinned, so
+/// still attached) is finished by the next detach.
+#[test]
+fn an_interrupted_detach_is_finished_by_the_next() {
+    use wgfence::dataplane::{pin_dir, AttachOptions, Dataplane, DEFAULT_BPFFS};
+    use wgfence_tests::net::{unique, Netns};
+
+    let bpffs = std::path::Path::new(DEFAULT_BPFFS);
+    let ns = Netns::new("wgft-det-");
+    let name = unique("wgd");
+    ns.ip(&[
+        "link", "add", &name, "type", "veth", "peer", "name", "other0",
+    ]);
+    let options = AttachOptions::new(name.clone());
+    let dp = ns
+        .enter(|| Dataplane::attach(&options))
+        .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+    drop(dp);
+    // What a detach killed right after its rename leaves behind.
+    let pinned = pin_dir(bpffs, &name);
+    let interrupted = pinned.with_file_name(format!("detaching-{name}-0000000001"));
+    std::fs::rename(&pinned, &interrupted).unwrap_or_else(|e| panic!("{e}"));
+    let detached = Dataplane::detach(bpffs, &name).unwrap_or_else(|e| panic!("{e}"));
+    let left = interrupted.exists();
+    if left {
+        let _ = std::fs::remove_dir_all(&interrupted);
+    }
+    assert!(detached, "the leftover counts as something detached");
+    assert!(!left, "{} is still there", interrupted.display());
+}

@@ -166,6 +166,9 @@ impl Dataplane {
         let interface = options.interface.as_str();
         let l3_offset = iface::l3_offset(interface)?;
         ensure_bpffs(&options.bpffs)?;
+        // An interrupted detach left its links attached under another name: finish it first,
+        // or its program would stay in the chain beside ours.
+        remove_detaching(&options.bpffs, interface)?;
         let pin_dir = pin_dir(&options.bpffs, interface);
         create_private_dir(&pin_dir)?;
         let ifindex = iface::index(interface)?;
@@ -240,7 +243,18 @@ impl Dataplane {
         if self.detached {
             return Ok(Check::Detached);
         }
-        if !self.pin_dir.exists() {
+        let gone = match fs::symlink_metadata(&self.pin_dir) {
+            Ok(_) => false,
+            Err(e) if e.kind() == ErrorKind::NotFound => true,
+            // Not an answer (EACCES, EIO, ...): an error to retry, never a reason to let go.
+            Err(source) => {
+                return Err(DataplaneError::Io {
+                    path: self.pin_dir.clone(),
+                    source,
+                })
+            }
+        };
+        if gone {
             // `wgfence detach` renames the directory away before it removes anything, so a
             // missing directory is an operator's decision, never a half-done detach.
             self.links.iter_mut().for_each(|l| *l = None);
@@ -368,45 +382,27 @@ impl Dataplane {
     /// the pins one by one would look like pins lost by accident, which it repairs.
     pub fn detach(bpffs: &Path, interface: &str) -> Result<bool> {
         let pinned = pin_dir(bpffs, interface);
-        // bpffs refuses names with a dot; longer than 15 characters, this is no interface's.
-        let dir = pinned.with_file_name(format!("detaching-{interface}-{}", std::process::id()));
-        match fs::rename(&pinned, &dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(false),
+        let dir = pinned.with_file_name(detaching_name(interface, std::process::id()));
+        let renamed = match fs::rename(&pinned, &dir) {
+            Ok(()) => true,
+            Err(e) if e.kind() == ErrorKind::NotFound => false,
             Err(source) => {
                 return Err(DataplaneError::Io {
                     path: pinned,
                     source,
                 })
             }
-        }
-        let entries = match fs::read_dir(&dir) {
-            Ok(entries) => entries,
-            Err(source) => return Err(DataplaneError::Io { path: dir, source }),
         };
-        // The links first (ingress before egress): the programs stop before their maps go.
-        let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
-        paths.sort_by_key(|p| {
-            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-            [LINK_PIN, LINK_PIN_EGRESS]
-                .iter()
-                .position(|link| *link == name)
-                .unwrap_or(usize::MAX)
-        });
-        for path in paths {
-            remove_if_exists(&path)?;
-        }
-        match fs::remove_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == ErrorKind::NotFound => {}
-            Err(source) => return Err(DataplaneError::Io { path: dir, source }),
-        }
+        // This detach's directory, and any an interrupted one left (its links still attached).
+        let leftovers = remove_detaching(bpffs, interface)?;
         // Leave <bpffs>/wgfence itself once no interface uses it.
         if let Some(parent) = dir.parent() {
             let _ = fs::remove_dir(parent);
         }
-        tracing::info!(interface, "datapath detached");
-        Ok(true)
+        if renamed || leftovers {
+            tracing::info!(interface, "datapath detached");
+        }
+        Ok(renamed || leftovers)
     }
 
     /// The pinned link of an interface, if any: (link id, program id).
@@ -610,6 +606,74 @@ fn create_private_dir(dir: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The name a detach renames an interface's pin directory to: longer than any interface name
+/// (15 characters) and without a dot (bpffs refuses dots), so it is never a pin directory.
+fn detaching_name(interface: &str, pid: u32) -> String {
+    format!("detaching-{interface}-{pid:010}")
+}
+
+/// Removes every `detaching-<interface>-*` directory under `<bpffs>/wgfence`, links first (the
+/// programs stop before their maps go); whether there was any.
+fn remove_detaching(bpffs: &Path, interface: &str) -> Result<bool> {
+    let parent = bpffs.join("wgfence");
+    let prefix = format!("detaching-{interface}-");
+    let entries = match fs::read_dir(&parent) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(false),
+        Err(source) => {
+            return Err(DataplaneError::Io {
+                path: parent,
+                source,
+            })
+        }
+    };
+    let dirs: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| n.strip_prefix(&prefix))
+                .is_some_and(|pid| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .map(|e| e.path())
+        .collect();
+    for dir in &dirs {
+        let entries = match fs::read_dir(dir) {
+            Ok(entries) => entries,
+            // Another detach finished it meanwhile.
+            Err(e) if e.kind() == ErrorKind::NotFound => continue,
+            Err(source) => {
+                return Err(DataplaneError::Io {
+                    path: dir.clone(),
+                    source,
+                })
+            }
+        };
+        let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        paths.sort_by_key(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            [LINK_PIN, LINK_PIN_EGRESS]
+                .iter()
+                .position(|link| *link == name)
+                .unwrap_or(usize::MAX)
+        });
+        for path in paths {
+            remove_if_exists(&path)?;
+        }
+        match fs::remove_dir(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(source) => {
+                return Err(DataplaneError::Io {
+                    path: dir.clone(),
+                    source,
+                })
+            }
+        }
+    }
+    Ok(!dirs.is_empty())
 }
 
 fn remove_if_exists(path: &Path) -> Result<()> {
