@@ -5,6 +5,7 @@
 //! on the order of peers or of rules: peers are sorted by name and rules are a sorted set.
 
 mod fast;
+mod unique_keys;
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
@@ -280,6 +281,19 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
     };
     let root: Value =
         serde_json::from_str(text).map_err(|e| fail("(file)", format!("not valid JSON: {e}")))?;
+    if let Some((object, key)) = unique_keys::first_repeated(text) {
+        let field = if object.is_empty() {
+            key
+        } else {
+            format!("{object}.{key}")
+        };
+        return Err(fail(
+            &field,
+            "repeated: a JSON reader keeps one of the values and drops the others, so the \
+             state would not say what it looks like; keep one"
+                .into(),
+        ));
+    }
     let Value::Object(root) = root else {
         return Err(fail("(file)", "must be a JSON object".into()));
     };
@@ -892,6 +906,20 @@ mod tests {
         assert_error(
             &json!({ "version": 1, "replies": "yes", "peers": [] }).to_string(),
             "replies: must be true or false",
+        );
+    }
+
+    #[test]
+    fn a_repeated_key_is_rejected_not_resolved() {
+        // The last "egress" would win and leave the peer unrestricted.
+        let text = format!(
+            r#"{{"version":1,"peers":[{{"name":"a","publicKey":"{}","address":"10.8.0.2","egress":[{{"cidr":"10.0.0.0/8"}}],"egress":[]}}]}}"#,
+            key(2)
+        );
+        assert_error(&text, "peers[0].egress: repeated");
+        assert_error(
+            r#"{"version":1,"version":1,"peers":[]}"#,
+            "version: repeated",
         );
     }
 
