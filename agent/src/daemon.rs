@@ -333,9 +333,10 @@ impl Core {
                 Next::Idle
             }
             Ok(Check::Repaired { reattached, .. }) => {
-                self.dataplane_fault = false;
-                if reattached {
-                    // A new device has none of the old one's WireGuard peers.
+                let was_faulted = std::mem::replace(&mut self.dataplane_fault, false);
+                if reattached || was_faulted {
+                    // A new device has none of the old one's WireGuard peers; after a fault,
+                    // loads were held back and the agent said it was not ready.
                     self.resync()
                 } else {
                     Next::Idle
