@@ -4,18 +4,22 @@
 //! The order is what keeps every unchanged peer's traffic flowing and never grants a packet
 //! more than its sender's policy, at any instant while the plan is applied:
 //!
-//! 1. write the trie entries of policies the kernel does not have yet (new ids, unreferenced);
-//! 2. write peer address entries that are new or changed (a policy switch is one update);
-//! 3. delete the address entries no peer has any more: revocations take effect here, before any
-//!    (slow) WireGuard work — and the entries of addresses that move to another WireGuard peer
-//!    with another policy, so the old holder never runs with the new holder's policy;
-//! 4. create and update WireGuard peers, per peer: new peers, endpoints, keys, keepalives,
+//! 1. delete the address entries no peer has any more — revocations take effect here, before
+//!    any put: a put can fail (a full peer map, a full trie) and must never hold a revocation
+//!    back, while a deletion only takes access away — and the entries of addresses that move to
+//!    another WireGuard peer with another policy, so the old holder never runs with the new
+//!    holder's policy;
+//! 2. remove the WireGuard peers that leave the state, unless another peer takes over one of
+//!    their addresses (those go in step 7, after the handover);
+//! 3. write the trie entries of policies the kernel does not have yet (new ids, unreferenced);
+//! 4. write peer address entries that are new or changed (a policy switch is one update);
+//! 5. create and update WireGuard peers, per peer: new peers, endpoints, keys, keepalives,
 //!    and allowed IPs added without ever clearing a live peer's list (adding an address to a
 //!    peer moves it from whichever peer had it);
-//! 5. write the entries of the addresses that moved in step 3, now that WireGuard routes them
+//! 6. write the entries of the addresses that moved in step 1, now that WireGuard routes them
 //!    to their new holder;
-//! 6. remove WireGuard peers that are not desired;
-//! 7. delete the trie entries of policies no peer references.
+//! 7. remove the WireGuard peers whose addresses were handed over;
+//! 8. delete the trie entries of policies no peer references.
 //!
 //! Policies are content-addressed: a policy whose content the kernel already has under some id
 //! keeps that id, so an unchanged state — in any order — plans nothing. Changing a peer's
@@ -644,7 +648,9 @@ fn plan_scope(
         }
     }
 
-    // Revocations (and moving addresses) first, before the WireGuard work.
+    // Revocations (and moving addresses) first, before any put and the WireGuard work: a put
+    // can fail (a full map or trie), and a deletion only ever takes access away.
+    let mut revoke = Vec::new();
     let mut delete = |addr: &IpAddr, ops: &mut Vec<Op>| {
         if let Some(current) = maps.peers.get(addr) {
             if !wanted.contains_key(addr) {
@@ -656,7 +662,7 @@ fn plan_scope(
     if full {
         for addr in maps.peers.keys() {
             if !wanted.contains_key(addr) || moving.contains(addr) {
-                delete(addr, &mut ops);
+                delete(addr, &mut revoke);
             }
         }
     } else {
@@ -667,7 +673,7 @@ fn plan_scope(
             .chain(moving.iter().copied())
             .collect();
         for addr in &leaving {
-            delete(addr, &mut ops);
+            delete(addr, &mut revoke);
         }
     }
 
@@ -716,23 +722,39 @@ fn plan_scope(
 
     ops.extend(moved);
 
-    if full {
+    let leaving_keys: BTreeSet<WgKey> = if full {
         let desired_keys: BTreeSet<WgKey> = desired.peers.iter().map(|p| p.public_key).collect();
-        for key in actual.wg.peers.keys() {
-            if !desired_keys.contains(key) {
-                ops.push(Op::RemoveWgPeer { key: *key });
-            }
-        }
+        actual
+            .wg
+            .peers
+            .keys()
+            .filter(|key| !desired_keys.contains(key))
+            .copied()
+            .collect()
     } else {
         // A gone version's key stays only if a changed peer has it (unchanged peers had their
         // keys in the previous state too, where keys are unique).
         let kept: BTreeSet<WgKey> = touched.iter().map(|p| p.public_key).collect();
-        let leaving: BTreeSet<WgKey> = gone
-            .iter()
+        gone.iter()
             .map(|p| p.public_key)
             .filter(|k| !kept.contains(k) && actual.wg.peers.contains_key(k))
-            .collect();
-        ops.extend(leaving.into_iter().map(|key| Op::RemoveWgPeer { key }));
+            .collect()
+    };
+    // A leaving peer goes with the revocations, after its address entries; one whose address
+    // another peer takes over goes after the handover (removing it first would unroute the
+    // address for a moment, and a key rotation would interrupt the rotated peer).
+    for key in leaving_keys {
+        let handed_over = actual.wg.peers.get(&key).is_some_and(|peer| {
+            peer.allowed_ips
+                .iter()
+                .any(|ip| wanted.contains_key(&ip.addr()))
+        });
+        let remove = Op::RemoveWgPeer { key };
+        if handed_over {
+            ops.push(remove);
+        } else {
+            revoke.push(remove);
+        }
     }
 
     // Policies no peer entry references after the plan. A full plan also collects entries of
@@ -754,7 +776,8 @@ fn plan_scope(
             }
         }
     }
-    Ok(Plan { ops })
+    revoke.append(&mut ops);
+    Ok(Plan { ops: revoke })
 }
 
 #[cfg(test)]
@@ -893,6 +916,9 @@ mod tests {
 
     fn apply_checked(kernel: &mut Kernel, old: &DesiredState, new: &DesiredState) -> Plan {
         let plan = plan(new, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+        if let Err(e) = invariants::check_revocations_lead(&kernel.0, new, &plan.ops) {
+            panic!("{e}");
+        }
         for op in &plan.ops {
             kernel.apply(op);
             assert_safe_midway(kernel, old, new);
@@ -940,6 +966,9 @@ mod tests {
             for gens in &states {
                 let (_, new) = build(gens);
                 let update = plan_update(&old, &new, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+                if let Err(e) = invariants::check_revocations_lead(&kernel.0, &new, &update.ops) {
+                    panic!("{e}");
+                }
                 for op in &update.ops {
                     kernel.apply(op);
                     assert_safe_midway(&kernel, &old, &new);
@@ -1020,6 +1049,69 @@ mod tests {
         assert_eq!(kinds, ["peer", "wg", "policy"]);
     }
 
+    /// Issue 11 item 5: at capacity (a full peer map, a full trie) a put fails, so a
+    /// revocation must not wait behind one. "Revoke r + add n": r's address entries, then r's
+    /// WireGuard peer, go before every put, in a full plan and in an incremental one; a put
+    /// that fails after them leaves r revoked, and the retry does not delete r again.
+    #[test]
+    fn revoke_r_and_add_n_deletes_r_before_any_put() {
+        let before = one(json!([
+            { "name": "r", "publicKey": key(1), "address": "10.8.0.2", "addressV6": "fd00:8::2",
+              "egress": [{ "cidr": "10.0.0.0/8", "protocol": "tcp" }] },
+            { "name": "u", "publicKey": key(2), "address": "10.8.0.3" },
+        ]));
+        let after = one(json!([
+            { "name": "n", "publicKey": key(3), "address": "10.8.0.4",
+              "egress": [{ "cidr": "192.0.2.0/24", "protocol": "udp" }] },
+            { "name": "u", "publicKey": key(2), "address": "10.8.0.3" },
+        ]));
+        let mut kernel = Kernel::default();
+        converge(&mut kernel, &DesiredState::default(), &before);
+        let revocation = [
+            Op::DeletePeerEntry {
+                addr: IpAddr::from([10, 8, 0, 2]),
+            },
+            Op::DeletePeerEntry {
+                addr: "fd00:8::2".parse().unwrap_or(IpAddr::from([0; 16])),
+            },
+            Op::RemoveWgPeer { key: WgKey([1; 32]) },
+        ];
+        let full = plan(&after, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+        let update = plan_update(&before, &after, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+        for (how, p) in [("full", &full), ("incremental", &update)] {
+            assert!(
+                p.ops.starts_with(&revocation),
+                "{how}: r is not revoked before the first put: {:#?}",
+                p.ops
+            );
+            if let Err(e) = invariants::check_revocations_lead(&kernel.0, &after, &p.ops) {
+                panic!("{how}: {e}");
+            }
+        }
+
+        // The first put fails (the map is full): what ran before it stays, and the retry, a
+        // full plan from the kernel as it is, does not touch r again.
+        let mut failed = kernel.clone();
+        for op in &update.ops[..revocation.len()] {
+            failed.apply(op);
+            assert_safe_midway(&failed, &before, &after);
+        }
+        let retry = plan(&after, &failed.actual()).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            !retry
+                .ops
+                .iter()
+                .any(|op| revocation.contains(op)),
+            "the retry revokes r again: {:#?}",
+            retry.ops
+        );
+        for op in &retry.ops {
+            failed.apply(op);
+            assert_safe_midway(&failed, &before, &after);
+        }
+        assert_converged(&failed, &after);
+    }
+
     #[test]
     fn a_policy_change_writes_new_entries_switches_once_and_deletes_the_old() {
         let mut kernel = Kernel::default();
@@ -1067,8 +1159,11 @@ mod tests {
         );
     }
 
+    /// The old address leaves the state, so it goes first, like any revocation (at a full map,
+    /// the new entry could not be written before it); the new one is written before
+    /// WireGuard routes it.
     #[test]
-    fn an_address_change_adds_the_new_entry_before_deleting_the_old() {
+    fn an_address_change_deletes_the_old_entry_then_adds_the_new() {
         let mut kernel = Kernel::default();
         let old = one(json!([{ "name": "a", "publicKey": key(1), "address": "10.8.0.2" }]));
         let new = one(json!([{ "name": "a", "publicKey": key(1), "address": "10.8.0.3" }]));
@@ -1077,7 +1172,7 @@ mod tests {
         assert!(
             matches!(
                 change.ops.as_slice(),
-                [Op::PutPeerEntry { .. }, Op::DeletePeerEntry { .. }, Op::WgPeer(c)] if !c.create && c.add_allowed_ips.len() == 1
+                [Op::DeletePeerEntry { .. }, Op::PutPeerEntry { .. }, Op::WgPeer(c)] if !c.create && c.add_allowed_ips.len() == 1
             ),
             "{:#?}",
             change.ops

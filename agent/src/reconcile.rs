@@ -8,7 +8,9 @@
 //!
 //! A failure stops the plan where it is. Every prefix of a plan is safe to stop at (no entry
 //! points at an incomplete policy, no address gets a policy its holder does not own), and the
-//! next attempt reads the kernel and plans again from there.
+//! next attempt reads the kernel and plans again from there. Nothing is rolled back: the
+//! revocations lead every plan, so a put that fails (a full map) stops only what follows it,
+//! and the retry, planned from the kernel as it is, does not delete them again.
 
 use std::{
     collections::BTreeSet,
@@ -176,26 +178,27 @@ impl Reconciler {
         let wg_before = self.wg.peer_updates();
         let moved = moved_addresses(&plan, &desired, &self.actual);
         let mut config_ops = 0;
-        let result = self
-            .apply_config(&desired)
-            .and_then(|wrote| {
-                config_ops = usize::from(wrote);
-                // Before and after: the old holder's traffic may record flows meanwhile.
-                self.forget_flows(&moved)?;
-                self.apply(&plan)
-            })
-            .and_then(|()| {
-                let mut forget = moved;
-                forget.extend(plan.ops.iter().filter_map(|op| match op {
-                    Op::DeletePeerEntry { addr }
-                        if !self.actual.maps().peers.contains_key(addr) =>
-                    {
-                        Some(*addr)
-                    }
-                    _ => None,
-                }));
-                self.forget_flows(&forget)
-            });
+        let applied = self.apply_config(&desired).and_then(|wrote| {
+            config_ops = usize::from(wrote);
+            // Before and after: the old holder's traffic may record flows meanwhile.
+            self.forget_flows(&moved)?;
+            self.apply(&plan)
+        });
+        // The flows of the addresses the plan deleted go also when a later operation failed:
+        // the revocations lead the plan, and what ran of it stays (the retry plans from there).
+        let mut forget = moved;
+        forget.extend(plan.ops.iter().filter_map(|op| match op {
+            Op::DeletePeerEntry { addr } if !self.actual.maps().peers.contains_key(addr) => {
+                Some(*addr)
+            }
+            _ => None,
+        }));
+        let result = applied.and_then(|()| self.forget_flows(&forget)).or_else(|e| {
+            if let Err(also) = self.forget_flows(&forget) {
+                tracing::warn!(error = %also, "forgetting the flows of revoked addresses failed");
+            }
+            Err(e)
+        });
         if result.is_err() {
             self.stale = true;
             self.applied = None;

@@ -74,6 +74,7 @@ fn converge(
     }
     .map_err(|e| format!("planning failed: {e}"))?
     .ops;
+    invariants::check_revocations_lead(kernel, new, &ops)?;
     for op in &ops {
         invariants::check_op(kernel, op).map_err(|e| format!("{op}: {e}"))?;
         kernel.apply(op);

@@ -501,3 +501,141 @@ fn a_loose_pin_directory_is_tightened_to_root_only() {
     assert_eq!(parent, 0, "<bpffs>/wgfence is open to others");
     assert_enforced(&gw, "after adopting the directory");
 }
+
+/// Fills the pinned IPv4 peer map to its capacity (`MAX_PEERS`) with entries of addresses no
+/// peer has (10.200.0.0/14), as a gateway at capacity is: the kernel refuses the next new
+/// entry. WireGuard-go holds at most 65,536 peers, so a full map cannot be reached through
+/// peers; the agent does not know these entries until its next full read.
+fn fill_peer_map(gw: &Gateway) -> usize {
+    let max = wgfence_common::MAX_PEERS as usize;
+    let mut maps = Dataplane::open_maps(&gw.bpffs, gw.interface())
+        .unwrap_or_else(|e| panic!("opening the pinned maps: {e}"));
+    let present = maps
+        .peers()
+        .unwrap_or_else(|e| panic!("reading peers: {e}"))
+        .iter()
+        .filter(|(addr, _)| addr.is_ipv4())
+        .count();
+    let base = u32::from(std::net::Ipv4Addr::new(10, 200, 0, 0));
+    let filler = |i: usize| IpAddr::from(std::net::Ipv4Addr::from(base + i as u32));
+    for i in 0..max - present {
+        let entry = wgfence_common::PeerEntry {
+            policy: UNRESTRICTED,
+            slot: (i % max) as u32,
+        };
+        maps.upsert_peer(filler(i), entry)
+            .unwrap_or_else(|e| panic!("filling the peer map ({i} of {}): {e}", max - present));
+    }
+    let over = wgfence_common::PeerEntry {
+        policy: UNRESTRICTED,
+        slot: 0,
+    };
+    assert!(
+        maps.upsert_peer(filler(max), over).is_err(),
+        "the peer map took more than MAX_PEERS entries"
+    );
+    max - present
+}
+
+/// Polls tcp/22 from peer `i` (unrestricted: a reset answers while it may send) until a probe
+/// is dropped; how long after `since` that probe was sent.
+fn blocked_after(gw: &Gateway, i: usize, since: Instant) -> Option<Duration> {
+    while since.elapsed() < Duration::from_secs(3) {
+        let sent = since.elapsed();
+        if probe(&gw.peers[i].ns, Kind::Tcp(22), ip("10.2.3.4")) == Reach::Blocked {
+            return Some(sent);
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+/// Issue 11 item 5: at a full peer map, "revoke r + add n" revokes r at once. The plan deletes
+/// the addresses that leave before it writes any: the put of n would fail while r's entry
+/// still took the room, and the revocation was retried behind it forever. Then a push whose
+/// puts do not all fit (revoke n + add two): the put that fails leaves n revoked, and the
+/// retry (which reads the kernel again and repairs the drift) converges.
+#[test]
+fn at_a_full_peer_map_revoke_r_and_add_n_revokes_r_at_once() {
+    let gw = Gateway::new(2);
+    let r = state(vec![gw.peer_json(0, None)]);
+    let mut agent = Agent::start(&gw, Layout::Plain, &r, &["--resync", "3600"]);
+    agent.wait_ready(&gw);
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Tcp(22), ip("10.2.3.4")),
+        Reach::Reached,
+        "r does not reach anything before its revocation"
+    );
+    let t = Instant::now();
+    let filled = fill_peer_map(&gw);
+    eprintln!("filled the peer map with {filled} entries in {:?}", t.elapsed());
+
+    let errors = agent.metric(&gw, "wgfence_reconcile_errors_total");
+    let reconciles = agent.reconciles(&gw);
+    let n = state(vec![gw.peer_json(1, None)]);
+    let since = Instant::now();
+    agent.write_state(&n);
+    let revoked = blocked_after(&gw, 0, since);
+    eprintln!("r revoked after {revoked:?}");
+    assert!(
+        revoked.is_some_and(|d| d < Duration::from_secs(1)),
+        "r still reached the node {:?} after \"revoke r + add n\" at a full peer map; log:\n{}",
+        since.elapsed(),
+        agent.log_text()
+    );
+    // The revocation made the room n needed: nothing failed, and n is in.
+    agent.wait_reconciles(&gw, reconciles, 1.0);
+    assert_eq!(
+        agent.metric(&gw, "wgfence_reconcile_errors_total"),
+        errors,
+        "log:\n{}",
+        agent.log_text()
+    );
+    gw.new_session(1);
+    assert_eq!(
+        probe(&gw.peers[1].ns, Kind::Tcp(22), ip("10.2.3.4")),
+        Reach::Reached,
+        "n does not reach the node"
+    );
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Tcp(22), ip("10.2.3.4")),
+        Reach::Blocked,
+        "r came back"
+    );
+
+    // The map is full again (the fillers and n). Revoke n and add two peers: one put fails.
+    let extra = |i: usize| {
+        json!({ "name": format!("x{i}"), "publicKey": gen::peer_key(i).to_base64(),
+                "address": gen::peer_v4(i).to_string() })
+    };
+    let two = state(vec![extra(0), extra(1)]);
+    let since = Instant::now();
+    agent.write_state(&two);
+    let revoked = blocked_after(&gw, 1, since);
+    eprintln!("n revoked after {revoked:?}");
+    assert!(
+        revoked.is_some_and(|d| d < Duration::from_secs(1)),
+        "n still reached the node {:?} after a push whose last put failed; log:\n{}",
+        since.elapsed(),
+        agent.log_text()
+    );
+    let failed = wait_for(Duration::from_secs(5), || {
+        agent.metric(&gw, "wgfence_reconcile_errors_total") > errors
+    });
+    assert!(
+        failed.is_some(),
+        "no put failed (the map was not full?); log:\n{}",
+        agent.log_text()
+    );
+    // The retry reads the kernel again: n's entries are gone, the drift is repaired.
+    agent.wait_readyz_for(&gw, 200, Duration::from_secs(30));
+    let desired = wgfence::state::parse(&two).unwrap_or_else(|e| panic!("{e}"));
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface())
+        .unwrap_or_else(|e| panic!("opening the pinned maps: {e}"));
+    assert_eq!(wgfence_tests::map_mismatch(&maps, &desired), None);
+    assert_eq!(
+        probe(&gw.peers[1].ns, Kind::Tcp(22), ip("10.2.3.4")),
+        Reach::Blocked,
+        "n came back"
+    );
+}

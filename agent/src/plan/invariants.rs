@@ -124,6 +124,62 @@ pub fn check_converged(actual: &Actual, desired: &DesiredState) -> Result<(), St
     Ok(())
 }
 
+/// The revocations lead the plan: every address entry that leaves the state is deleted, and
+/// then every WireGuard peer that leaves it with its addresses is removed, before the plan's
+/// first write that is not a deletion. A put can fail (a full map, a full trie), and deleting
+/// only ever takes access away, so nothing a failed put stops may hold a revocation back.
+/// (A WireGuard peer whose address another peer takes over leaves after the handover, as
+/// before; its address entries are not revoked, they change holder.)
+pub fn check_revocations_lead(
+    before: &Actual,
+    desired: &DesiredState,
+    ops: &[Op],
+) -> Result<(), String> {
+    let addrs: BTreeSet<IpAddr> = desired.peers.iter().flat_map(PeerSpec::addrs).collect();
+    let keys: BTreeSet<WgKey> = desired.peers.iter().map(|p| p.public_key).collect();
+    let is_deletion = |op: &Op| {
+        matches!(
+            op,
+            Op::DeletePeerEntry { .. } | Op::RemoveWgPeer { .. } | Op::DeletePolicyEntry { .. }
+        )
+    };
+    let lead = &ops[..ops.iter().position(|op| !is_deletion(op)).unwrap_or(ops.len())];
+    for addr in before.maps().peers.keys().filter(|a| !addrs.contains(a)) {
+        if !lead.contains(&Op::DeletePeerEntry { addr: *addr }) {
+            return Err(format!(
+                "{addr} leaves the state but is not deleted before the first put: {ops:?}"
+            ));
+        }
+    }
+    for (key, peer) in &before.wg().peers {
+        let handed_over = peer.allowed_ips.iter().any(|ip| addrs.contains(&ip.addr()));
+        if keys.contains(key) || handed_over {
+            continue;
+        }
+        if !lead.contains(&Op::RemoveWgPeer { key: *key }) {
+            return Err(format!(
+                "WireGuard peer {key} leaves the state but is not removed before the first put: \
+                 {ops:?}"
+            ));
+        }
+    }
+    // The design's revoke order: the address entries, then the WireGuard peers.
+    if let Some(first_wg) = lead
+        .iter()
+        .position(|op| matches!(op, Op::RemoveWgPeer { .. }))
+    {
+        if lead[first_wg..]
+            .iter()
+            .any(|op| matches!(op, Op::DeletePeerEntry { .. }))
+        {
+            return Err(format!(
+                "a WireGuard peer is removed before the address entries are deleted: {ops:?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// What must hold after every single operation of the transition `old` -> `new`: fail closed
 /// (no entry points at a half-written policy), no escalation (an address runs a policy of the
 /// peer WireGuard routes it to), no interruption (a peer unchanged between the states keeps
