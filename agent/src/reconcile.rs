@@ -193,12 +193,15 @@ impl Reconciler {
             }
             _ => None,
         }));
-        let result = applied.and_then(|()| self.forget_flows(&forget)).or_else(|e| {
-            if let Err(also) = self.forget_flows(&forget) {
-                tracing::warn!(error = %also, "forgetting the flows of revoked addresses failed");
+        let result = match applied {
+            Ok(()) => self.forget_flows(&forget),
+            Err(e) => {
+                if let Err(also) = self.forget_flows(&forget) {
+                    tracing::warn!(error = %also, "forgetting the flows of revoked addresses failed");
+                }
+                Err(e)
             }
-            Err(e)
-        });
+        };
         if result.is_err() {
             self.stale = true;
             self.applied = None;
