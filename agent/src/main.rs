@@ -300,6 +300,7 @@ fn check(path: &Path) -> Result<ExitCode> {
                 desired.restricted_peers(),
                 state::distinct_policies(&desired).len()
             );
+            note_allowed_nothing(&desired);
             Ok(ExitCode::SUCCESS)
         }
         Err(e) => {
@@ -309,11 +310,36 @@ fn check(path: &Path) -> Result<ExitCode> {
     }
 }
 
+/// A note (not an error) naming the peers whose `egress` is `[]`: they may send nothing. Older
+/// versions read `"egress": []` as unrestricted, so a file written for them says otherwise.
+fn note_allowed_nothing(desired: &state::DesiredState) {
+    const SHOWN: usize = 20;
+    let names = desired.peers_allowed_nothing();
+    if names.is_empty() {
+        return;
+    }
+    let n = names.len();
+    let mut list = names[..n.min(SHOWN)].join(", ");
+    if n > SHOWN {
+        list.push_str(&format!(" and {} more", n - SHOWN));
+    }
+    println!(
+        "note: {n} peer{} with \"egress\": [] may send nothing ({}): {list}",
+        if n == 1 { "" } else { "s" },
+        if desired.replies {
+            "only replies"
+        } else {
+            "replies are off"
+        }
+    );
+}
+
 fn plan_command(interface: &str, state_path: &Path, bpffs: &Path) -> Result<ExitCode> {
     let desired = match state::parse(&read_state(state_path)?) {
         Ok(desired) => desired,
         Err(e) => bail!("{}: {e}", state_path.display()),
     };
+    note_allowed_nothing(&desired);
     // The kernel's reply switch, if anything is pinned (the timeouts and the event rate are
     // `run`'s options, which this command does not know).
     let (maps, replies) = if pin_dir(bpffs, interface).exists() {

@@ -36,7 +36,7 @@ use ipnet::IpNet;
 use wgfence_common::{Allow, PeerEntry, MAX_PEERS, UNRESTRICTED};
 
 use crate::{
-    policy::CompiledPolicy,
+    policy::{CompiledPolicy, NOTHING},
     state::{DesiredState, PeerSpec, WgKey},
 };
 
@@ -101,7 +101,8 @@ struct Index {
     policy_refs: BTreeMap<u32, usize>,
     /// Peer entries per counter slot.
     slot_refs: BTreeMap<u32, usize>,
-    /// Policy ids by their (complete or partial) content.
+    /// Policy ids by their (complete or partial) content; an id that peer entries point at
+    /// and the tries have no entry for holds [`NOTHING`] (`"egress": []`).
     by_content: BTreeMap<CompiledPolicy, BTreeSet<u32>>,
     /// The WireGuard peer each allowed IP is routed to.
     holders: BTreeMap<IpNet, WgKey>,
@@ -117,6 +118,20 @@ fn count_down(map: &mut BTreeMap<u32, usize>, key: u32) {
         if *n == 0 {
             map.remove(&key);
         }
+    }
+}
+
+/// What the datapath sees under policy `id`: its trie entries, or [`NOTHING`] for an id that
+/// peer entries point at without any trie entry; `None` for UNRESTRICTED and unused ids.
+fn content_of<'a>(
+    maps: &'a ActualMaps,
+    policy_refs: &BTreeMap<u32, usize>,
+    id: u32,
+) -> Option<&'a CompiledPolicy> {
+    match maps.policies.get(&id) {
+        Some(content) => Some(content),
+        None if id != UNRESTRICTED && policy_refs.contains_key(&id) => Some(&NOTHING),
+        None => None,
     }
 }
 
@@ -143,6 +158,15 @@ impl Actual {
                 .or_default()
                 .insert(*id);
         }
+        for id in index.policy_refs.keys() {
+            if *id != UNRESTRICTED && !maps.policies.contains_key(id) {
+                index
+                    .by_content
+                    .entry(NOTHING.clone())
+                    .or_default()
+                    .insert(*id);
+            }
+        }
         for (key, peer) in &wg.peers {
             for ip in &peer.allowed_ips {
                 index.holders.insert(*ip, *key);
@@ -165,7 +189,7 @@ impl Actual {
     }
 
     fn unindex_content(&mut self, id: u32) {
-        if let Some(content) = self.maps.policies.get(&id) {
+        if let Some(content) = content_of(&self.maps, &self.index.policy_refs, id) {
             if let Some(ids) = self.index.by_content.get_mut(content) {
                 ids.remove(&id);
                 if ids.is_empty() {
@@ -176,7 +200,7 @@ impl Actual {
     }
 
     fn index_content(&mut self, id: u32) {
-        if let Some(content) = self.maps.policies.get(&id) {
+        if let Some(content) = content_of(&self.maps, &self.index.policy_refs, id) {
             self.index
                 .by_content
                 .entry(content.clone())
@@ -185,9 +209,24 @@ impl Actual {
         }
     }
 
-    fn unindex_entry(&mut self, entry: PeerEntry) {
-        count_down(&mut self.index.policy_refs, entry.policy);
-        count_down(&mut self.index.slot_refs, entry.slot);
+    /// Counts a peer entry's references; an id without trie entries holds [`NOTHING`] while
+    /// referenced.
+    fn count_entry(&mut self, entry: PeerEntry, up: bool) {
+        let without_entries =
+            entry.policy != UNRESTRICTED && !self.maps.policies.contains_key(&entry.policy);
+        if without_entries {
+            self.unindex_content(entry.policy);
+        }
+        if up {
+            count_up(&mut self.index.policy_refs, entry.policy);
+            count_up(&mut self.index.slot_refs, entry.slot);
+        } else {
+            count_down(&mut self.index.policy_refs, entry.policy);
+            count_down(&mut self.index.slot_refs, entry.slot);
+        }
+        if without_entries {
+            self.index_content(entry.policy);
+        }
     }
 
     /// What `op` does to the kernel. The agent keeps its view of the kernel current with this
@@ -210,14 +249,13 @@ impl Actual {
             Op::ResetPeerCounters { .. } => {}
             Op::PutPeerEntry { addr, entry, .. } => {
                 if let Some(old) = self.maps.peers.insert(*addr, *entry) {
-                    self.unindex_entry(old);
+                    self.count_entry(old, false);
                 }
-                count_up(&mut self.index.policy_refs, entry.policy);
-                count_up(&mut self.index.slot_refs, entry.slot);
+                self.count_entry(*entry, true);
             }
             Op::DeletePeerEntry { addr } => {
                 if let Some(old) = self.maps.peers.remove(addr) {
-                    self.unindex_entry(old);
+                    self.count_entry(old, false);
                 }
             }
             Op::WgPeer(change) => {
@@ -827,7 +865,8 @@ mod tests {
         WgKey([n; 32]).to_base64()
     }
 
-    const RULE_SETS: [&str; 4] = [
+    const RULE_SETS: [&str; 5] = [
+        r#"[]"#,
         r#"[{"cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443]}]"#,
         r#"[{"cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443]}, {"cidr": "0.0.0.0/0", "protocol": "icmp"}]"#,
         r#"[{"cidr": "fd00::/8", "protocol": "udp", "ports": ["5000-5010"]}, {"cidr": "10.1.0.0/16"}]"#,
@@ -1074,10 +1113,13 @@ mod tests {
             Op::DeletePeerEntry {
                 addr: "fd00:8::2".parse().unwrap_or(IpAddr::from([0; 16])),
             },
-            Op::RemoveWgPeer { key: WgKey([1; 32]) },
+            Op::RemoveWgPeer {
+                key: WgKey([1; 32]),
+            },
         ];
         let full = plan(&after, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
-        let update = plan_update(&before, &after, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+        let update =
+            plan_update(&before, &after, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
         for (how, p) in [("full", &full), ("incremental", &update)] {
             assert!(
                 p.ops.starts_with(&revocation),
@@ -1098,10 +1140,7 @@ mod tests {
         }
         let retry = plan(&after, &failed.actual()).unwrap_or_else(|e| panic!("{e}"));
         assert!(
-            !retry
-                .ops
-                .iter()
-                .any(|op| revocation.contains(op)),
+            !retry.ops.iter().any(|op| revocation.contains(op)),
             "the retry revokes r again: {:#?}",
             retry.ops
         );
@@ -1110,6 +1149,72 @@ mod tests {
             assert_safe_midway(&failed, &before, &after);
         }
         assert_converged(&failed, &after);
+    }
+
+    /// Issue 11 item 7: `"egress": []` allows nothing. Its compiled form is a restricted policy
+    /// id without a trie entry (never UNRESTRICTED), found again by its (empty) content like
+    /// any policy: shared by every such peer, and an equal state plans nothing.
+    #[test]
+    fn an_empty_egress_is_a_restricted_policy_without_entries() {
+        let open = |n: u8| json!({ "name": format!("p{n}"), "publicKey": key(n), "address": format!("10.8.0.{n}") });
+        let closed = |n: u8| {
+            let mut p = open(n);
+            p["egress"] = json!([]);
+            p
+        };
+        let nothing = one(json!([closed(2), closed(3), open(4)]));
+        let mut kernel = Kernel::default();
+        let add = converge(&mut kernel, &DesiredState::default(), &nothing);
+        assert!(
+            !add.ops
+                .iter()
+                .any(|op| matches!(op, Op::PutPolicyEntry { .. })),
+            "{:#?}",
+            add.ops
+        );
+        let entry = |k: &Kernel, n: u8| kernel_entry(k, IpAddr::from([10, 8, 0, n]));
+        let id = entry(&kernel, 2).policy;
+        assert_ne!(id, UNRESTRICTED);
+        assert_eq!(
+            entry(&kernel, 3).policy,
+            id,
+            "equal empty rule sets share one id"
+        );
+        assert_eq!(entry(&kernel, 4).policy, UNRESTRICTED);
+        assert!(plan(&nothing, &kernel.actual())
+            .map(|p| p.is_empty())
+            .unwrap_or(false));
+
+        // Omitting egress and "egress": [] are different states, both ways, also incrementally.
+        let swapped = one(json!([open(2), closed(3), closed(4)]));
+        let update = plan_update(&nothing, &swapped, &kernel.actual()).unwrap_or_default();
+        assert_eq!(update, plan(&swapped, &kernel.actual()).unwrap_or_default());
+        assert_eq!(update.ops.len(), 2, "two switches: {:#?}", update.ops);
+        for op in &update.ops {
+            kernel.apply(op);
+            assert_safe_midway(&kernel, &nothing, &swapped);
+        }
+        assert_converged(&kernel, &swapped);
+        assert_eq!(entry(&kernel, 2).policy, UNRESTRICTED);
+        assert_eq!(
+            entry(&kernel, 4).policy,
+            id,
+            "the empty policy keeps its id"
+        );
+
+        // A restart reads the maps back: the id without entries is still the empty policy.
+        let read = Actual::new(kernel.0.maps().clone(), kernel.0.wg().clone());
+        assert!(plan(&swapped, &read).map(|p| p.is_empty()).unwrap_or(false));
+    }
+
+    fn kernel_entry(kernel: &Kernel, addr: IpAddr) -> PeerEntry {
+        kernel
+            .0
+            .maps()
+            .peers
+            .get(&addr)
+            .copied()
+            .unwrap_or_else(|| panic!("no entry for {addr}"))
     }
 
     #[test]

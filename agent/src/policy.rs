@@ -109,11 +109,18 @@ pub enum PolicyError {
 }
 
 /// A compiled, canonical policy: trie entries by destination prefix. No entries means every
-/// packet is denied; a peer without rules is unrestricted and has no compiled policy at all.
+/// packet is denied (`"egress": []`, [`NOTHING`]); a peer without `egress` is unrestricted and
+/// has no compiled policy at all.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CompiledPolicy {
     entries: BTreeMap<IpNet, Vec<Allow>>,
 }
+
+/// The policy of `"egress": []`: no entry, so every packet is denied. As the kernel holds it:
+/// a restricted policy id that peer entries point at and the tries have no entry for.
+pub static NOTHING: CompiledPolicy = CompiledPolicy {
+    entries: BTreeMap::new(),
+};
 
 impl CompiledPolicy {
     /// The trie entries, sorted by prefix.

@@ -67,9 +67,10 @@ pub struct PeerSpec {
     /// Seconds; `None` (or 0 in the file) is off.
     pub persistent_keepalive: Option<u16>,
     /// Canonical rule set (sorted, deduplicated), shared by the peers that have the same set.
-    /// Empty: unrestricted.
-    pub rules: Arc<Vec<Rule>>,
-    /// The compiled rules, shared by peers with the same rule set; `None`: unrestricted.
+    /// `None`: no `egress`, unrestricted; `Some` of no rules: `"egress": []`, allowed nothing.
+    pub rules: Option<Arc<Vec<Rule>>>,
+    /// The compiled rules, shared by peers with the same rule set; `None`: unrestricted
+    /// (exactly when `rules` is `None`).
     pub policy: Option<Arc<CompiledPolicy>>,
 }
 
@@ -106,6 +107,16 @@ impl DesiredState {
         self.peers.iter().filter(|p| p.policy.is_some()).count()
     }
 
+    /// The peers whose `egress` is empty: they may send nothing (only replies pass, if those
+    /// are on). Worth a note, since older versions read `"egress": []` as unrestricted.
+    pub fn peers_allowed_nothing(&self) -> Vec<&str> {
+        self.peers
+            .iter()
+            .filter(|p| p.policy.as_ref().is_some_and(|policy| policy.is_empty()))
+            .map(|p| p.name.as_str())
+            .collect()
+    }
+
     /// The state as a state file in canonical form: every field written the one way the
     /// schema's defaults allow (`replies` always, optional fields only when set), peers by name,
     /// rules and their ports sorted. Parsing it gives back an equal state, and equal states give
@@ -140,14 +151,10 @@ impl PeerSpec {
         if let Some(secs) = self.persistent_keepalive {
             set("persistentKeepalive", secs.into());
         }
-        if !self.rules.is_empty() {
+        if let Some(rules) = &self.rules {
             set(
                 "egress",
-                self.rules
-                    .iter()
-                    .map(rule_to_json)
-                    .collect::<Vec<_>>()
-                    .into(),
+                rules.iter().map(rule_to_json).collect::<Vec<_>>().into(),
             );
         }
         Value::Object(peer)
@@ -239,6 +246,10 @@ const PEER_FIELDS: [&str; 8] = [
 ];
 const RULE_FIELDS: [&str; 3] = ["cidr", "protocol", "ports"];
 
+/// `null` is never a default: a control plane that renders "nothing" as `null` (or a reader
+/// that drops it) must not widen access by accident, so it is an error wherever it appears.
+const NULL: &str = "null: give a value, or leave the field out";
+
 /// Collects errors for one location.
 struct Errors<'a> {
     all: &'a mut Vec<FieldError>,
@@ -309,6 +320,7 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
     }
     match root.get("version") {
         None => top.add("version", "missing (this agent reads version 1)"),
+        Some(Value::Null) => top.add("version", format!("{NULL} (this agent reads version 1)")),
         Some(v) if v.as_u64() == Some(SCHEMA_VERSION) => {}
         Some(v) => top.add(
             "version",
@@ -316,7 +328,11 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
         ),
     }
     let replies = match root.get("replies") {
-        None | Some(Value::Null) => true,
+        None => true,
+        Some(Value::Null) => {
+            top.add("replies", format!("{NULL} (left out: true)"));
+            true
+        }
         Some(Value::Bool(b)) => *b,
         Some(_) => {
             top.add("replies", "must be true or false");
@@ -325,6 +341,10 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
     };
     let raw_peers = match root.get("peers") {
         Some(Value::Array(peers)) => peers.as_slice(),
+        Some(Value::Null) => {
+            top.add("peers", "null: must be an array of peers");
+            &[]
+        }
         Some(_) => {
             top.add("peers", "must be an array");
             &[]
@@ -434,7 +454,14 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
 
 fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Option<PeerSpec> {
     let Value::Object(obj) = raw else {
-        e.add("(peer)", "must be a JSON object");
+        if raw.is_null() {
+            e.add(
+                "(peer)",
+                "null: must be a JSON object; leave the peer out instead",
+            );
+        } else {
+            e.add("(peer)", "must be a JSON object");
+        }
         return None;
     };
     let before = e.all.len();
@@ -453,6 +480,10 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
             e.add("name", format!("longer than {MAX_NAME_LEN} characters"));
             None
         }
+        Some(Value::Null) => {
+            e.add("name", NULL);
+            None
+        }
         Some(_) => {
             e.add("name", "must be a string");
             None
@@ -466,15 +497,18 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
     let preshared_key = key_field(obj, "presharedKey", false, e);
     let address: Option<Ipv4Addr> = addr_field(obj, "address", e);
     let address_v6: Option<Ipv6Addr> = addr_field(obj, "addressV6", e);
-    let present = |k: &str| obj.get(k).is_some_and(|v| !v.is_null());
-    if !present("address") && !present("addressV6") {
+    if !obj.contains_key("address") && !obj.contains_key("addressV6") {
         e.add(
             "address",
             "missing: a peer needs address, addressV6 or both",
         );
     }
     let endpoint = match obj.get("endpoint") {
-        None | Some(Value::Null) => None,
+        None => None,
+        Some(Value::Null) => {
+            e.add("endpoint", NULL);
+            None
+        }
         Some(Value::String(s)) => match parse_endpoint(s) {
             Some(ep) => Some(ep),
             None => {
@@ -493,7 +527,11 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
         }
     };
     let persistent_keepalive = match obj.get("persistentKeepalive") {
-        None | Some(Value::Null) => None,
+        None => None,
+        Some(Value::Null) => {
+            e.add("persistentKeepalive", NULL);
+            None
+        }
         Some(v) => match v.as_u64().and_then(keepalive) {
             Some(secs) => secs,
             None => {
@@ -506,7 +544,14 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
         },
     };
     let rules = match obj.get("egress") {
-        None | Some(Value::Null) => Vec::new(),
+        None => None,
+        Some(Value::Null) => {
+            e.add(
+                "egress",
+                "null: leave egress out for an unrestricted peer, or write [] to allow nothing",
+            );
+            None
+        }
         Some(Value::Array(rules)) => {
             if rules.len() > MAX_RULES_PER_PEER {
                 e.add(
@@ -523,18 +568,18 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
                     set.insert(rule);
                 }
             }
-            set.into_iter().collect()
+            Some(set.into_iter().collect())
         }
         Some(_) => {
             e.add("egress", "must be an array of rules");
-            Vec::new()
+            None
         }
     };
     if e.all.len() > before {
         return None;
     }
     let (rules, policy) = match share(rules, compiled) {
-        Ok(shared) => shared,
+        Ok(shared) => shared.unzip(),
         Err(err) => {
             e.add("egress", err.to_string());
             return None;
@@ -553,24 +598,25 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
     })
 }
 
-/// A peer's canonical rule set and its compiled policy (`None`: unrestricted). Peers with equal
-/// rule sets share one copy of the rules and one compiled policy.
-#[allow(clippy::type_complexity)]
-fn share(
-    rules: Vec<Rule>,
-    compiled: &mut Compiled,
-) -> Result<(Arc<Vec<Rule>>, Option<Arc<CompiledPolicy>>), PolicyError> {
-    if rules.is_empty() {
-        return Ok((Arc::default(), None));
-    }
+/// A peer's canonical rule set and its compiled policy, if it has an `egress` (`None`:
+/// unrestricted). Peers with equal rule sets share one copy of the rules and one compiled
+/// policy.
+fn share(rules: Option<Vec<Rule>>, compiled: &mut Compiled) -> Result<Shared, PolicyError> {
+    let Some(rules) = rules else {
+        return Ok(None);
+    };
     if let Some((shared, policy)) = compiled.get(&rules) {
-        return Ok((Arc::clone(shared), Some(Arc::clone(policy))));
+        return Ok(Some((Arc::clone(shared), Arc::clone(policy))));
     }
     let policy = Arc::new(compile(&rules)?);
     let shared = Arc::new(rules.clone());
     compiled.insert(rules, (Arc::clone(&shared), Arc::clone(&policy)));
-    Ok((shared, Some(policy)))
+    Ok(Some((shared, policy)))
 }
+
+/// A peer's rules and compiled policy, shared with the peers that have the same; `None`:
+/// unrestricted.
+type Shared = Option<(Arc<Vec<Rule>>, Arc<CompiledPolicy>)>;
 
 /// Capacity of the policy tries: the distinct policies' entries per family (IPv4, IPv6).
 fn trie_entries(compiled: &Compiled) -> (usize, usize) {
@@ -593,9 +639,13 @@ fn key_field(
     e: &mut Errors<'_>,
 ) -> Option<WgKey> {
     match obj.get(field) {
-        None | Some(Value::Null) if !required => None,
+        None if !required => None,
         None => {
             e.add(field, "missing");
+            None
+        }
+        Some(Value::Null) => {
+            e.add(field, NULL);
             None
         }
         Some(Value::String(s)) => {
@@ -618,7 +668,11 @@ where
 {
     let family = if field == "address" { "IPv4" } else { "IPv6" };
     match obj.get(field) {
-        None | Some(Value::Null) => None,
+        None => None,
+        Some(Value::Null) => {
+            e.add(field, NULL);
+            None
+        }
         Some(Value::String(s)) => match s.parse::<A>() {
             Ok(addr) => {
                 if !usable_tunnel_addr(addr.into()) {
@@ -642,7 +696,14 @@ where
 
 fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
     let Value::Object(obj) = raw else {
-        e.add(path, "must be a JSON object with cidr, protocol and ports");
+        if raw.is_null() {
+            e.add(
+                path,
+                "null: must be a rule object; leave the rule out instead",
+            );
+        } else {
+            e.add(path, "must be a JSON object with cidr, protocol and ports");
+        }
         return None;
     };
     let before = e.all.len();
@@ -669,6 +730,10 @@ fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
                 None
             }
         },
+        Some(Value::Null) => {
+            e.add(format!("{path}.cidr"), "null: must be a CIDR prefix");
+            None
+        }
         Some(_) => {
             e.add(format!("{path}.cidr"), "must be a string");
             None
@@ -679,7 +744,14 @@ fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
         }
     };
     let protocol = match obj.get("protocol") {
-        None | Some(Value::Null) => Some(Protocol::Any),
+        None => Some(Protocol::Any),
+        Some(Value::Null) => {
+            e.add(
+                format!("{path}.protocol"),
+                "null: leave protocol out for any protocol",
+            );
+            None
+        }
         Some(Value::String(s)) => match protocol_named(s) {
             Some(protocol) => Some(protocol),
             None => {
@@ -700,7 +772,11 @@ fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
     };
     let mut ports = Vec::new();
     match obj.get("ports") {
-        None | Some(Value::Null) => {}
+        None => {}
+        Some(Value::Null) => e.add(
+            format!("{path}.ports"),
+            "null: leave ports out to allow every port",
+        ),
         Some(Value::Array(list)) => {
             if matches!(protocol, Some(Protocol::Any | Protocol::Icmp)) {
                 e.add(
@@ -882,19 +958,98 @@ mod tests {
         assert_eq!(p.name, "alice-laptop");
         assert_eq!(p.address, Some(Ipv4Addr::new(10, 8, 0, 2)));
         assert_eq!(p.persistent_keepalive, Some(25));
-        assert_eq!(p.rules.len(), 3);
+        assert_eq!(p.rules.as_ref().map(|r| r.len()), Some(3));
         assert!(p.policy.is_some());
         assert_eq!(s.restricted_peers(), 1);
     }
 
+    /// Issue 11 item 7, as Kubernetes NetworkPolicy: no `egress` leaves the peer unrestricted,
+    /// `"egress": []` allows nothing (a restricted policy without a single entry).
     #[test]
-    fn no_egress_means_unrestricted() {
+    fn no_egress_means_unrestricted_and_an_empty_egress_allows_nothing() {
         let s = parse(&state(vec![peer("a", 2)])).unwrap_or_else(|e| panic!("{e}"));
         assert!(s.peers[0].policy.is_none());
+        assert_eq!(s.peers[0].rules, None);
+        assert_eq!(s.restricted_peers(), 0);
         let mut empty = peer("a", 2);
         empty["egress"] = json!([]);
-        let s = parse(&state(vec![empty])).unwrap_or_else(|e| panic!("{e}"));
-        assert!(s.peers[0].policy.is_none());
+        for text in [
+            state(vec![empty.clone()]),
+            state(vec![empty.clone()]).replace(" ", ""),
+        ] {
+            for (how, parsed) in [
+                ("typed", fast::parse(&text).ok_or(())),
+                ("walk", parse_value_tree(&text).map_err(drop)),
+            ] {
+                let s = parsed.unwrap_or_else(|()| panic!("{how}: rejected {text}"));
+                let policy = s.peers[0].policy.as_deref();
+                assert_eq!(policy, Some(&CompiledPolicy::default()), "{how}: {text}");
+                assert_eq!(s.peers[0].rules.as_deref(), Some(&Vec::new()), "{how}");
+                assert_eq!(s.restricted_peers(), 1, "{how}");
+                assert_eq!(s.peers_allowed_nothing(), ["a"], "{how}");
+            }
+        }
+        // Equal empty rule sets share one (empty) policy, like any other.
+        let mut b = peer("b", 3);
+        b["egress"] = json!([]);
+        let s = parse(&state(vec![empty, b])).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(distinct_policies(&s).len(), 1);
+        assert_eq!(s.peers_allowed_nothing(), ["a", "b"]);
+    }
+
+    /// Issue 11 item 7: `null` where a value is expected is an error naming the peer and the
+    /// field, not a default (`"ports": null` meant every port, `"egress": null` everything).
+    #[test]
+    fn null_is_an_error_naming_the_peer_and_the_field() {
+        for field in [
+            "name",
+            "publicKey",
+            "address",
+            "addressV6",
+            "endpoint",
+            "presharedKey",
+            "persistentKeepalive",
+            "egress",
+        ] {
+            let mut p = peer("a", 2);
+            p["addressV6"] = json!("fd00:8::2");
+            p[field] = Value::Null;
+            let location = if field == "name" {
+                "peers[0]".to_owned()
+            } else {
+                "peer \"a\" (peers[0])".to_owned()
+            };
+            let text = state(vec![p]);
+            assert_error(&text, &format!("{location}, field {field}: null"));
+            assert_eq!(fast::parse(&text), None, "the typed pass took {text}");
+        }
+        for field in ["cidr", "protocol", "ports"] {
+            let mut rule = json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] });
+            rule[field] = Value::Null;
+            let mut p = peer("a", 2);
+            p["egress"] = json!([rule]);
+            let text = state(vec![p]);
+            assert_error(
+                &text,
+                &format!("peer \"a\" (peers[0]), field egress[0].{field}: null"),
+            );
+            assert_eq!(fast::parse(&text), None, "the typed pass took {text}");
+        }
+        let mut p = peer("a", 2);
+        p["egress"] = json!([null]);
+        assert_error(&state(vec![p]), "field egress[0]: null");
+        let mut p = peer("a", 2);
+        p["egress"] = json!([{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [null] }]);
+        assert_error(&state(vec![p]), "field egress[0].ports[0]: null");
+        for (field, text) in [
+            ("replies", r#"{"version":1,"replies":null,"peers":[]}"#),
+            ("version", r#"{"version":null,"peers":[]}"#),
+            ("peers", r#"{"version":1,"peers":null}"#),
+        ] {
+            assert_error(text, &format!("{field}: null"));
+            assert_eq!(fast::parse(text), None, "the typed pass took {text}");
+        }
+        assert_error(&state(vec![Value::Null]), "peers[0], field (peer): null");
     }
 
     #[test]
@@ -1109,16 +1264,15 @@ mod tests {
         a["persistentKeepalive"] = json!(0);
         a["egress"] = json!([
             { "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443, "8000-8100", " 22 ", 443] },
-            { "cidr": "fd00::/8", "protocol": null, "ports": null },
+            { "cidr": "fd00::/8" },
             { "cidr": "0.0.0.0/0", "protocol": "icmp" },
         ]);
         let mut b = peer("b", 3);
-        b["egress"] = json!(null);
-        b["endpoint"] = json!(null);
+        b["egress"] = json!([]);
         let texts = [
             state(vec![a.clone(), b.clone()]),
             json!({ "version": 1, "replies": false, "peers": [a, b] }).to_string(),
-            json!({ "version": 1, "replies": null, "peers": [] }).to_string(),
+            json!({ "version": 1, "peers": [] }).to_string(),
             // Escapes where the typed pass borrows strings.
             r#"{"version":1,"peers":[{"name":"cA","publicKey":"AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=","address":"10.8.0.9","egress":[{"cidr":"10.0.0.0\/8","protocol":"tcp","ports":["1-9"]}]}]}"#.to_owned(),
         ];
@@ -1214,7 +1368,9 @@ mod tests {
             { "cidr": "fd00::/8" },
             { "cidr": "0.0.0.0/0", "protocol": "icmp" },
         ]);
-        let text = json!({ "version": 1, "replies": false, "peers": [peer("bob", 3), a] });
+        let mut nothing = peer("carol", 4);
+        nothing["egress"] = json!([]);
+        let text = json!({ "version": 1, "replies": false, "peers": [peer("bob", 3), a, nothing] });
         let s = parse(&text.to_string()).unwrap_or_else(|e| panic!("{e}"));
         let canonical = s.to_canonical_json();
         let again = parse(&canonical).unwrap_or_else(|e| panic!("{e}\n{canonical}"));
@@ -1224,6 +1380,8 @@ mod tests {
             canonical.contains(r#""ports":[443,"8000-8100"]"#),
             "{canonical}"
         );
+        assert!(canonical.contains(r#""egress":[]"#), "{canonical}");
+        assert_eq!(again.peers_allowed_nothing(), ["carol"]);
     }
 
     #[test]

@@ -107,7 +107,7 @@ pub struct GenPeer {
     pub key: u8,
     pub v4: Option<u8>,
     pub v6: Option<u8>,
-    /// `None`: no `egress` (unrestricted); `Some(empty)`: `"egress": []`, unrestricted too.
+    /// `None`: no `egress` (unrestricted); `Some(empty)`: `"egress": []`, allowed nothing.
     pub rules: Option<Vec<GenRule>>,
     pub endpoint: Option<u8>,
     pub psk: Option<u8>,

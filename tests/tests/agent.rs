@@ -402,3 +402,94 @@ fn a_state_beyond_wireguard_go_capacity_is_rejected_whole() {
         Reach::Reached
     );
 }
+
+/// Runs `wgfence <args> --state <text>` in the node's namespace: (success, stdout, stderr).
+fn cli(gw: &Gateway, agent: &Agent, args: &[&str], text: &str) -> (bool, String, String) {
+    let path = agent.dir.join("cli.json");
+    std::fs::write(&path, text).unwrap_or_else(|e| panic!("{e}"));
+    let out = gw
+        .node
+        .command(wgfence_tests::agent::binary())
+        .args(args)
+        .arg("--state")
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| panic!("wgfence {args:?}: {e}"));
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Issue 11 item 7, as Kubernetes NetworkPolicy: `"egress": []` allows nothing (the peer gets
+/// only replies), while a peer without the key reaches everything; `check` and `plan` name the
+/// peer allowed nothing; `null` for `egress` is rejected, and the last good state stays.
+#[test]
+fn an_empty_egress_reaches_nothing_and_no_egress_reaches_everything() {
+    let gw = Gateway::new(2);
+    let s = state(vec![
+        gw.peer_json(0, Some(json!([]))),
+        gw.peer_json(1, None),
+    ]);
+    let agent = Agent::start(&gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+    let (closed, open) = (&gw.peers[0].ns, &gw.peers[1].ns);
+    let mut cases = Vec::new();
+    for dst in wgfence_tests::topology::DESTINATIONS
+        .into_iter()
+        .chain(["10.8.0.1", "fd00:8::1"])
+    {
+        for kind in [Kind::Tcp(443), Kind::Udp(53), Kind::Ping] {
+            cases.push(Expect::new("egress []", closed, kind, dst, Reach::Blocked));
+            cases.push(Expect::new("no egress", open, kind, dst, Reach::Reached));
+        }
+    }
+    // Replies are on: what the node starts toward the closed peer is answered.
+    for dst in ["10.8.0.2", "fd00:8::2"] {
+        cases.push(Expect::new(
+            "node",
+            &gw.node,
+            Kind::Ping,
+            dst,
+            Reach::Reached,
+        ));
+    }
+    check_all(&cases);
+
+    let (ok, out, err) = cli(&gw, &agent, &["check"], &s);
+    assert!(ok, "{out}{err}");
+    assert!(
+        out.contains("note: 1 peer with \"egress\": [] may send nothing (only replies): peer0"),
+        "{out}"
+    );
+    let (ok, out, err) = cli(&gw, &agent, &["plan", "--interface", gw.interface()], &s);
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("peer0"), "{out}");
+    assert!(
+        out.contains("0 map writes, 0 WireGuard peer changes"),
+        "{out}"
+    );
+
+    // null is no longer "unrestricted": rejected, naming the peer and the field.
+    let mut null = gw.peer_json(0, None);
+    null["egress"] = Value::Null;
+    let bad = state(vec![null, gw.peer_json(1, None)]);
+    let (ok, _, err) = cli(&gw, &agent, &["check"], &bad);
+    assert!(!ok, "check accepted \"egress\": null");
+    assert!(
+        err.contains("peer \"peer0\" (peers[0]), field egress: null"),
+        "{err}"
+    );
+    agent.write_state(&bad);
+    let rejected = || agent.metric(&gw, "wgfence_state_rejected_total") >= 1.0;
+    assert!(
+        wait_for(Duration::from_secs(5), rejected).is_some(),
+        "\"egress\": null was not rejected; log:\n{}",
+        agent.log_text()
+    );
+    assert_eq!(
+        probe(closed, Kind::Tcp(443), ip("10.2.3.4")),
+        Reach::Blocked
+    );
+}

@@ -10,7 +10,8 @@
 //! `parse` (compile) -> `plan` -> the map writes the reconciler issues.
 //!
 //! The model states the documented semantics (docs/architecture.md, `wgfence_common::Allow`):
-//! - the source address selects the peer; none: drop (unknown source); unrestricted: pass;
+//! - the source address selects the peer; none: drop (unknown source); unrestricted (no
+//!   `egress`): pass; `"egress": []`: restricted, and no rule matches anything;
 //! - a restricted peer's packet passes if any of its rules matches the destination (prefix
 //!   contains it), the protocol (`icmp` is ICMP for IPv4 rules, ICMPv6 for IPv6 rules) and the
 //!   destination port;
@@ -96,9 +97,9 @@ impl<'a> Model<'a> {
         let Some(peer) = self.peers.get(&src) else {
             return Counter::DropUnknownSource;
         };
-        if peer.rules.is_empty() {
+        let Some(rules) = peer.rules.as_deref() else {
             return Counter::PassUnrestricted;
-        }
+        };
         let header_len = usize::from(ip[0] & 0x0f) * 4;
         if header_len < 20 {
             return Counter::DropMalformed;
@@ -113,7 +114,7 @@ impl<'a> Model<'a> {
         } else {
             None
         };
-        allowed(peer, dst, protocol, port)
+        allowed(rules, dst, protocol, port)
     }
 
     fn v6(&self, ip: &[u8]) -> Counter {
@@ -129,9 +130,9 @@ impl<'a> Model<'a> {
         let Some(peer) = self.peers.get(&src) else {
             return Counter::DropUnknownSource;
         };
-        if peer.rules.is_empty() {
+        let Some(rules) = peer.rules.as_deref() else {
             return Counter::PassUnrestricted;
-        }
+        };
         let mut next = ip[6];
         let mut offset = 40usize;
         let mut walked = 0;
@@ -175,7 +176,7 @@ impl<'a> Model<'a> {
         } else {
             None
         };
-        allowed(peer, dst, next, port)
+        allowed(rules, dst, next, port)
     }
 }
 
@@ -194,9 +195,10 @@ fn port_at(ip: &[u8], offset: usize) -> Option<u16> {
     Some(u16::from_be_bytes([ports[2], ports[3]]))
 }
 
-/// A restricted peer's verdict, straight from its rules.
-fn allowed(peer: &PeerSpec, dst: IpAddr, protocol: u8, port: Option<u16>) -> Counter {
-    if peer.rules.iter().any(|r| matches(r, dst, protocol, port)) {
+/// A restricted peer's verdict, straight from its rules (none: `"egress": []`, nothing
+/// passes).
+fn allowed(rules: &[Rule], dst: IpAddr, protocol: u8, port: Option<u16>) -> Counter {
+    if rules.iter().any(|r| matches(r, dst, protocol, port)) {
         Counter::PassPolicy
     } else {
         Counter::DropPolicy
@@ -304,7 +306,8 @@ fn key(n: usize) -> String {
     WgKey(k).to_base64()
 }
 
-/// Restricted peers 10.8.0.2.. (every other one without IPv6), two unrestricted peers.
+/// Restricted peers 10.8.0.2.. (every other one without IPv6), two unrestricted peers, one
+/// allowed nothing.
 fn gen_state(rng: &mut Rng) -> DesiredState {
     loop {
         let mut peers = Vec::new();
@@ -319,13 +322,18 @@ fn gen_state(rng: &mut Rng) -> DesiredState {
         }
         peers.push(json!({ "name": "open", "publicKey": key(10),
             "address": "10.8.0.100", "addressV6": "fd00:8::100" }));
-        peers.push(
-            json!({ "name": "open4", "publicKey": key(11), "address": "10.8.0.101",
-            "egress": [] }),
-        );
+        peers.push(json!({ "name": "open4", "publicKey": key(11), "address": "10.8.0.101" }));
+        // "egress": [] allows nothing (only replies, and no flow is recorded here).
+        peers.push(json!({ "name": "closed", "publicKey": key(12),
+            "address": "10.8.0.102", "addressV6": "fd00:8::102", "egress": [] }));
         let text = json!({ "version": 1, "peers": peers }).to_string();
         // Too many allows for one prefix: the agent rejects the state; draw another.
         if let Ok(state) = parse(&text) {
+            assert_eq!(
+                state.peers_allowed_nothing(),
+                ["closed"],
+                "\"egress\": [] must be a restricted peer allowed nothing"
+            );
             return state;
         }
     }
@@ -361,7 +369,7 @@ impl Boundaries {
         };
         for peer in &state.peers {
             b.sources.extend(peer.addrs());
-            for rule in peer.rules.iter() {
+            for rule in peer.rules.iter().flat_map(|r| r.iter()) {
                 match rule.cidr {
                     IpNet::V4(n) => {
                         let (lo, hi) = (u32::from(n.network()), u32::from(n.broadcast()));

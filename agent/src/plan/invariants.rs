@@ -66,6 +66,10 @@ pub fn check_converged(actual: &Actual, desired: &DesiredState) -> Result<(), St
                 None if entry.policy != UNRESTRICTED => {
                     return Err(format!("{}: {addr} is restricted", peer.name))
                 }
+                // An empty policy (`"egress": []`) is a restricted id without trie entries.
+                Some(_) if entry.policy == UNRESTRICTED => {
+                    return Err(format!("{}: {addr} is unrestricted", peer.name))
+                }
                 Some(p) if content(actual, entry.policy) != p => {
                     return Err(format!("{}: {addr} has another policy", peer.name))
                 }
@@ -96,7 +100,8 @@ pub fn check_converged(actual: &Actual, desired: &DesiredState) -> Result<(), St
     if wg_keys != keys {
         return Err(format!("WireGuard peers {wg_keys:?}, wanted {keys:?}"));
     }
-    // No leaked policy entries: exactly the referenced ids remain.
+    // No leaked policy entries: only referenced ids have entries (a referenced id without
+    // entries is the empty policy, checked above).
     let referenced: BTreeSet<u32> = maps
         .peers
         .values()
@@ -104,7 +109,7 @@ pub fn check_converged(actual: &Actual, desired: &DesiredState) -> Result<(), St
         .filter(|p| *p != UNRESTRICTED)
         .collect();
     let policies: BTreeSet<u32> = maps.policies.keys().copied().collect();
-    if referenced != policies {
+    if !policies.is_subset(&referenced) {
         return Err(format!(
             "policy ids {policies:?} in the tries, {referenced:?} referenced"
         ));
@@ -143,7 +148,10 @@ pub fn check_revocations_lead(
             Op::DeletePeerEntry { .. } | Op::RemoveWgPeer { .. } | Op::DeletePolicyEntry { .. }
         )
     };
-    let lead = &ops[..ops.iter().position(|op| !is_deletion(op)).unwrap_or(ops.len())];
+    let lead = &ops[..ops
+        .iter()
+        .position(|op| !is_deletion(op))
+        .unwrap_or(ops.len())];
     for addr in before.maps().peers.keys().filter(|a| !addrs.contains(a)) {
         if !lead.contains(&Op::DeletePeerEntry { addr: *addr }) {
             return Err(format!(

@@ -9,7 +9,6 @@ use std::{
     collections::{BTreeSet, HashMap, HashSet},
     fmt,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    sync::Arc,
 };
 
 use ipnet::IpNet;
@@ -22,10 +21,10 @@ use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 
 use super::{
     keepalive, parse_endpoint, port_number, port_text, protocol_named, share, trie_entries,
-    usable_tunnel_addr, valid_name, Compiled, DesiredState, PeerSpec, WgKey, MAX_RULES_PER_PEER,
-    SCHEMA_VERSION,
+    usable_tunnel_addr, valid_name, Compiled, DesiredState, PeerSpec, Shared, WgKey,
+    MAX_RULES_PER_PEER, SCHEMA_VERSION,
 };
-use crate::policy::{CompiledPolicy, PortRange, Protocol, Rule};
+use crate::policy::{PortRange, Protocol, Rule};
 
 /// A JSON string, borrowed from the text unless it has escapes.
 struct Str<'a>(Cow<'a, str>);
@@ -101,10 +100,17 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for Obj<T> {
     }
 }
 
+/// An optional field: absent is `None`, and `null` is not a value (serde's `Option` would take
+/// it as absent), so it fails here and the walk names it.
+fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawState<'a> {
     version: u64,
+    #[serde(default, deserialize_with = "present")]
     replies: Option<bool>,
     #[serde(borrow)]
     peers: Vec<Obj<RawPeer<'a>>>,
@@ -117,18 +123,19 @@ struct RawPeer<'a> {
     name: Str<'a>,
     #[serde(borrow)]
     public_key: Str<'a>,
-    #[serde(borrow)]
+    #[serde(borrow, default, deserialize_with = "present")]
     address: Option<Str<'a>>,
-    #[serde(borrow)]
+    #[serde(borrow, default, deserialize_with = "present")]
     address_v6: Option<Str<'a>>,
-    #[serde(borrow)]
+    #[serde(borrow, default, deserialize_with = "present")]
     endpoint: Option<Str<'a>>,
-    #[serde(borrow)]
+    #[serde(borrow, default, deserialize_with = "present")]
     preshared_key: Option<Str<'a>>,
+    #[serde(default, deserialize_with = "present")]
     persistent_keepalive: Option<u64>,
     /// Kept as text: peers that share a policy usually carry the same text, which is then
-    /// parsed, validated and compiled once.
-    #[serde(borrow)]
+    /// parsed, validated and compiled once. `null` is kept as its text and refused there.
+    #[serde(borrow, default, deserialize_with = "present")]
     egress: Option<&'a RawValue>,
 }
 
@@ -137,9 +144,9 @@ struct RawPeer<'a> {
 struct RawRule<'a> {
     #[serde(borrow)]
     cidr: Str<'a>,
-    #[serde(borrow)]
+    #[serde(borrow, default, deserialize_with = "present")]
     protocol: Option<Str<'a>>,
-    #[serde(borrow)]
+    #[serde(borrow, default, deserialize_with = "present")]
     ports: Option<Vec<Port<'a>>>,
 }
 
@@ -178,7 +185,6 @@ pub(super) fn parse(text: &str) -> Option<DesiredState> {
 
 /// The rules and compiled policy of each distinct `egress` text seen.
 type Egress<'a> = HashMap<&'a str, Shared>;
-type Shared = (Arc<Vec<Rule>>, Option<Arc<CompiledPolicy>>);
 
 fn peer<'a>(
     raw: &RawPeer<'a>,
@@ -214,16 +220,17 @@ fn peer<'a>(
         None => None,
     };
     let (rules, policy) = match raw.egress {
-        None => (Arc::default(), None),
+        None => None,
         Some(text) => match egress.get(text.get()) {
-            Some((rules, policy)) => (Arc::clone(rules), policy.clone()),
+            Some(shared) => shared.clone(),
             None => {
                 let shared = rules(text.get(), compiled)?;
                 egress.insert(text.get(), shared.clone());
                 shared
             }
         },
-    };
+    }
+    .unzip();
     Some(PeerSpec {
         name: name.clone().into_owned(),
         public_key,
@@ -237,10 +244,9 @@ fn peer<'a>(
     })
 }
 
-/// An `egress` array: its canonical rule set and compiled policy.
+/// An `egress` array: its canonical rule set and compiled policy (`[]`: allowed nothing).
 fn rules(text: &str, compiled: &mut Compiled) -> Option<Shared> {
-    let raw: Option<Vec<Obj<RawRule<'_>>>> = serde_json::from_str(text).ok()?;
-    let raw = raw.unwrap_or_default();
+    let raw: Vec<Obj<RawRule<'_>>> = serde_json::from_str(text).ok()?;
     if raw.len() > MAX_RULES_PER_PEER {
         return None;
     }
@@ -248,7 +254,7 @@ fn rules(text: &str, compiled: &mut Compiled) -> Option<Shared> {
     for Obj(r) in &raw {
         set.insert(rule(r)?);
     }
-    share(set.into_iter().collect(), compiled).ok()
+    share(Some(set.into_iter().collect()), compiled).ok()
 }
 
 fn addr<A>(s: &str) -> Option<A>

@@ -56,7 +56,7 @@ pub fn render(desired: &DesiredState, interface: &str) -> String {
     let _ = writeln!(out, "-A FORWARD -i {interface} -j WGF-PEERS");
     for (i, peer) in desired.peers.iter().enumerate() {
         let Some(addr) = peer.address else { continue };
-        if peer.rules.is_empty() {
+        if peer.rules.is_none() {
             let _ = writeln!(out, "-A WGF-PEERS -s {addr}/32 -j ACCEPT");
         } else {
             let _ = writeln!(out, "-A WGF-PEERS -s {addr}/32 -j WGF-{i:06}");
@@ -64,11 +64,12 @@ pub fn render(desired: &DesiredState, interface: &str) -> String {
     }
     out.push_str("-A WGF-PEERS -j DROP\n");
     for (i, peer) in desired.peers.iter().enumerate() {
-        if peer.rules.is_empty() || peer.address.is_none() {
+        // A peer allowed nothing has an empty chain: it returns to the final DROP.
+        let (Some(rules), Some(_)) = (&peer.rules, peer.address) else {
             continue;
-        }
+        };
         let chain = format!("WGF-{i:06}");
-        for rule in peer.rules.iter() {
+        for rule in rules.iter() {
             let IpNet::V4(cidr) = rule.cidr else { continue };
             match rule.protocol {
                 Protocol::Any => {
