@@ -1001,16 +1001,7 @@ mod tests {
     /// field, not a default (`"ports": null` meant every port, `"egress": null` everything).
     #[test]
     fn null_is_an_error_naming_the_peer_and_the_field() {
-        for field in [
-            "name",
-            "publicKey",
-            "address",
-            "addressV6",
-            "endpoint",
-            "presharedKey",
-            "persistentKeepalive",
-            "egress",
-        ] {
+        for field in PEER_FIELDS {
             let mut p = peer("a", 2);
             p["addressV6"] = json!("fd00:8::2");
             p[field] = Value::Null;
@@ -1023,7 +1014,7 @@ mod tests {
             assert_error(&text, &format!("{location}, field {field}: null"));
             assert_eq!(fast::parse(&text), None, "the typed pass took {text}");
         }
-        for field in ["cidr", "protocol", "ports"] {
+        for field in RULE_FIELDS {
             let mut rule = json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] });
             rule[field] = Value::Null;
             let mut p = peer("a", 2);

@@ -538,17 +538,28 @@ fn fill_peer_map(gw: &Gateway) -> usize {
     max - present
 }
 
-/// Polls tcp/22 from peer `i` (unrestricted: a reset answers while it may send) until a probe
-/// is dropped; how long after `since` that probe was sent.
-fn blocked_after(gw: &Gateway, i: usize, since: Instant) -> Option<Duration> {
-    while since.elapsed() < Duration::from_secs(3) {
+/// Writes `state` and asserts that peer `i` is cut off within a second: polls tcp/22 from it
+/// (unrestricted: a reset answers while it may send) until a probe is dropped, and takes the
+/// time that probe was sent.
+#[track_caller]
+fn assert_revoked_at_once(gw: &Gateway, agent: &Agent, i: usize, state: &str, push: &str) {
+    let since = Instant::now();
+    agent.write_state(state);
+    let mut revoked = None;
+    while revoked.is_none() && since.elapsed() < Duration::from_secs(3) {
         let sent = since.elapsed();
         if probe(&gw.peers[i].ns, Kind::Tcp(22), ip("10.2.3.4")) == Reach::Blocked {
-            return Some(sent);
+            revoked = Some(sent);
         }
         thread::sleep(Duration::from_millis(20));
     }
-    None
+    eprintln!("peer {i} revoked after {revoked:?} ({push})");
+    assert!(
+        revoked.is_some_and(|d| d < Duration::from_secs(1)),
+        "peer {i} still reached the node {:?} after {push}; log:\n{}",
+        since.elapsed(),
+        agent.log_text()
+    );
 }
 
 /// Issue 11 item 5: at a full peer map, "revoke r + add n" revokes r at once. The plan deletes
@@ -577,15 +588,12 @@ fn at_a_full_peer_map_revoke_r_and_add_n_revokes_r_at_once() {
     let errors = agent.metric(&gw, "wgfence_reconcile_errors_total");
     let reconciles = agent.reconciles(&gw);
     let n = state(vec![gw.peer_json(1, None)]);
-    let since = Instant::now();
-    agent.write_state(&n);
-    let revoked = blocked_after(&gw, 0, since);
-    eprintln!("r revoked after {revoked:?}");
-    assert!(
-        revoked.is_some_and(|d| d < Duration::from_secs(1)),
-        "r still reached the node {:?} after \"revoke r + add n\" at a full peer map; log:\n{}",
-        since.elapsed(),
-        agent.log_text()
+    assert_revoked_at_once(
+        &gw,
+        &agent,
+        0,
+        &n,
+        "\"revoke r + add n\" at a full peer map",
     );
     // The revocation made the room n needed: nothing failed, and n is in.
     agent.wait_reconciles(&gw, reconciles, 1.0);
@@ -613,16 +621,7 @@ fn at_a_full_peer_map_revoke_r_and_add_n_revokes_r_at_once() {
                 "address": gen::peer_v4(i).to_string() })
     };
     let two = state(vec![extra(0), extra(1)]);
-    let since = Instant::now();
-    agent.write_state(&two);
-    let revoked = blocked_after(&gw, 1, since);
-    eprintln!("n revoked after {revoked:?}");
-    assert!(
-        revoked.is_some_and(|d| d < Duration::from_secs(1)),
-        "n still reached the node {:?} after a push whose last put failed; log:\n{}",
-        since.elapsed(),
-        agent.log_text()
-    );
+    assert_revoked_at_once(&gw, &agent, 1, &two, "a push whose last put failed");
     let failed = wait_for(Duration::from_secs(5), || {
         agent.metric(&gw, "wgfence_reconcile_errors_total") > errors
     });
