@@ -15,7 +15,8 @@ use std::{
 
 use crate::{net::unique, topology::Gateway};
 
-const METRICS: &str = "127.0.0.1:9586";
+/// Where the agent serves `/metrics`, `/healthz` and `/readyz` (in the gateway's node namespace).
+pub const METRICS: &str = "127.0.0.1:9586";
 
 /// The agent binary: `WGFENCE_BIN`, else `wgfence` in the target directory of the running
 /// executable (`target/<profile>/` for a binary, `target/<profile>/deps/` for a test); `cargo
@@ -48,6 +49,14 @@ pub enum Layout {
     /// A Kubernetes Secret/ConfigMap volume: `state.json -> ..data/state.json`, `..data` a
     /// symlink to a timestamped directory that is swapped atomically on update.
     Kubernetes,
+    /// A plain file, overwritten in place (as `echo > file` or an editor without rename does).
+    InPlace,
+    /// `state.json` a symlink into another directory (`elsewhere/state.json`, absolute), whose
+    /// target is replaced by writing a temporary file there and renaming it.
+    LinkElsewhere,
+    /// `--state current/state.json` where `current` is a symlink to a release directory,
+    /// swapped to a new one on update; old releases stay (as a deploy tool keeps them).
+    ParentLink,
 }
 
 pub struct Agent {
@@ -66,9 +75,13 @@ impl Agent {
     pub fn start(gw: &Gateway, layout: Layout, state: &str, extra: &[&str]) -> Self {
         let dir = std::env::temp_dir().join(unique("wgfence-agent-"));
         fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let state_path = match layout {
+            Layout::ParentLink => dir.join("current").join("state.json"),
+            _ => dir.join("state.json"),
+        };
         let agent = Self {
             child: None,
-            state: dir.join("state.json"),
+            state: state_path,
             log: dir.join("agent.log"),
             dir,
             interface: gw.interface().to_owned(),
@@ -76,8 +89,16 @@ impl Agent {
             layout,
             generation: AtomicU32::new(0),
         };
-        if layout == Layout::Kubernetes {
-            symlink("..data/state.json", &agent.state).unwrap_or_else(|e| panic!("symlink: {e}"));
+        match layout {
+            Layout::Kubernetes => symlink("..data/state.json", &agent.state)
+                .unwrap_or_else(|e| panic!("symlink: {e}")),
+            Layout::LinkElsewhere => {
+                let elsewhere = agent.dir.join("elsewhere");
+                fs::create_dir(&elsewhere).unwrap_or_else(|e| panic!("{e}"));
+                symlink(elsewhere.join("state.json"), &agent.state)
+                    .unwrap_or_else(|e| panic!("symlink: {e}"));
+            }
+            Layout::Plain | Layout::InPlace | Layout::ParentLink => {}
         }
         agent.write_state(state);
         let mut agent = agent;
@@ -128,6 +149,24 @@ impl Agent {
                 fs::write(&tmp, state).unwrap_or_else(|e| panic!("{e}"));
                 fs::rename(&tmp, &self.state).unwrap_or_else(|e| panic!("{e}"));
             }
+            Layout::InPlace => {
+                fs::write(&self.state, state).unwrap_or_else(|e| panic!("{e}"));
+            }
+            Layout::LinkElsewhere => {
+                let elsewhere = self.dir.join("elsewhere");
+                let tmp = elsewhere.join(format!(".state.json.{n}"));
+                fs::write(&tmp, state).unwrap_or_else(|e| panic!("{e}"));
+                fs::rename(&tmp, elsewhere.join("state.json")).unwrap_or_else(|e| panic!("{e}"));
+            }
+            Layout::ParentLink => {
+                let release = format!("release.{n}");
+                fs::create_dir(self.dir.join(&release)).unwrap_or_else(|e| panic!("{e}"));
+                fs::write(self.dir.join(&release).join("state.json"), state)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                let tmp = self.dir.join("current.tmp");
+                symlink(&release, &tmp).unwrap_or_else(|e| panic!("{e}"));
+                fs::rename(&tmp, self.dir.join("current")).unwrap_or_else(|e| panic!("{e}"));
+            }
             Layout::Kubernetes => {
                 // What kubelet's AtomicWriter does.
                 let data = format!("..2026_11_30_00_00_00.{n}");
@@ -148,7 +187,7 @@ impl Agent {
 
     /// Overwrites the state file in place (as `echo > file` or an editor without rename does).
     pub fn write_state_in_place(&self, state: &str) {
-        assert_eq!(self.layout, Layout::Plain);
+        assert!(matches!(self.layout, Layout::Plain | Layout::InPlace));
         let mut f = fs::OpenOptions::new()
             .write(true)
             .truncate(true)

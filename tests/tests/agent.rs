@@ -168,10 +168,15 @@ fn revocation(layout: Layout) {
     let both = state(vec![gw.peer_json(0, None), gw.peer_json(1, None)]);
     let agent = Agent::start(&gw, layout, &both, &[]);
     agent.wait_ready(&gw);
+    revoke_peer_1(&gw, &agent, &format!("{layout:?}"));
+    drop(agent);
+}
 
-    // Peer 1 will be revoked; peer 0 must not notice.
-    let revoked = ping_stream(&gw, 1, 300);
-    let bystander = ping_stream(&gw, 0, 300);
+/// Revokes peer 1 of two while both ping the gateway: the revoked peer's last reply comes
+/// less than a second after the state file changed, and peer 0 loses nothing.
+fn revoke_peer_1(gw: &Gateway, agent: &Agent, what: &str) {
+    let revoked = ping_stream(gw, 1, 300);
+    let bystander = ping_stream(gw, 0, 300);
     thread::sleep(Duration::from_millis(1000));
     let t0 = now();
     agent.write_state(&state(vec![gw.peer_json(0, None)]));
@@ -183,12 +188,13 @@ fn revocation(layout: Layout) {
         .unwrap_or_else(|| panic!("no reply before the revocation"));
     let latency = last - t0;
     eprintln!(
-        "revocation ({layout:?}): last reply {:.0} ms after the state file changed",
+        "revocation ({what}): last reply {:.0} ms after the state file changed",
         latency * 1e3
     );
     assert!(
         latency < 1.0,
-        "revoked peer still answered {latency:.3} s later"
+        "{what}: revoked peer still answered {latency:.3} s later; log:\n{}",
+        agent.log_text()
     );
     assert!(revoked.received < revoked.transmitted);
     assert_eq!(
@@ -196,7 +202,6 @@ fn revocation(layout: Layout) {
         "the revocation interrupted another peer"
     );
     assert_eq!(gw.wg_peers(), vec![gw.peers[0].wg.keys.public.clone()]);
-    drop(agent);
 }
 
 #[test]
@@ -207,6 +212,33 @@ fn a_revocation_takes_effect_within_a_second() {
 #[test]
 fn a_revocation_through_a_kubernetes_volume_swap_takes_effect_within_a_second() {
     revocation(Layout::Kubernetes);
+}
+
+#[test]
+fn a_revocation_written_in_place_takes_effect_within_a_second() {
+    revocation(Layout::InPlace);
+}
+
+/// `--state` is a symlink into another directory, and the file there is replaced: the agent
+/// watches the directory the link points into, not only the link's.
+#[test]
+fn a_revocation_behind_a_symlink_into_another_directory_takes_effect_within_a_second() {
+    revocation(Layout::LinkElsewhere);
+}
+
+/// `--state current/state.json` where `current` is a symlink swapped to another directory
+/// (the old one stays): the agent sees every swap, not only the first. The first swap changes
+/// nothing but the order of peers; the second revokes.
+#[test]
+fn a_revocation_by_swapping_a_parent_directory_link_takes_effect_within_a_second() {
+    let gw = Gateway::new(2);
+    let both = state(vec![gw.peer_json(0, None), gw.peer_json(1, None)]);
+    let agent = Agent::start(&gw, Layout::ParentLink, &both, &[]);
+    agent.wait_ready(&gw);
+    let before = agent.reconciles(&gw);
+    agent.write_state(&state(vec![gw.peer_json(1, None), gw.peer_json(0, None)]));
+    agent.wait_reconciles(&gw, before, 1.0);
+    revoke_peer_1(&gw, &agent, "ParentLink, second swap");
 }
 
 #[test]
