@@ -3,9 +3,10 @@
 //! its metrics.
 
 use std::{
+    net::TcpStream,
     process::{Child, Stdio},
     thread,
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use serde_json::{json, Value};
@@ -239,6 +240,139 @@ fn a_revocation_by_swapping_a_parent_directory_link_takes_effect_within_a_second
     agent.write_state(&state(vec![gw.peer_json(1, None), gw.peer_json(0, None)]));
     agent.wait_reconciles(&gw, before, 1.0);
     revoke_peer_1(&gw, &agent, "ParentLink, second swap");
+}
+
+/// The agent's open file descriptors.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or_else(|e| panic!("/proc/{pid}/fd: {e}"))
+}
+
+fn set_nofile(pid: libc::pid_t, soft: u64, hard: u64) {
+    let limit = libc::rlimit {
+        rlim_cur: soft,
+        rlim_max: hard,
+    };
+    // SAFETY: prlimit with a valid rlimit and no old-limit output.
+    let rc = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, &limit, std::ptr::null_mut()) };
+    assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+}
+
+/// Peers reach the node IP through the tunnel; nothing they do to the metrics port may delay
+/// enforcement. 2,000 idle connections are held open against it while the agent runs with the
+/// common container limit of 1,024 descriptors: the agent keeps a bounded number of them (the
+/// rest are closed at once, not queued), still applies a revocation within a second, and
+/// answers `/healthz` on a fresh connection once the idle ones have timed out (while the test
+/// still holds its end of all 2,000).
+#[test]
+fn idle_connections_to_the_metrics_port_neither_delay_a_revocation_nor_exhaust_descriptors() {
+    const HELD: usize = 2000;
+    let gw = Gateway::new(2);
+    let both = state(vec![gw.peer_json(0, None), gw.peer_json(1, None)]);
+    let agent = Agent::start(&gw, Layout::Plain, &both, &[]);
+    agent.wait_ready(&gw);
+    let pid = agent
+        .pid()
+        .unwrap_or_else(|| panic!("the agent is not running"));
+    set_nofile(pid as libc::pid_t, 1024, 1024);
+    // This process holds the 2,000 client ends.
+    let mut own = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into a valid rlimit.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut own) }, 0);
+    if own.rlim_cur < 4 * HELD as u64 {
+        set_nofile(
+            0,
+            own.rlim_max.max(4 * HELD as u64),
+            own.rlim_max.max(4 * HELD as u64),
+        );
+    }
+    let baseline = open_fds(pid);
+
+    let addr: std::net::SocketAddr = wgfence_tests::agent::METRICS
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let started = Instant::now();
+    // Each attempt ends established (and is held) or reset by the agent, which closes what
+    // is over its limit at once; none may hang in the kernel's queue.
+    let (held, reset): (Vec<TcpStream>, usize) = gw.node.enter(|| {
+        let mut held = Vec::new();
+        let mut reset = 0;
+        for _ in 0..HELD {
+            // Connections the agent never accepts fill the kernel's queue, and connecting
+            // then hangs: give up after twenty seconds. (A full queue drops a SYN, which is
+            // sent again after a second: allow for that.)
+            if started.elapsed() > Duration::from_secs(20) {
+                break;
+            }
+            match TcpStream::connect_timeout(&addr, Duration::from_secs(4)) {
+                Ok(stream) => held.push(stream),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => reset += 1,
+                Err(e) => {
+                    eprintln!("connecting: {e}");
+                    break;
+                }
+            }
+        }
+        (held, reset)
+    });
+    eprintln!(
+        "{HELD} connections: {} established and held, {reset} reset by the agent at once, \
+         in {:.0} ms",
+        held.len(),
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    let flooded = Instant::now();
+    thread::sleep(Duration::from_millis(300));
+    let fds = open_fds(pid);
+    eprintln!("agent descriptors: {baseline} before, {fds} with the connections held");
+    assert!(
+        fds <= baseline + 64 + 8,
+        "the agent holds {fds} descriptors ({baseline} before the connections)"
+    );
+    assert_eq!(
+        held.len() + reset,
+        HELD,
+        "connecting hung: the agent stopped accepting"
+    );
+
+    // A fresh request while the cap is full is answered or closed at once, never queued.
+    let asked = Instant::now();
+    let fresh = agent.get(&gw, "/healthz");
+    let waited = asked.elapsed();
+    eprintln!("fresh /healthz while all are held: {fresh:?} after {waited:?}");
+    assert!(
+        waited < Duration::from_secs(1),
+        "a fresh connection waited {waited:?} behind the idle ones"
+    );
+
+    revoke_peer_1(&gw, &agent, "2,000 idle metrics connections held");
+
+    // The last idle connections the agent took were accepted by the end of the flood; they
+    // close at the header timeout, and then a fresh connection is served.
+    let deadline = flooded + wgfence::metrics::HEADER_TIMEOUT + Duration::from_secs(2);
+    let answered = wait_for(deadline.saturating_duration_since(Instant::now()), || {
+        agent.get(&gw, "/healthz").map(|(s, _)| s) == Some(200)
+    });
+    eprintln!(
+        "/healthz answered on a fresh connection {:?} after the flood ended",
+        flooded.elapsed()
+    );
+    assert!(
+        answered.is_some(),
+        "/healthz did not answer within the header timeout of the flood's end, with the idle \
+         connections still held; log:\n{}",
+        agent.log_text()
+    );
+    let fds = open_fds(pid);
+    assert!(
+        fds <= baseline + 64 + 8,
+        "the agent holds {fds} descriptors ({baseline} before the connections)"
+    );
+    drop(held);
 }
 
 #[test]
