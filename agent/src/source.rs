@@ -240,48 +240,43 @@ impl StateSource {
     /// Resolves the path again and moves the watches to the directories it goes through now.
     fn rearm(&mut self) -> Result<(), SourceError> {
         let next = Lookups::resolve(&self.path);
-        if next == self.watched {
-            return Ok(());
-        }
         // Listen for both while the watches move, so nothing in between is dropped.
         *self.filter.lock().unwrap_or_else(PoisonError::into_inner) = self.watched.union(&next);
-        let mut result = Ok(());
         for (dir, old) in &self.watched.dirs {
             if next.dirs.get(dir).is_none_or(|new| new.id != old.id) {
                 // Gone already if the directory was removed: nothing to undo then.
                 let _ = self.watcher.unwatch(dir);
             }
         }
+        // Every directory is watched again, also those watched already (that only adds to
+        // the same watch): notify forgets a watch when its directory is renamed or removed in
+        // a watched parent, and one moved away and back within a burst looks unchanged here.
+        let mut result = Ok(());
         let mut watched = Lookups::default();
         for (dir, new) in &next.dirs {
-            let same = self
-                .watched
-                .dirs
-                .get(dir)
-                .is_some_and(|old| old.id == new.id);
-            if !same {
-                match self.watcher.watch(dir, RecursiveMode::NonRecursive) {
-                    Ok(()) => {}
-                    // Removed since it was resolved: its parent's watch reports that.
-                    Err(e) if matches!(e.kind, notify::ErrorKind::PathNotFound) => continue,
-                    Err(source) => {
-                        if result.is_ok() {
-                            result = Err(SourceError::Watch {
-                                dir: dir.clone(),
-                                source,
-                            });
-                        }
-                        continue;
+            match self.watcher.watch(dir, RecursiveMode::NonRecursive) {
+                Ok(()) => {
+                    watched.dirs.insert(dir.clone(), new.clone());
+                }
+                // Removed since it was resolved: its parent's watch reports that.
+                Err(e) if matches!(e.kind, notify::ErrorKind::PathNotFound) => {}
+                Err(source) => {
+                    if result.is_ok() {
+                        result = Err(SourceError::Watch {
+                            dir: dir.clone(),
+                            source,
+                        });
                     }
                 }
             }
-            watched.dirs.insert(dir.clone(), new.clone());
         }
-        tracing::debug!(
-            path = %self.path.display(),
-            dirs = ?watched.dirs.keys().collect::<Vec<_>>(),
-            "watching the state file's path"
-        );
+        if watched != self.watched {
+            tracing::debug!(
+                path = %self.path.display(),
+                dirs = ?watched.dirs.keys().collect::<Vec<_>>(),
+                "watching the state file's path"
+            );
+        }
         self.filter
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -504,6 +499,27 @@ mod tests {
         .await;
         reported(&mut source, "file created in it", || {
             ok(fs::write(&path, "{}"))
+        })
+        .await;
+    }
+
+    /// A watched directory moved away and back within one burst: notify dropped its watch,
+    /// and the path resolves as before; the watch is made again all the same.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_directory_moved_away_and_back_is_watched_again() {
+        let dir = TempDir::new("moved");
+        let conf = dir.0.join("conf");
+        ok(fs::create_dir(&conf));
+        let path = conf.join("state.json");
+        ok(fs::write(&path, "{}"));
+        let mut source = ok(StateSource::watch(&path));
+        reported(&mut source, "directory moved away and back", || {
+            ok(fs::rename(&conf, dir.0.join("conf.old")));
+            ok(fs::rename(dir.0.join("conf.old"), &conf));
+        })
+        .await;
+        reported(&mut source, "file written afterwards", || {
+            ok(fs::write(&path, "{\"a\":1}"))
         })
         .await;
     }
