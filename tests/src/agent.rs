@@ -13,7 +13,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::{net::unique, topology::Gateway};
+use crate::{
+    net::{unique, Netns},
+    topology::Gateway,
+};
 
 /// Where the agent serves `/metrics`, `/healthz` and `/readyz` (in the gateway's node namespace).
 pub const METRICS: &str = "127.0.0.1:9586";
@@ -41,6 +44,22 @@ pub fn binary() -> PathBuf {
         })
 }
 
+/// `GET path` from namespace `ns` to `addr`: (status, body); `None` if no answer came (not
+/// connected within 5 s, closed or reset, nothing within 5 s).
+pub fn http_get(ns: &Netns, addr: &str, path: &str) -> Option<(u16, String)> {
+    let addr: std::net::SocketAddr = addr.parse().unwrap_or_else(|e| panic!("{addr}: {e}"));
+    ns.enter(|| {
+        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
+        stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).ok()?;
+        let status = response.split_whitespace().nth(1)?.parse().ok()?;
+        let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
+        Some((status, body))
+    })
+}
+
 /// How the state file is laid out and updated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
@@ -66,6 +85,8 @@ pub struct Agent {
     pub log: PathBuf,
     pub interface: String,
     node: String,
+    /// `--metrics-addr`.
+    metrics: String,
     layout: Layout,
     generation: AtomicU32,
 }
@@ -73,6 +94,18 @@ pub struct Agent {
 impl Agent {
     /// Writes the state and starts `wgfence run` on the gateway's interface.
     pub fn start(gw: &Gateway, layout: Layout, state: &str, extra: &[&str]) -> Self {
+        Self::start_with_metrics(gw, layout, state, extra, METRICS)
+    }
+
+    /// As [`Agent::start`], serving its HTTP endpoint on `metrics` (an address of the node
+    /// namespace) instead of [`METRICS`].
+    pub fn start_with_metrics(
+        gw: &Gateway,
+        layout: Layout,
+        state: &str,
+        extra: &[&str],
+        metrics: &str,
+    ) -> Self {
         let dir = std::env::temp_dir().join(unique("wgfence-agent-"));
         fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         let state_path = match layout {
@@ -86,6 +119,7 @@ impl Agent {
             dir,
             interface: gw.interface().to_owned(),
             node: gw.node.name().to_owned(),
+            metrics: metrics.to_owned(),
             layout,
             generation: AtomicU32::new(0),
         };
@@ -124,7 +158,7 @@ impl Agent {
                 "--interface",
                 &self.interface,
             ])
-            .args(["--state", &state, "--metrics-addr", METRICS])
+            .args(["--state", &state, "--metrics-addr", &self.metrics])
             .args(extra)
             .stdin(Stdio::null())
             .stdout(log)
@@ -199,16 +233,7 @@ impl Agent {
 
     /// `GET path` on the agent's HTTP endpoint: (status, body).
     pub fn get(&self, gw: &Gateway, path: &str) -> Option<(u16, String)> {
-        gw.node.enter(|| {
-            let mut stream = TcpStream::connect(METRICS).ok()?;
-            stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-            write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
-            let mut response = String::new();
-            stream.read_to_string(&mut response).ok()?;
-            let status = response.split_whitespace().nth(1)?.parse().ok()?;
-            let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
-            Some((status, body))
-        })
+        http_get(&gw.node, &self.metrics, path)
     }
 
     /// The value of one series, e.g. `wgfence_bpf_map_writes_total` or

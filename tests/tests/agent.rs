@@ -11,7 +11,7 @@ use std::{
 
 use serde_json::{json, Value};
 use wgfence_tests::{
-    agent::{Agent, Layout},
+    agent::{http_get, Agent, Layout},
     ip,
     net::{run, wait_for},
     probe::{check_all, probe, Expect, Kind, Reach},
@@ -373,6 +373,47 @@ fn idle_connections_to_the_metrics_port_neither_delay_a_revocation_nor_exhaust_d
         "the agent holds {fds} descriptors ({baseline} before the connections)"
     );
     drop(held);
+}
+
+/// Binding the endpoint to an address of the node does not keep the peers away: they reach
+/// it through the tunnel. The rule docs/operations.md gives (here in its iptables form,
+/// `iptables -I INPUT -i wg0 -p tcp --dport 9586 -j DROP`) does, and the node itself (the
+/// kubelet, Prometheus on the node network) still gets its answers.
+#[test]
+fn peers_reach_the_metrics_endpoint_through_the_tunnel_until_the_documented_rule_drops_them() {
+    let gw = Gateway::new(1);
+    // 10.2.3.4 stands for the node IP: an address of the node that peers route to.
+    let addr = "10.2.3.4:9586";
+    let s = state(vec![gw.peer_json(0, None)]);
+    let agent = Agent::start_with_metrics(&gw, Layout::Plain, &s, &[], addr);
+    agent.wait_ready(&gw);
+    let peer = &gw.peers[0].ns;
+    assert_eq!(
+        http_get(peer, addr, "/healthz").map(|(s, _)| s),
+        Some(200),
+        "the peer did not reach the endpoint through the tunnel"
+    );
+    for iptables in ["iptables", "ip6tables"] {
+        gw.node.exec(&[
+            iptables,
+            "-I",
+            "INPUT",
+            "-i",
+            gw.interface(),
+            "-p",
+            "tcp",
+            "--dport",
+            "9586",
+            "-j",
+            "DROP",
+        ]);
+    }
+    assert_eq!(
+        http_get(peer, addr, "/healthz"),
+        None,
+        "the peer still reached the endpoint past the rule"
+    );
+    assert_eq!(agent.get(&gw, "/healthz").map(|(s, _)| s), Some(200));
 }
 
 #[test]
