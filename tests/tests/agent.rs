@@ -276,20 +276,22 @@ fn idle_connections_to_the_metrics_port_neither_delay_a_revocation_nor_exhaust_d
         .pid()
         .unwrap_or_else(|| panic!("the agent is not running"));
     set_nofile(pid as libc::pid_t, 1024, 1024);
-    // This process holds the 2,000 client ends.
+    // This process holds the 2,000 client ends: raise its own soft limit to the hard one.
     let mut own = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit writes into a valid rlimit.
     assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut own) }, 0);
-    if own.rlim_cur < 4 * HELD as u64 {
-        set_nofile(
-            0,
-            own.rlim_max.max(4 * HELD as u64),
-            own.rlim_max.max(4 * HELD as u64),
-        );
+    if own.rlim_cur < own.rlim_max {
+        set_nofile(0, own.rlim_max, own.rlim_max);
     }
+    assert!(
+        own.rlim_max > 2 * HELD as u64,
+        "the test needs more than {} descriptors (hard limit {})",
+        2 * HELD,
+        own.rlim_max
+    );
     let baseline = open_fds(pid);
 
     let addr: std::net::SocketAddr = wgfence_tests::agent::METRICS
