@@ -292,25 +292,7 @@ mod tests {
 
     use super::*;
 
-    struct TempDir(PathBuf);
-
-    impl TempDir {
-        fn new(name: &str) -> Self {
-            let dir = std::env::temp_dir().join(format!(
-                "wgfence-source-{name}-{}-{:?}",
-                std::process::id(),
-                std::time::SystemTime::now()
-            ));
-            fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
-            Self(dir)
-        }
-    }
-
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = fs::remove_dir_all(&self.0);
-        }
-    }
+    use crate::trust::tests::Dir as TempDir;
 
     #[track_caller]
     fn ok<T, E: std::fmt::Display>(r: Result<T, E>) -> T {
@@ -372,30 +354,35 @@ mod tests {
         );
     }
 
+    /// `change` is not reported (within 300 ms).
+    async fn not_reported(what: &str, change: impl FnOnce(&Path)) {
+        let dir = TempDir::new("quiet");
+        let path = dir.0.join("state.json");
+        ok(fs::write(&path, "{}"));
+        let mut source = ok(StateSource::watch(&path));
+        change(&path);
+        let r = tokio::time::timeout(Duration::from_millis(300), source.changed()).await;
+        assert!(r.is_err(), "{what} was reported as a change");
+    }
+
     /// The agent reads the file after every change; its own read must not count as one, or
     /// it reads the file again every DEBOUNCE, forever.
     #[tokio::test(flavor = "current_thread")]
     async fn reading_the_file_is_not_a_change() {
-        let dir = TempDir::new("read");
-        let path = dir.0.join("state.json");
-        ok(fs::write(&path, "{}"));
-        let mut source = ok(StateSource::watch(&path));
-        let _ = ok(trust::read_trusted(&path));
-        let _ = ok(fs::read(&path));
-        let r = tokio::time::timeout(Duration::from_millis(300), source.changed()).await;
-        assert!(r.is_err(), "a read was reported as a change");
+        not_reported("a read", |path| {
+            let _ = ok(trust::read_trusted(path));
+            let _ = ok(fs::read(path));
+        })
+        .await;
     }
 
     /// Other files in the watched directories (`/tmp` and the state's own) are not changes.
     #[tokio::test(flavor = "current_thread")]
     async fn other_files_are_not_changes() {
-        let dir = TempDir::new("others");
-        let path = dir.0.join("state.json");
-        ok(fs::write(&path, "{}"));
-        let mut source = ok(StateSource::watch(&path));
-        ok(fs::write(dir.0.join("other.json"), "{}"));
-        let r = tokio::time::timeout(Duration::from_millis(300), source.changed()).await;
-        assert!(r.is_err(), "another file was reported as a change");
+        not_reported("another file", |path| {
+            ok(fs::write(path.with_file_name("other.json"), "{}"))
+        })
+        .await;
     }
 
     #[tokio::test(flavor = "current_thread")]

@@ -216,15 +216,17 @@ fn who(mode: u32) -> &'static str {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::os::unix::fs::{symlink, PermissionsExt as _};
 
     use super::*;
 
-    struct Dir(PathBuf);
+    /// A fresh directory (0755) under the temporary directory, removed with everything in it
+    /// when dropped.
+    pub(crate) struct Dir(pub(crate) PathBuf);
 
     impl Dir {
-        fn new(name: &str) -> Self {
+        pub(crate) fn new(name: &str) -> Self {
             let path = std::env::temp_dir().join(format!(
                 "wgfence-trust-{name}-{}-{:?}",
                 std::process::id(),
