@@ -77,6 +77,8 @@ pub enum DaemonError {
         #[source]
         source: io::Error,
     },
+    #[error("starting the metrics server")]
+    MetricsServer(#[source] io::Error),
     #[error("starting the runtime")]
     Runtime(#[from] io::Error),
     #[error("the reconcile task failed")]
@@ -437,11 +439,13 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     );
     let closed = reconciler.shutdown_handle();
     if let Some(listener) = listener {
-        tokio::spawn(metrics::serve(
-            listener,
-            Arc::clone(&metrics),
-            Arc::clone(&health),
-        ));
+        // On its own thread: nothing a client of the endpoint does can delay this loop.
+        listener
+            .into_std()
+            .and_then(|listener| {
+                metrics::spawn(listener, Arc::clone(&metrics), Arc::clone(&health))
+            })
+            .map_err(DaemonError::MetricsServer)?;
     }
 
     let mut source = StateSource::watch(&options.state)?;

@@ -7,16 +7,18 @@
 
 use std::{
     convert::Infallible,
+    io,
     path::PathBuf,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, Mutex, RwLock,
     },
+    time::Duration,
 };
 
 use http_body_util::Full;
 use hyper::{body::Bytes, server::conn::http1, service::service_fn, Method, Request, Response};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::{
     collector::Collector,
     encoding::{text::encode, DescriptorEncoder, EncodeMetric},
@@ -28,7 +30,7 @@ use prometheus_client::{
     },
     registry::Registry,
 };
-use tokio::net::TcpListener;
+use tokio::{net::TcpListener, sync::Semaphore};
 use wgfence_common::Counter as DatapathCounter;
 
 use crate::dataplane::Dataplane;
@@ -266,31 +268,100 @@ fn counter_family<L: prometheus_client::encoding::EncodeLabelSet>(
     Ok(())
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` until the task is dropped.
+/// Connections served at once. More are closed (reset) as soon as they are accepted: never
+/// queued, never holding a descriptor. A scraper and the kubelet's probes need a handful.
+pub const MAX_CONNECTIONS: usize = 64;
+/// A connection closes when it has not sent a whole request head within this time: before
+/// its first request (a client that connects and sends nothing, or sends it a byte at a
+/// time) and between requests on a kept-alive connection (an idle scraper connection).
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+/// No connection lives longer, whatever it does (a client that never reads its response).
+pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
+/// Largest request head read into memory, per connection (hyper's smallest allowed buffer is
+/// 8 KiB; the endpoints' requests are a few hundred bytes).
+const MAX_BUF: usize = 16 * 1024;
+/// Pause after a failed accept (out of descriptors, say) before trying again, not to spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on a thread of its own, with its own runtime:
+/// nothing the HTTP side does (many or slow clients, scrapes that read the pinned maps) can
+/// delay the reconcile loop. The thread runs until the process ends.
+pub fn spawn(
+    listener: std::net::TcpListener,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+) -> io::Result<()> {
+    listener.set_nonblocking(true)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name("metrics".to_owned())
+        .spawn(move || {
+            runtime.block_on(async move {
+                match TcpListener::from_std(listener) {
+                    Ok(listener) => serve(listener, metrics, health).await,
+                    Err(e) => tracing::error!(error = %e, "metrics listener"),
+                }
+            });
+        })
+        .map(drop)
+}
+
+/// Accepts connections forever, at most [`MAX_CONNECTIONS`] at once.
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, health: Arc<Health>) {
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
     }
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    // Connections refused since the limit was reached, for one log line per episode.
+    let mut refused: Option<u64> = None;
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(conn) => conn,
             Err(e) => {
                 tracing::warn!(error = %e, "accepting a metrics connection");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
                 continue;
             }
         };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            // Reset at once: no TIME_WAIT, nothing kept for it.
+            let _ = stream.set_zero_linger();
+            drop(stream);
+            if refused.is_none() {
+                tracing::warn!(
+                    max = MAX_CONNECTIONS,
+                    "metrics endpoint: connection limit reached; closing new connections \
+                     until some end (is the port reachable from peers? see docs/security.md)"
+                );
+            }
+            *refused.get_or_insert(0) += 1;
+            continue;
+        };
+        if let Some(n) = refused.take() {
+            tracing::info!(
+                refused = n,
+                "metrics endpoint: below the connection limit again"
+            );
+        }
         let metrics = Arc::clone(&metrics);
         let health = Arc::clone(&health);
         tokio::spawn(async move {
+            let _slot = slot;
             let service = service_fn(move |req: Request<hyper::body::Incoming>| {
                 let response = respond(&req, &metrics, &health);
                 async move { Ok::<_, Infallible>(response) }
             });
-            if let Err(e) = http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
-                tracing::debug!(error = %e, "metrics connection");
+            let connection = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .max_buf_size(MAX_BUF)
+                .serve_connection(TokioIo::new(stream), service);
+            match tokio::time::timeout(CONNECTION_LIFETIME, connection).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(error = %e, "metrics connection"),
+                Err(_) => tracing::debug!("metrics connection closed at its lifetime"),
             }
         });
     }

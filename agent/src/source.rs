@@ -1,28 +1,47 @@
-//! The state file, watched through its directory.
+//! The state file, watched through every directory its path resolves through.
 //!
 //! Kubernetes updates a Secret or ConfigMap volume by writing a new timestamped directory and
 //! swapping the `..data` symlink; editors write in place or write a temporary file and rename
-//! it. Watching the file itself misses the swap and the rename (the watch follows the old
-//! inode), so the directory is watched and any event in it means "read the file again". A
-//! burst of events (a swap is several) is debounced into one read, and a read that finds the
-//! same bytes as last time costs nothing more.
+//! it; `--state` may be a symlink into another directory, or go through a symlinked directory
+//! (`/etc/wg/current/state.json`) that a deploy tool swaps. Watching the file itself misses the
+//! swap and the rename (the watch follows the old inode), and watching only the directory of
+//! `--state` misses every change behind a symlink.
+//!
+//! So the path is resolved the way the kernel (and [`crate::trust`]) resolves it, one
+//! component at a time, following symlinks, and every directory in which a component is looked
+//! up is watched, for the names looked up in it: the link's directory for a symlink, the
+//! target's directory for the file, each ancestor for the next component. An event about one
+//! of those names (or about a watched directory itself) means "read the file again"; anything
+//! else in those directories (other files in `/tmp`, our own reads of the file) is ignored.
+//! After every burst of events the path is resolved again and the watches follow: a swapped
+//! link moves the watch to its new target before the file is read, so no later change is
+//! missed. A burst (a swap is several events) is debounced into one read, and a read that finds
+//! the same bytes as last time costs nothing more.
 
 use std::{
-    io,
+    collections::{BTreeMap, BTreeSet, VecDeque},
+    ffi::OsString,
+    os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
+    sync::{Arc, Mutex, PoisonError},
     time::Duration,
 };
 
-use notify::{RecommendedWatcher, RecursiveMode, Watcher as _};
+use notify::{
+    event::{AccessKind, AccessMode},
+    EventKind, RecommendedWatcher, RecursiveMode, Watcher as _,
+};
 use tokio::sync::mpsc;
+
+use crate::trust;
 
 /// How long a burst of events may last before the file is read.
 pub const DEBOUNCE: Duration = Duration::from_millis(50);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
-    #[error("state file {path} has no parent directory to watch")]
-    NoDirectory { path: PathBuf },
+    #[error("the current directory, to resolve the state file's relative path")]
+    CurrentDir(#[source] std::io::Error),
     #[error("watching {dir}")]
     Watch {
         dir: PathBuf,
@@ -31,64 +50,173 @@ pub enum SourceError {
     },
 }
 
+/// The directories a resolution of the path looked names up in: each with its identity
+/// (device, inode) and the names that matter there.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Lookups {
+    dirs: BTreeMap<PathBuf, Dir>,
+}
+
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Dir {
+    id: Option<(u64, u64)>,
+    names: BTreeSet<OsString>,
+}
+
+impl Lookups {
+    /// Resolves `path` as the kernel does (see [`crate::trust`]), recording each lookup.
+    /// Stops where the path stops resolving (a missing component, a file in the middle, a
+    /// symlink loop): the directory where it stopped is watched for the missing name.
+    fn resolve(path: &Path) -> Self {
+        let mut lookups = Self::default();
+        let mut queue: VecDeque<OsString> = VecDeque::new();
+        let mut current = PathBuf::from("/");
+        trust::push_front(&mut queue, path, &mut current);
+        let mut links = 0;
+        while let Some(name) = queue.pop_front() {
+            if name == ".." {
+                // `..` of a directory changes only when the directory moves: a watched
+                // directory's own events cover that.
+                lookups.add(&current, None);
+                current.pop();
+                continue;
+            }
+            lookups.add(&current, Some(name.clone()));
+            let next = current.join(&name);
+            let Ok(meta) = std::fs::symlink_metadata(&next) else {
+                break;
+            };
+            if meta.file_type().is_symlink() {
+                links += 1;
+                let Ok(target) = std::fs::read_link(&next) else {
+                    break;
+                };
+                if links > trust::MAX_SYMLINKS {
+                    break;
+                }
+                trust::push_front(&mut queue, &target, &mut current);
+            } else if meta.is_dir() {
+                current = next;
+            } else {
+                break;
+            }
+        }
+        lookups
+    }
+
+    fn add(&mut self, dir: &Path, name: Option<OsString>) {
+        let entry = self.dirs.entry(dir.to_owned()).or_insert_with(|| Dir {
+            id: std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino())),
+            names: BTreeSet::new(),
+        });
+        entry.names.extend(name);
+    }
+
+    /// Whether `event` may change what the path resolves to or what the file holds.
+    fn concerns(&self, event: &notify::Event) -> bool {
+        match event.kind {
+            // Opening, reading and closing a file unchanged (the agent's own reads do that).
+            EventKind::Access(AccessKind::Close(AccessMode::Write)) => {}
+            EventKind::Access(_) => return false,
+            _ => {}
+        }
+        if event.paths.is_empty() || event.need_rescan() {
+            return true;
+        }
+        event.paths.iter().any(|p| {
+            self.dirs.contains_key(p)
+                || match (p.parent(), p.file_name()) {
+                    (Some(dir), Some(name)) => {
+                        self.dirs.get(dir).is_some_and(|d| d.names.contains(name))
+                    }
+                    _ => true,
+                }
+        })
+    }
+
+    /// Both sets' directories and names: what to listen for while the watches move.
+    fn union(&self, other: &Self) -> Self {
+        let mut both = self.clone();
+        for (path, dir) in &other.dirs {
+            let entry = both.dirs.entry(path.clone()).or_default();
+            entry.names.extend(dir.names.iter().cloned());
+        }
+        both
+    }
+}
+
 pub struct StateSource {
     path: PathBuf,
-    events: mpsc::UnboundedReceiver<()>,
+    events: mpsc::Receiver<()>,
     /// An event was taken from the channel and its burst not yet reported: `changed` was
     /// cancelled during the debounce (the daemon's `select!` drops it whenever another branch
     /// wins), and the next call must report it rather than wait for another event.
     pending: bool,
-    _watcher: RecommendedWatcher,
+    /// What is watched now.
+    watched: Lookups,
+    /// What the watcher's callback listens for (`watched`, or more while the watches move).
+    filter: Arc<Mutex<Lookups>>,
+    watcher: RecommendedWatcher,
 }
 
 impl StateSource {
-    /// Starts watching the directory of `path`.
+    /// Starts watching every directory `path` resolves through.
     pub fn watch(path: &Path) -> Result<Self, SourceError> {
-        let dir = path
-            .parent()
-            .map(|d| {
-                if d.as_os_str().is_empty() {
-                    Path::new(".")
-                } else {
-                    d
+        let path = if path.is_absolute() {
+            path.to_owned()
+        } else {
+            std::env::current_dir()
+                .map_err(SourceError::CurrentDir)?
+                .join(path)
+        };
+        // One slot: every event means the same ("read again"), so a burst coalesces.
+        let (tx, events) = mpsc::channel(1);
+        let filter = Arc::new(Mutex::new(Lookups::default()));
+        let listening = Arc::clone(&filter);
+        let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            let concerns = match &event {
+                Ok(event) => listening
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .concerns(event),
+                Err(e) => {
+                    // The next read tells what is there.
+                    tracing::warn!(error = %crate::error_chain(e), "state file watch");
+                    true
                 }
-            })
-            .ok_or_else(|| SourceError::NoDirectory {
-                path: path.to_owned(),
-            })?
-            .to_owned();
-        let (tx, events) = mpsc::unbounded_channel();
-        let mut watcher =
-            notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-                if let Err(e) = &event {
-                    tracing::warn!(error = %crate::error_chain(e), "state directory watch");
-                }
-                // Errors too: the next read tells what is there.
-                let _ = tx.send(());
-            })
-            .map_err(|source| SourceError::Watch {
-                dir: dir.clone(),
-                source,
-            })?;
-        watcher
-            .watch(&dir, RecursiveMode::NonRecursive)
-            .map_err(|source| SourceError::Watch {
-                dir: dir.clone(),
-                source,
-            })?;
-        Ok(Self {
-            path: path.to_owned(),
+            };
+            if concerns {
+                let _ = tx.try_send(());
+            }
+        })
+        .map_err(|source| SourceError::Watch {
+            dir: path.clone(),
+            source,
+        })?;
+        let mut source = Self {
+            path,
             events,
             pending: false,
-            _watcher: watcher,
-        })
+            watched: Lookups::default(),
+            filter,
+            watcher,
+        };
+        source.rearm()?;
+        Ok(source)
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Waits for the next change in the directory, then for the burst to end.
+    /// The directories watched now.
+    pub fn watched_dirs(&self) -> impl Iterator<Item = &Path> {
+        self.watched.dirs.keys().map(PathBuf::as_path)
+    }
+
+    /// Waits for the next change on the path, then for the burst to end, then moves the
+    /// watches to where the path resolves now. The file is read after this returns, so a
+    /// change after the move is seen by the new watches, and one before it by the read.
     ///
     /// Cancel-safe: dropped at any await point (as `select!` does when another branch wins),
     /// no change is lost; the next call picks up where this one stopped.
@@ -102,45 +230,284 @@ impl StateSource {
         }
         // Drain the burst: stop at the first quiet DEBOUNCE.
         while let Ok(Some(())) = tokio::time::timeout(DEBOUNCE, self.events.recv()).await {}
+        if let Err(e) = self.rearm() {
+            // The periodic resync still reads the file.
+            tracing::warn!(error = %crate::error_chain(&e), "following the state file's path");
+        }
         self.pending = false;
     }
 
-    /// The file's contents; `None` if it does not exist (or its symlink dangles).
-    pub fn read(&self) -> io::Result<Option<Vec<u8>>> {
-        match std::fs::read(&self.path) {
-            Ok(bytes) => Ok(Some(bytes)),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(e),
+    /// Resolves the path again and moves the watches to the directories it goes through now.
+    fn rearm(&mut self) -> Result<(), SourceError> {
+        let next = Lookups::resolve(&self.path);
+        // Listen for both while the watches move, so nothing in between is dropped.
+        *self.filter.lock().unwrap_or_else(PoisonError::into_inner) = self.watched.union(&next);
+        for (dir, old) in &self.watched.dirs {
+            if next.dirs.get(dir).is_none_or(|new| new.id != old.id) {
+                // Gone already if the directory was removed: nothing to undo then.
+                let _ = self.watcher.unwatch(dir);
+            }
         }
+        // Every directory is watched again, also those watched already (that only adds to
+        // the same watch): notify forgets a watch when its directory is renamed or removed in
+        // a watched parent, and one moved away and back within a burst looks unchanged here.
+        let mut result = Ok(());
+        let mut watched = Lookups::default();
+        for (dir, new) in &next.dirs {
+            match self.watcher.watch(dir, RecursiveMode::NonRecursive) {
+                Ok(()) => {
+                    watched.dirs.insert(dir.clone(), new.clone());
+                }
+                // Removed since it was resolved: its parent's watch reports that.
+                Err(e) if matches!(e.kind, notify::ErrorKind::PathNotFound) => {}
+                Err(source) => {
+                    if result.is_ok() {
+                        result = Err(SourceError::Watch {
+                            dir: dir.clone(),
+                            source,
+                        });
+                    }
+                }
+            }
+        }
+        if watched != self.watched {
+            tracing::debug!(
+                path = %self.path.display(),
+                dirs = ?watched.dirs.keys().collect::<Vec<_>>(),
+                "watching the state file's path"
+            );
+        }
+        self.filter
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone_from(&watched);
+        self.watched = watched;
+        result
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
+    use std::{fs, os::unix::fs::symlink, time::Duration};
 
     use super::*;
+
+    use crate::trust::tests::Dir as TempDir;
+
+    #[track_caller]
+    fn ok<T, E: std::fmt::Display>(r: Result<T, E>) -> T {
+        match r {
+            Ok(v) => v,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Replaces `path` by writing a temporary file next to it and renaming it over.
+    fn replace(path: &Path, text: &str) {
+        let tmp = path.with_extension("tmp");
+        ok(fs::write(&tmp, text));
+        ok(fs::rename(&tmp, path));
+    }
+
+    /// Points the symlink `link` at `target` atomically (a temporary link renamed over).
+    fn swap(link: &Path, target: &Path) {
+        let mut tmp = link.as_os_str().to_owned();
+        tmp.push(".tmp-link");
+        let tmp = PathBuf::from(tmp);
+        ok(symlink(target, &tmp));
+        ok(fs::rename(&tmp, link));
+    }
+
+    /// `change` is reported within a second, and nothing is reported after the burst.
+    async fn reported(source: &mut StateSource, what: &str, change: impl FnOnce()) {
+        // Let earlier bursts settle: a quiet period with nothing pending.
+        loop {
+            let quiet = tokio::time::timeout(DEBOUNCE * 4, source.changed())
+                .await
+                .is_err();
+            if quiet && !source.pending {
+                break;
+            }
+        }
+        change();
+        let seen = tokio::time::timeout(Duration::from_secs(1), source.changed()).await;
+        assert!(seen.is_ok(), "{what}: not reported within a second");
+    }
 
     /// The daemon's loop drops `changed()` whenever a timer fires first; a change whose first
     /// event was already taken must still be reported by the next call.
     #[tokio::test(flavor = "current_thread")]
     async fn a_change_survives_a_cancelled_wait() {
-        let dir = std::env::temp_dir().join(format!("wgfence-source-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
-        let path = dir.join("state.json");
-        let mut source = StateSource::watch(&path).unwrap_or_else(|e| panic!("{e}"));
-        std::fs::write(&path, "{}").unwrap_or_else(|e| panic!("{e}"));
+        let dir = TempDir::new("cancel");
+        let path = dir.0.join("state.json");
+        let mut source = ok(StateSource::watch(&path));
+        ok(fs::write(&path, "{}"));
         // Cancelled after the first event arrived, during the debounce.
         let _ = tokio::time::timeout(DEBOUNCE / 2 + Duration::from_millis(5), async {
-            // Wait for the first event to be taken, then let the timeout cancel the debounce.
             source.changed().await;
         })
         .await;
         let reported = tokio::time::timeout(Duration::from_secs(2), source.changed()).await;
-        let _ = std::fs::remove_dir_all(&dir);
         assert!(
             reported.is_ok(),
             "the change was lost with the cancelled wait"
         );
+    }
+
+    /// `change` is not reported (within 300 ms).
+    async fn not_reported(what: &str, change: impl FnOnce(&Path)) {
+        let dir = TempDir::new("quiet");
+        let path = dir.0.join("state.json");
+        ok(fs::write(&path, "{}"));
+        let mut source = ok(StateSource::watch(&path));
+        change(&path);
+        let r = tokio::time::timeout(Duration::from_millis(300), source.changed()).await;
+        assert!(r.is_err(), "{what} was reported as a change");
+    }
+
+    /// The agent reads the file after every change; its own read must not count as one, or
+    /// it reads the file again every DEBOUNCE, forever.
+    #[tokio::test(flavor = "current_thread")]
+    async fn reading_the_file_is_not_a_change() {
+        not_reported("a read", |path| {
+            let _ = ok(trust::read_trusted(path));
+            let _ = ok(fs::read(path));
+        })
+        .await;
+    }
+
+    /// Other files in the watched directories (`/tmp` and the state's own) are not changes.
+    #[tokio::test(flavor = "current_thread")]
+    async fn other_files_are_not_changes() {
+        not_reported("another file", |path| {
+            ok(fs::write(path.with_file_name("other.json"), "{}"))
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn in_place_rename_and_kubernetes_swap_are_reported() {
+        let dir = TempDir::new("plain");
+        let path = dir.0.join("state.json");
+        ok(fs::write(&path, "{}"));
+        let mut source = ok(StateSource::watch(&path));
+        reported(&mut source, "written in place", || {
+            ok(fs::write(&path, "{\"a\":1}"))
+        })
+        .await;
+        reported(&mut source, "renamed over", || replace(&path, "{\"a\":2}")).await;
+
+        let kube = TempDir::new("kube");
+        for n in 0..3 {
+            let data = kube.0.join(format!("..2026_{n}"));
+            ok(fs::create_dir(&data));
+            ok(fs::write(data.join("state.json"), "{}"));
+        }
+        ok(symlink("..2026_0", kube.0.join("..data")));
+        let path = kube.0.join("state.json");
+        ok(symlink("..data/state.json", &path));
+        let mut source = ok(StateSource::watch(&path));
+        for n in 1..3 {
+            reported(&mut source, "..data swapped", || {
+                swap(&kube.0.join("..data"), Path::new(&format!("..2026_{n}")));
+                ok(fs::remove_dir_all(kube.0.join(format!("..2026_{}", n - 1))));
+            })
+            .await;
+        }
+    }
+
+    /// `--state` links into another directory: the file replaced there is seen, and after the
+    /// link is pointed at a third directory, changes there are seen (and the old one is no
+    /// longer watched).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_link_into_another_directory_is_followed_and_rearmed() {
+        let dir = TempDir::new("link");
+        let (a, b) = (dir.0.join("a"), dir.0.join("b"));
+        ok(fs::create_dir(&a));
+        ok(fs::create_dir(&b));
+        ok(fs::write(a.join("state.json"), "{}"));
+        ok(fs::write(b.join("state.json"), "{}"));
+        let path = dir.0.join("state.json");
+        ok(symlink(a.join("state.json"), &path));
+        let mut source = ok(StateSource::watch(&path));
+        reported(&mut source, "target replaced", || {
+            replace(&a.join("state.json"), "{\"a\":1}")
+        })
+        .await;
+        reported(&mut source, "link pointed elsewhere", || {
+            swap(&path, &b.join("state.json"))
+        })
+        .await;
+        assert!(source.watched_dirs().any(|d| d == b));
+        assert!(!source.watched_dirs().any(|d| d == a));
+        reported(&mut source, "new target replaced", || {
+            replace(&b.join("state.json"), "{\"b\":1}")
+        })
+        .await;
+        reported(&mut source, "new target written in place", || {
+            ok(fs::write(b.join("state.json"), "{\"b\":2}"))
+        })
+        .await;
+    }
+
+    /// `--state current/state.json`, `current` a symlink swapped to another directory: the
+    /// swap is seen, and changes in the new directory afterwards too.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_swapped_parent_link_is_followed_and_rearmed() {
+        let dir = TempDir::new("parent");
+        for n in 0..2 {
+            let release = dir.0.join(format!("release.{n}"));
+            ok(fs::create_dir(&release));
+            ok(fs::write(release.join("state.json"), "{}"));
+        }
+        let current = dir.0.join("current");
+        ok(symlink("release.0", &current));
+        let path = current.join("state.json");
+        let mut source = ok(StateSource::watch(&path));
+        reported(&mut source, "parent link swapped", || {
+            swap(&current, Path::new("release.1"))
+        })
+        .await;
+        reported(&mut source, "file replaced in the new directory", || {
+            replace(&dir.0.join("release.1").join("state.json"), "{\"n\":1}")
+        })
+        .await;
+    }
+
+    /// A state directory that does not exist yet is watched for from its parent.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_directory_created_later_is_followed() {
+        let dir = TempDir::new("later");
+        let path = dir.0.join("conf").join("state.json");
+        let mut source = ok(StateSource::watch(&path));
+        reported(&mut source, "directory created", || {
+            ok(fs::create_dir(dir.0.join("conf")))
+        })
+        .await;
+        reported(&mut source, "file created in it", || {
+            ok(fs::write(&path, "{}"))
+        })
+        .await;
+    }
+
+    /// A watched directory moved away and back within one burst: notify dropped its watch,
+    /// and the path resolves as before; the watch is made again all the same.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_directory_moved_away_and_back_is_watched_again() {
+        let dir = TempDir::new("moved");
+        let conf = dir.0.join("conf");
+        ok(fs::create_dir(&conf));
+        let path = conf.join("state.json");
+        ok(fs::write(&path, "{}"));
+        let mut source = ok(StateSource::watch(&path));
+        reported(&mut source, "directory moved away and back", || {
+            ok(fs::rename(&conf, dir.0.join("conf.old")));
+            ok(fs::rename(dir.0.join("conf.old"), &conf));
+        })
+        .await;
+        reported(&mut source, "file written afterwards", || {
+            ok(fs::write(&path, "{\"a\":1}"))
+        })
+        .await;
     }
 }

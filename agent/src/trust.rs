@@ -25,7 +25,7 @@ use std::{
 };
 
 /// Symlinks followed before giving up (the kernel's limit is 40 too).
-const MAX_SYMLINKS: usize = 40;
+pub(crate) const MAX_SYMLINKS: usize = 40;
 
 const S_ISVTX: u32 = 0o1000;
 const GROUP_OTHER_WRITE: u32 = 0o022;
@@ -156,7 +156,7 @@ fn check_path(path: &Path) -> Result<Option<(u64, u64)>, TrustError> {
 }
 
 /// Puts `path`'s components in front of the queue; an absolute path restarts at `/`.
-fn push_front(queue: &mut VecDeque<OsString>, path: &Path, current: &mut PathBuf) {
+pub(crate) fn push_front(queue: &mut VecDeque<OsString>, path: &Path, current: &mut PathBuf) {
     let mut names = Vec::new();
     for component in path.components() {
         match component {
@@ -216,15 +216,17 @@ fn who(mode: u32) -> &'static str {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::os::unix::fs::{symlink, PermissionsExt as _};
 
     use super::*;
 
-    struct Dir(PathBuf);
+    /// A fresh directory (0755) under the temporary directory, removed with everything in it
+    /// when dropped.
+    pub(crate) struct Dir(pub(crate) PathBuf);
 
     impl Dir {
-        fn new(name: &str) -> Self {
+        pub(crate) fn new(name: &str) -> Self {
             let path = std::env::temp_dir().join(format!(
                 "wgfence-trust-{name}-{}-{:?}",
                 std::process::id(),

@@ -13,9 +13,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::{net::unique, topology::Gateway};
+use crate::{
+    net::{unique, Netns},
+    topology::Gateway,
+};
 
-const METRICS: &str = "127.0.0.1:9586";
+/// Where the agent serves `/metrics`, `/healthz` and `/readyz` (in the gateway's node namespace).
+pub const METRICS: &str = "127.0.0.1:9586";
 
 /// The agent binary: `WGFENCE_BIN`, else `wgfence` in the target directory of the running
 /// executable (`target/<profile>/` for a binary, `target/<profile>/deps/` for a test); `cargo
@@ -40,6 +44,22 @@ pub fn binary() -> PathBuf {
         })
 }
 
+/// `GET path` from namespace `ns` to `addr`: (status, body); `None` if no answer came (not
+/// connected within 5 s, closed or reset, nothing within 5 s).
+pub fn http_get(ns: &Netns, addr: &str, path: &str) -> Option<(u16, String)> {
+    let addr: std::net::SocketAddr = addr.parse().unwrap_or_else(|e| panic!("{addr}: {e}"));
+    ns.enter(|| {
+        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
+        stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).ok()?;
+        let status = response.split_whitespace().nth(1)?.parse().ok()?;
+        let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
+        Some((status, body))
+    })
+}
+
 /// How the state file is laid out and updated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
@@ -48,6 +68,14 @@ pub enum Layout {
     /// A Kubernetes Secret/ConfigMap volume: `state.json -> ..data/state.json`, `..data` a
     /// symlink to a timestamped directory that is swapped atomically on update.
     Kubernetes,
+    /// A plain file, overwritten in place (as `echo > file` or an editor without rename does).
+    InPlace,
+    /// `state.json` a symlink into another directory (`elsewhere/state.json`, absolute), whose
+    /// target is replaced by writing a temporary file there and renaming it.
+    LinkElsewhere,
+    /// `--state current/state.json` where `current` is a symlink to a release directory,
+    /// swapped to a new one on update; old releases stay (as a deploy tool keeps them).
+    ParentLink,
 }
 
 pub struct Agent {
@@ -57,6 +85,8 @@ pub struct Agent {
     pub log: PathBuf,
     pub interface: String,
     node: String,
+    /// `--metrics-addr`.
+    metrics: String,
     layout: Layout,
     generation: AtomicU32,
 }
@@ -64,20 +94,45 @@ pub struct Agent {
 impl Agent {
     /// Writes the state and starts `wgfence run` on the gateway's interface.
     pub fn start(gw: &Gateway, layout: Layout, state: &str, extra: &[&str]) -> Self {
+        Self::start_with_metrics(gw, layout, state, extra, METRICS)
+    }
+
+    /// As [`Agent::start`], serving its HTTP endpoint on `metrics` (an address of the node
+    /// namespace) instead of [`METRICS`].
+    pub fn start_with_metrics(
+        gw: &Gateway,
+        layout: Layout,
+        state: &str,
+        extra: &[&str],
+        metrics: &str,
+    ) -> Self {
         let dir = std::env::temp_dir().join(unique("wgfence-agent-"));
         fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let state_path = match layout {
+            Layout::ParentLink => dir.join("current").join("state.json"),
+            _ => dir.join("state.json"),
+        };
         let agent = Self {
             child: None,
-            state: dir.join("state.json"),
+            state: state_path,
             log: dir.join("agent.log"),
             dir,
             interface: gw.interface().to_owned(),
             node: gw.node.name().to_owned(),
+            metrics: metrics.to_owned(),
             layout,
             generation: AtomicU32::new(0),
         };
-        if layout == Layout::Kubernetes {
-            symlink("..data/state.json", &agent.state).unwrap_or_else(|e| panic!("symlink: {e}"));
+        match layout {
+            Layout::Kubernetes => symlink("..data/state.json", &agent.state)
+                .unwrap_or_else(|e| panic!("symlink: {e}")),
+            Layout::LinkElsewhere => {
+                let elsewhere = agent.dir.join("elsewhere");
+                fs::create_dir(&elsewhere).unwrap_or_else(|e| panic!("{e}"));
+                symlink(elsewhere.join("state.json"), &agent.state)
+                    .unwrap_or_else(|e| panic!("symlink: {e}"));
+            }
+            Layout::Plain | Layout::InPlace | Layout::ParentLink => {}
         }
         agent.write_state(state);
         let mut agent = agent;
@@ -103,7 +158,7 @@ impl Agent {
                 "--interface",
                 &self.interface,
             ])
-            .args(["--state", &state, "--metrics-addr", METRICS])
+            .args(["--state", &state, "--metrics-addr", &self.metrics])
             .args(extra)
             .stdin(Stdio::null())
             .stdout(log)
@@ -128,6 +183,24 @@ impl Agent {
                 fs::write(&tmp, state).unwrap_or_else(|e| panic!("{e}"));
                 fs::rename(&tmp, &self.state).unwrap_or_else(|e| panic!("{e}"));
             }
+            Layout::InPlace => {
+                fs::write(&self.state, state).unwrap_or_else(|e| panic!("{e}"));
+            }
+            Layout::LinkElsewhere => {
+                let elsewhere = self.dir.join("elsewhere");
+                let tmp = elsewhere.join(format!(".state.json.{n}"));
+                fs::write(&tmp, state).unwrap_or_else(|e| panic!("{e}"));
+                fs::rename(&tmp, elsewhere.join("state.json")).unwrap_or_else(|e| panic!("{e}"));
+            }
+            Layout::ParentLink => {
+                let release = format!("release.{n}");
+                fs::create_dir(self.dir.join(&release)).unwrap_or_else(|e| panic!("{e}"));
+                fs::write(self.dir.join(&release).join("state.json"), state)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                let tmp = self.dir.join("current.tmp");
+                symlink(&release, &tmp).unwrap_or_else(|e| panic!("{e}"));
+                fs::rename(&tmp, self.dir.join("current")).unwrap_or_else(|e| panic!("{e}"));
+            }
             Layout::Kubernetes => {
                 // What kubelet's AtomicWriter does.
                 let data = format!("..2026_11_30_00_00_00.{n}");
@@ -148,7 +221,7 @@ impl Agent {
 
     /// Overwrites the state file in place (as `echo > file` or an editor without rename does).
     pub fn write_state_in_place(&self, state: &str) {
-        assert_eq!(self.layout, Layout::Plain);
+        assert!(matches!(self.layout, Layout::Plain | Layout::InPlace));
         let mut f = fs::OpenOptions::new()
             .write(true)
             .truncate(true)
@@ -160,16 +233,7 @@ impl Agent {
 
     /// `GET path` on the agent's HTTP endpoint: (status, body).
     pub fn get(&self, gw: &Gateway, path: &str) -> Option<(u16, String)> {
-        gw.node.enter(|| {
-            let mut stream = TcpStream::connect(METRICS).ok()?;
-            stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-            write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
-            let mut response = String::new();
-            stream.read_to_string(&mut response).ok()?;
-            let status = response.split_whitespace().nth(1)?.parse().ok()?;
-            let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
-            Some((status, body))
-        })
+        http_get(&gw.node, &self.metrics, path)
     }
 
     /// The value of one series, e.g. `wgfence_bpf_map_writes_total` or

@@ -3,14 +3,15 @@
 //! its metrics.
 
 use std::{
+    net::TcpStream,
     process::{Child, Stdio},
     thread,
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use serde_json::{json, Value};
 use wgfence_tests::{
-    agent::{Agent, Layout},
+    agent::{http_get, Agent, Layout},
     ip,
     net::{run, wait_for},
     probe::{check_all, probe, Expect, Kind, Reach},
@@ -168,10 +169,15 @@ fn revocation(layout: Layout) {
     let both = state(vec![gw.peer_json(0, None), gw.peer_json(1, None)]);
     let agent = Agent::start(&gw, layout, &both, &[]);
     agent.wait_ready(&gw);
+    revoke_peer_1(&gw, &agent, &format!("{layout:?}"));
+    drop(agent);
+}
 
-    // Peer 1 will be revoked; peer 0 must not notice.
-    let revoked = ping_stream(&gw, 1, 300);
-    let bystander = ping_stream(&gw, 0, 300);
+/// Revokes peer 1 of two while both ping the gateway: the revoked peer's last reply comes
+/// less than a second after the state file changed, and peer 0 loses nothing.
+fn revoke_peer_1(gw: &Gateway, agent: &Agent, what: &str) {
+    let revoked = ping_stream(gw, 1, 300);
+    let bystander = ping_stream(gw, 0, 300);
     thread::sleep(Duration::from_millis(1000));
     let t0 = now();
     agent.write_state(&state(vec![gw.peer_json(0, None)]));
@@ -183,12 +189,13 @@ fn revocation(layout: Layout) {
         .unwrap_or_else(|| panic!("no reply before the revocation"));
     let latency = last - t0;
     eprintln!(
-        "revocation ({layout:?}): last reply {:.0} ms after the state file changed",
+        "revocation ({what}): last reply {:.0} ms after the state file changed",
         latency * 1e3
     );
     assert!(
         latency < 1.0,
-        "revoked peer still answered {latency:.3} s later"
+        "{what}: revoked peer still answered {latency:.3} s later; log:\n{}",
+        agent.log_text()
     );
     assert!(revoked.received < revoked.transmitted);
     assert_eq!(
@@ -196,7 +203,6 @@ fn revocation(layout: Layout) {
         "the revocation interrupted another peer"
     );
     assert_eq!(gw.wg_peers(), vec![gw.peers[0].wg.keys.public.clone()]);
-    drop(agent);
 }
 
 #[test]
@@ -207,6 +213,209 @@ fn a_revocation_takes_effect_within_a_second() {
 #[test]
 fn a_revocation_through_a_kubernetes_volume_swap_takes_effect_within_a_second() {
     revocation(Layout::Kubernetes);
+}
+
+#[test]
+fn a_revocation_written_in_place_takes_effect_within_a_second() {
+    revocation(Layout::InPlace);
+}
+
+/// `--state` is a symlink into another directory, and the file there is replaced: the agent
+/// watches the directory the link points into, not only the link's.
+#[test]
+fn a_revocation_behind_a_symlink_into_another_directory_takes_effect_within_a_second() {
+    revocation(Layout::LinkElsewhere);
+}
+
+/// `--state current/state.json` where `current` is a symlink swapped to another directory
+/// (the old one stays): the agent sees every swap, not only the first. The first swap changes
+/// nothing but the order of peers; the second revokes.
+#[test]
+fn a_revocation_by_swapping_a_parent_directory_link_takes_effect_within_a_second() {
+    let gw = Gateway::new(2);
+    let both = state(vec![gw.peer_json(0, None), gw.peer_json(1, None)]);
+    let agent = Agent::start(&gw, Layout::ParentLink, &both, &[]);
+    agent.wait_ready(&gw);
+    let before = agent.reconciles(&gw);
+    agent.write_state(&state(vec![gw.peer_json(1, None), gw.peer_json(0, None)]));
+    agent.wait_reconciles(&gw, before, 1.0);
+    revoke_peer_1(&gw, &agent, "ParentLink, second swap");
+}
+
+/// The agent's open file descriptors.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or_else(|e| panic!("/proc/{pid}/fd: {e}"))
+}
+
+fn set_nofile(pid: libc::pid_t, soft: u64, hard: u64) {
+    let limit = libc::rlimit {
+        rlim_cur: soft,
+        rlim_max: hard,
+    };
+    // SAFETY: prlimit with a valid rlimit and no old-limit output.
+    let rc = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, &limit, std::ptr::null_mut()) };
+    assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
+}
+
+/// Peers reach the node IP through the tunnel; nothing they do to the metrics port may delay
+/// enforcement. 2,000 idle connections are held open against it while the agent runs with the
+/// common container limit of 1,024 descriptors: the agent keeps a bounded number of them (the
+/// rest are closed at once, not queued), still applies a revocation within a second, and
+/// answers `/healthz` on a fresh connection once the idle ones have timed out (while the test
+/// still holds its end of all 2,000).
+#[test]
+fn idle_connections_to_the_metrics_port_neither_delay_a_revocation_nor_exhaust_descriptors() {
+    const HELD: usize = 2000;
+    let gw = Gateway::new(2);
+    let both = state(vec![gw.peer_json(0, None), gw.peer_json(1, None)]);
+    let agent = Agent::start(&gw, Layout::Plain, &both, &[]);
+    agent.wait_ready(&gw);
+    let pid = agent
+        .pid()
+        .unwrap_or_else(|| panic!("the agent is not running"));
+    set_nofile(pid as libc::pid_t, 1024, 1024);
+    // This process holds the 2,000 client ends: raise its own soft limit to the hard one.
+    let mut own = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into a valid rlimit.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut own) }, 0);
+    if own.rlim_cur < own.rlim_max {
+        set_nofile(0, own.rlim_max, own.rlim_max);
+    }
+    assert!(
+        own.rlim_max > 2 * HELD as u64,
+        "the test needs more than {} descriptors (hard limit {})",
+        2 * HELD,
+        own.rlim_max
+    );
+    let baseline = open_fds(pid);
+
+    let addr: std::net::SocketAddr = wgfence_tests::agent::METRICS
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let started = Instant::now();
+    // Each attempt ends established (and is held) or reset by the agent, which closes what
+    // is over its limit at once; none may hang in the kernel's queue.
+    let (held, reset): (Vec<TcpStream>, usize) = gw.node.enter(|| {
+        let mut held = Vec::new();
+        let mut reset = 0;
+        for _ in 0..HELD {
+            // Connections the agent never accepts fill the kernel's queue, and connecting
+            // then hangs: give up after twenty seconds. (A full queue drops a SYN, which is
+            // sent again after a second: allow for that.)
+            if started.elapsed() > Duration::from_secs(20) {
+                break;
+            }
+            match TcpStream::connect_timeout(&addr, Duration::from_secs(4)) {
+                Ok(stream) => held.push(stream),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => reset += 1,
+                Err(e) => {
+                    eprintln!("connecting: {e}");
+                    break;
+                }
+            }
+        }
+        (held, reset)
+    });
+    eprintln!(
+        "{HELD} connections: {} established and held, {reset} reset by the agent at once, \
+         in {:.0} ms",
+        held.len(),
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    let flooded = Instant::now();
+    thread::sleep(Duration::from_millis(300));
+    let fds = open_fds(pid);
+    eprintln!("agent descriptors: {baseline} before, {fds} with the connections held");
+    assert!(
+        fds <= baseline + 64 + 8,
+        "the agent holds {fds} descriptors ({baseline} before the connections)"
+    );
+    assert_eq!(
+        held.len() + reset,
+        HELD,
+        "connecting hung: the agent stopped accepting"
+    );
+
+    // A fresh request while the cap is full is answered or closed at once, never queued.
+    let asked = Instant::now();
+    let fresh = agent.get(&gw, "/healthz");
+    let waited = asked.elapsed();
+    eprintln!("fresh /healthz while all are held: {fresh:?} after {waited:?}");
+    assert!(
+        waited < Duration::from_secs(1),
+        "a fresh connection waited {waited:?} behind the idle ones"
+    );
+
+    revoke_peer_1(&gw, &agent, "2,000 idle metrics connections held");
+
+    // The last idle connections the agent took were accepted by the end of the flood; they
+    // close at the header timeout, and then a fresh connection is served.
+    let deadline = flooded + wgfence::metrics::HEADER_TIMEOUT + Duration::from_secs(2);
+    let answered = wait_for(deadline.saturating_duration_since(Instant::now()), || {
+        agent.get(&gw, "/healthz").map(|(s, _)| s) == Some(200)
+    });
+    eprintln!(
+        "/healthz answered on a fresh connection {:?} after the flood ended",
+        flooded.elapsed()
+    );
+    assert!(
+        answered.is_some(),
+        "/healthz did not answer within the header timeout of the flood's end, with the idle \
+         connections still held; log:\n{}",
+        agent.log_text()
+    );
+    let fds = open_fds(pid);
+    assert!(
+        fds <= baseline + 64 + 8,
+        "the agent holds {fds} descriptors ({baseline} before the connections)"
+    );
+    drop(held);
+}
+
+/// Binding the endpoint to an address of the node does not keep the peers away: they reach
+/// it through the tunnel. The rule docs/operations.md gives (here in its iptables form,
+/// `iptables -I INPUT -i wg0 -p tcp --dport 9586 -j DROP`) does, and the node itself (the
+/// kubelet, Prometheus on the node network) still gets its answers.
+#[test]
+fn peers_reach_the_metrics_endpoint_through_the_tunnel_until_the_documented_rule_drops_them() {
+    let gw = Gateway::new(1);
+    // 10.2.3.4 stands for the node IP: an address of the node that peers route to.
+    let addr = "10.2.3.4:9586";
+    let s = state(vec![gw.peer_json(0, None)]);
+    let agent = Agent::start_with_metrics(&gw, Layout::Plain, &s, &[], addr);
+    agent.wait_ready(&gw);
+    let peer = &gw.peers[0].ns;
+    assert_eq!(
+        http_get(peer, addr, "/healthz").map(|(s, _)| s),
+        Some(200),
+        "the peer did not reach the endpoint through the tunnel"
+    );
+    for iptables in ["iptables", "ip6tables"] {
+        gw.node.exec(&[
+            iptables,
+            "-I",
+            "INPUT",
+            "-i",
+            gw.interface(),
+            "-p",
+            "tcp",
+            "--dport",
+            "9586",
+            "-j",
+            "DROP",
+        ]);
+    }
+    assert_eq!(
+        http_get(peer, addr, "/healthz"),
+        None,
+        "the peer still reached the endpoint past the rule"
+    );
+    assert_eq!(agent.get(&gw, "/healthz").map(|(s, _)| s), Some(200));
 }
 
 #[test]
