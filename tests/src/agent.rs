@@ -59,11 +59,25 @@ pub struct Agent {
     node: String,
     layout: Layout,
     generation: AtomicU32,
+    /// A command the agent is started through (its arguments follow), if any.
+    wrapper: Vec<String>,
 }
 
 impl Agent {
     /// Writes the state and starts `wgfence run` on the gateway's interface.
     pub fn start(gw: &Gateway, layout: Layout, state: &str, extra: &[&str]) -> Self {
+        Self::start_wrapped(gw, layout, state, extra, &[])
+    }
+
+    /// [`Agent::start`] through `wrapper` (e.g. `unshare ...`): the agent binary and its
+    /// arguments are appended to it.
+    pub fn start_wrapped(
+        gw: &Gateway,
+        layout: Layout,
+        state: &str,
+        extra: &[&str],
+        wrapper: &[&str],
+    ) -> Self {
         let dir = std::env::temp_dir().join(unique("wgfence-agent-"));
         fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         let agent = Self {
@@ -75,6 +89,7 @@ impl Agent {
             node: gw.node.name().to_owned(),
             layout,
             generation: AtomicU32::new(0),
+            wrapper: wrapper.iter().map(|s| (*s).to_owned()).collect(),
         };
         if layout == Layout::Kubernetes {
             symlink("..data/state.json", &agent.state).unwrap_or_else(|e| panic!("symlink: {e}"));
@@ -93,9 +108,15 @@ impl Agent {
             .unwrap_or_else(|e| panic!("{}: {e}", self.log.display()));
         let log2 = log.try_clone().unwrap_or_else(|e| panic!("{e}"));
         let state = self.state.to_string_lossy().into_owned();
-        let child = gw
-            .node
-            .command(binary())
+        let mut command = match self.wrapper.split_first() {
+            Some((program, args)) => {
+                let mut command = gw.node.command(program);
+                command.args(args).arg(binary());
+                command
+            }
+            None => gw.node.command(binary()),
+        };
+        let child = command
             .args([
                 "--log",
                 "wgfence=debug",
