@@ -370,7 +370,7 @@ fn pins_removed_by_hand_are_restored_and_a_detach_is_respected() {
     assert_eq!(agent.get(&gw, "/readyz").map(|(s, _)| s), Some(200));
 
     // `wgfence detach` while the agent runs: enforcement stops at once and stays stopped.
-    assert_detach_releases(&gw, &agent);
+    assert_detach_releases(&gw, &agent, &[]);
 }
 
 /// The state file deleted: the last applied state stays enforced, /readyz and `wgfence
@@ -584,15 +584,34 @@ fn repairs(gw: &Gateway, agent: &Agent) -> f64 {
     agent.metric(gw, "wgfence_datapath_repairs_total{what=\"pin_dir\"}")
 }
 
-/// `wgfence detach` on a running agent: when it returns, the programs are off the interface
-/// (the agent let go of its links), and the agent stays detached.
+/// Runs a command with only the capabilities the DaemonSet grants (no CAP_SYS_ADMIN).
+const POD_CAPABILITIES: [&str; 6] = [
+    "setpriv",
+    "--bounding-set",
+    "-all,+bpf,+net_admin,+perfmon",
+    "--inh-caps",
+    "-all",
+    "--",
+];
+
+/// `wgfence detach` on a running agent (through `wrapper`, if any): when it returns, the
+/// programs are off the interface (the agent let go of its links), and the agent stays
+/// detached.
 #[track_caller]
-fn assert_detach_releases(gw: &Gateway, agent: &Agent) {
+fn assert_detach_releases(gw: &Gateway, agent: &Agent, wrapper: &[&str]) {
     let (link, _) = Dataplane::link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
         .unwrap_or_else(|| panic!("no pinned link before the detach"));
-    let out = Command::new(binary())
+    let mut detach = match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut command = Command::new(program);
+            command.args(args).arg(binary());
+            command
+        }
+        None => Command::new(binary()),
+    };
+    let out = detach
         .args(["detach", "--interface", gw.interface(), "--bpffs"])
         .arg(&gw.bpffs)
         .output()
@@ -628,13 +647,17 @@ fn assert_detach_releases(gw: &Gateway, agent: &Agent) {
 /// The pin directory removed by hand (`rm -rf`, a cleanup script) while the agent enforces is
 /// damage, not a detach: the programs never stop, the directory and every pin come back as
 /// the live objects, the agent stays healthy and ready, counts the repair, and keeps applying
-/// state changes. `wgfence detach` still detaches.
+/// state changes. `wgfence detach` still detaches. The agent and `detach` run with the
+/// DaemonSet's capabilities only, as in a pod.
 #[test]
 fn a_removed_pin_directory_is_restored_and_enforcement_never_stops() {
     let gw = Gateway::new(1);
     let s = state(vec![gw.peer_json(0, Some(web_only()))]);
-    let agent = Agent::start(&gw, Layout::Plain, &s, &[]);
+    let agent = Agent::start_wrapped(&gw, Layout::Plain, &s, &[], &POD_CAPABILITIES);
     agent.wait_ready(&gw);
+    // A few datapath checks (one a second) pass with these capabilities.
+    thread::sleep(Duration::from_millis(2500));
+    assert_healthy(&gw, &agent, "with the DaemonSet's capabilities");
     let link = Dataplane::link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
@@ -654,7 +677,7 @@ fn a_removed_pin_directory_is_restored_and_enforcement_never_stops() {
     assert_enforced(&gw, "after the pin directory was restored");
     assert_revocation_applies(&gw, &agent, "after the pin directory was restored");
 
-    assert_detach_releases(&gw, &agent);
+    assert_detach_releases(&gw, &agent, &POD_CAPABILITIES);
 }
 
 /// A bpffs of the agent's own: the agent runs in a mount namespace of its own (private
@@ -779,7 +802,7 @@ fn a_removed_wgfence_directory_and_a_remounted_bpffs_are_repaired() {
     assert!(stderr.contains(&format!("pid {pid}")), "{stderr}");
 
     assert_revocation_applies(&gw, &agent, "on a fresh bpffs");
-    assert_detach_releases(&gw, &agent);
+    assert_detach_releases(&gw, &agent, &[]);
 }
 
 /// Runs `wgfence run --no-metrics` on the gateway's interface with `state` (in a directory

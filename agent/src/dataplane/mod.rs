@@ -18,11 +18,11 @@
 //! links are gone.
 
 mod error;
-mod held_link;
 mod iface;
 mod layout;
 mod lock;
 mod maps;
+mod sys;
 mod test_run;
 
 use std::{
@@ -45,9 +45,9 @@ use aya::{
 use wgfence_common::{map_names, EGRESS_PROGRAM, INGRESS_PROGRAM, L3_OFFSET_GLOBAL};
 
 pub use error::{DataplaneError, Result};
-use held_link::HeldLink;
 use lock::{Acquired, PinDirLock};
 pub use maps::{Counters, Flow, Maps, PolicyEntry};
+use sys::HeldLink;
 pub use test_run::{TestProgram, TestRun};
 
 /// The datapath object, built from `ebpf/` by `build.rs`.
@@ -64,6 +64,8 @@ pub const LINK_PIN_EGRESS: &str = "link_egress";
 struct Hook {
     program: &'static str,
     attach_type: TcAttachType,
+    /// The same, as `enum bpf_attach_type`.
+    bpf_attach_type: u32,
     link_pin: &'static str,
 }
 
@@ -72,11 +74,13 @@ const HOOKS: [Hook; 2] = [
     Hook {
         program: EGRESS_PROGRAM,
         attach_type: TcAttachType::Egress,
+        bpf_attach_type: sys::BPF_TCX_EGRESS,
         link_pin: LINK_PIN_EGRESS,
     },
     Hook {
         program: INGRESS_PROGRAM,
         attach_type: TcAttachType::Ingress,
+        bpf_attach_type: sys::BPF_TCX_INGRESS,
         link_pin: LINK_PIN,
     },
 ];
@@ -494,12 +498,19 @@ impl Dataplane {
     /// Whether the device's tcx hooks run this dataplane's programs, ingress and egress (two
     /// queries). Must run in the interface's network namespace.
     pub fn programs_attached(&mut self) -> Result<bool> {
+        let ifindex = iface::index(&self.interface)?;
         for hook in &HOOKS {
             let program = classifier(&mut self.ebpf, hook.program)?;
             let id = program.info().map_err(program_err(hook.program))?.id();
-            let (_, attached) = SchedClassifier::query_tcx(&self.interface, hook.attach_type)
-                .map_err(program_err(hook.program))?;
-            if !attached.iter().any(|p| p.id() == id) {
+            // Ids only: aya's query_tcx opens every program by id, which needs CAP_SYS_ADMIN.
+            let attached =
+                sys::tcx_program_ids(ifindex, hook.bpf_attach_type).map_err(|source| {
+                    DataplaneError::Interface {
+                        interface: self.interface.clone(),
+                        source,
+                    }
+                })?;
+            if !attached.contains(&id) {
                 return Ok(false);
             }
         }
@@ -548,14 +559,28 @@ impl Dataplane {
             links.extend(unpin_all(marker)?);
         }
         let deadline = Instant::now() + timeout;
+        // Whether this process may look links up by id (CAP_SYS_ADMIN). Without it (the
+        // DaemonSet's capabilities), only the agent's lock tells that it let go: it closes its
+        // links before its lock, so they are gone by then unless something else holds them.
+        let mut see_links = true;
         loop {
             let mut held = Vec::new();
-            for id in &links {
-                if held_link::link_exists(*id).map_err(|source| DataplaneError::Io {
-                    path: own.clone(),
-                    source,
-                })? {
-                    held.push(*id);
+            for id in links.iter().filter(|_| see_links) {
+                match sys::link_exists(*id) {
+                    Ok(true) => held.push(*id),
+                    Ok(false) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                        tracing::debug!("no CAP_SYS_ADMIN: waiting for the agent's lock only");
+                        see_links = false;
+                        held.clear();
+                        break;
+                    }
+                    Err(source) => {
+                        return Err(DataplaneError::Io {
+                            path: own.clone(),
+                            source,
+                        })
+                    }
                 }
             }
             let mut locked = None;
@@ -680,8 +705,9 @@ fn attach_or_replace(
         match program.attach_to_link(link) {
             Ok(id) => {
                 let link = program.take_link(id).map_err(program_err(hook.program))?;
-                let link = FdLink::try_from(link).map_err(link_err)?;
-                return Ok((Attachment::Replaced, HeldLink::hold(&link, link_path)?));
+                drop(FdLink::try_from(link).map_err(link_err)?);
+                // The pin stays: a descriptor of the agent's own from it.
+                return Ok((Attachment::Replaced, HeldLink::open(link_path)?));
             }
             Err(e) => {
                 // ENOLINK: the interface the link was made for is gone (e.g. recreated).
@@ -722,8 +748,13 @@ fn attach_new(
         path: link_path.to_owned(),
         source,
     })?;
-    let held = HeldLink::hold(&link, link_path)?;
-    held.pin(link_path)?;
+    let pinned = link.pin(link_path).map_err(|source| DataplaneError::Pin {
+        path: link_path.to_owned(),
+        source,
+    })?;
+    // Opened before aya's descriptor closes with `pinned`: the link never has only its pin.
+    let held = HeldLink::open(link_path)?;
+    drop(pinned);
     Ok(held)
 }
 
