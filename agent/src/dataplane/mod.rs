@@ -488,7 +488,9 @@ impl Dataplane {
         Ok(PinDirState::Restored)
     }
 
-    /// Lets go of the links (the programs detach once nothing else holds them) and the lock.
+    /// Lets go of the links (the programs detach once nothing else holds them), then of the
+    /// lock: in this order, because a `detach` that may not look links up by id takes the
+    /// lock's release as the sign that the links are gone.
     fn let_go(&mut self) {
         self.links.iter_mut().for_each(|l| *l = None);
         self.lock = None;

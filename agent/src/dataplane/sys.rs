@@ -114,21 +114,8 @@ pub(crate) struct HeldLink {
 impl HeldLink {
     /// A descriptor of its own for the link pinned at `path`.
     pub(crate) fn open(path: &Path) -> Result<Self> {
-        let io_err = |source| DataplaneError::Io {
-            path: path.to_owned(),
-            source,
-        };
-        let c_path = c_path(path).map_err(io_err)?;
-        let mut attr = ObjAttr {
-            pathname: c_path.as_ptr() as u64,
-            bpf_fd: 0,
-            file_flags: 0,
-            path_fd: 0,
-            pad: 0,
-        };
-        // SAFETY: `attr` is the BPF_OBJ_GET member; the path it points to outlives the call.
-        let fd = unsafe { bpf(BPF_OBJ_GET, &mut attr) }.map_err(io_err)?;
-        // SAFETY: on success the syscall returned a new descriptor that nothing else owns.
+        let fd = obj(BPF_OBJ_GET, path, 0)?;
+        // SAFETY: on success BPF_OBJ_GET returned a new descriptor that nothing else owns.
         Ok(Self {
             fd: unsafe { OwnedFd::from_raw_fd(fd) },
         })
@@ -136,28 +123,29 @@ impl HeldLink {
 
     /// Pins the link at `path`; the descriptor stays open whatever happens.
     pub(crate) fn pin(&self, path: &Path) -> Result<()> {
-        let io_err = |source| DataplaneError::Io {
-            path: path.to_owned(),
-            source,
-        };
-        let c_path = c_path(path).map_err(io_err)?;
-        let mut attr = ObjAttr {
-            pathname: c_path.as_ptr() as u64,
-            bpf_fd: self.fd.as_raw_fd() as u32,
-            file_flags: 0,
-            path_fd: 0,
-            pad: 0,
-        };
-        // SAFETY: `attr` is the BPF_OBJ_PIN member; the path it points to and the descriptor
-        // outlive the call.
-        unsafe { bpf(BPF_OBJ_PIN, &mut attr) }.map_err(io_err)?;
+        obj(BPF_OBJ_PIN, path, self.fd.as_raw_fd() as u32)?;
         Ok(())
     }
 }
 
-fn c_path(path: &Path) -> io::Result<CString> {
-    CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
+/// `BPF_OBJ_GET` or `BPF_OBJ_PIN` of `fd` at `path`.
+fn obj(cmd: libc::c_long, path: &Path, fd: u32) -> Result<i32> {
+    let io_err = |source| DataplaneError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let c_path = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io_err(io::Error::from_raw_os_error(libc::EINVAL)))?;
+    let mut attr = ObjAttr {
+        pathname: c_path.as_ptr() as u64,
+        bpf_fd: fd,
+        file_flags: 0,
+        path_fd: 0,
+        pad: 0,
+    };
+    // SAFETY: `attr` is the BPF_OBJ_* member; the path it points to outlives the call, and
+    // `fd` (for a pin) is the caller's open descriptor.
+    unsafe { bpf(cmd, &mut attr) }.map_err(io_err)
 }
 
 /// Whether a link with this id still exists (anything still holds it: a pin, a descriptor).
