@@ -1,6 +1,7 @@
 //! Faults: the agent SIGKILLed in the middle of a large apply, a state larger than the maps,
-//! the WireGuard interface deleted and created again, pins removed by hand, the state file
-//! deleted, and a state file others can write. Each ends in the kernel holding exactly what
+//! the WireGuard interface deleted and created again, pins, the pin directory or the whole
+//! bpffs removed by hand, a second agent on the same interface, the state file deleted, and a
+//! state file others can write. Each ends in the kernel holding exactly what
 //! the state says (or, where the agent must not act, exactly what it held before).
 
 use std::{
