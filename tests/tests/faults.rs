@@ -729,11 +729,14 @@ impl PrivateBpffs {
         wgfence_tests::net::run(&full);
     }
 
-    /// Unmounts the bpffs (lazily, as a host remount would leave it to whoever holds it) and
-    /// mounts a fresh, empty one in its place.
-    fn remount(&self, agent: &Agent) {
+    /// Unmounts the bpffs (lazily, as a host remount would leave it to whoever holds it).
+    fn unmount(&self, agent: &Agent) {
+        Self::in_agent_ns(agent, &["umount", "-l", &self.path.to_string_lossy()]);
+    }
+
+    /// Mounts a fresh, empty bpffs.
+    fn mount(&self, agent: &Agent) {
         let path = self.path.to_string_lossy();
-        Self::in_agent_ns(agent, &["umount", "-l", &path]);
         Self::in_agent_ns(agent, &["mount", "-t", "bpf", "bpf", &path]);
     }
 }
@@ -747,7 +750,9 @@ impl Drop for PrivateBpffs {
 
 /// The whole `<bpffs>/wgfence` directory removed, and bpffs unmounted and a fresh one mounted
 /// (a host remount): both are repaired like a removed pin directory, the repaired directory is
-/// locked again (a second agent is refused), and `wgfence detach` still detaches.
+/// locked again (a second agent is refused), and `wgfence detach` still detaches. While no
+/// bpffs is mounted, the programs keep enforcing, the failure is counted and a revocation
+/// still applies.
 #[test]
 fn a_removed_wgfence_directory_and_a_remounted_bpffs_are_repaired() {
     let bpffs = PrivateBpffs::new();
@@ -776,9 +781,52 @@ fn a_removed_wgfence_directory_and_a_remounted_bpffs_are_repaired() {
     assert_healthy(&gw, &agent, "after <bpffs>/wgfence was restored");
     assert_eq!(repairs(&gw, &agent), 1.0);
 
-    bpffs.remount(&agent);
-    assert_denied_throughout(&gw, Duration::from_secs(3), "on a fresh bpffs");
-    assert_pins_restored(&gw, &agent, &s, link);
+    // bpffs unmounted: nothing to pin to. The programs keep enforcing from the agent's
+    // descriptors, the failure is counted, and state changes still apply.
+    bpffs.unmount(&agent);
+    assert_denied_throughout(&gw, Duration::from_secs(2), "with bpffs unmounted");
+    let failed = wait_for(Duration::from_secs(5), || {
+        agent.metric(&gw, "wgfence_datapath_repair_failures_total") >= 1.0
+    });
+    assert!(
+        failed.is_some(),
+        "no repair failure counted; log:\n{}",
+        agent.log_text()
+    );
+    assert_healthy(&gw, &agent, "with bpffs unmounted");
+    // The icmp rule revoked while nothing is pinned.
+    let no_icmp = state(vec![gw.peer_json(
+        0,
+        Some(json!([{ "cidr": "10.2.3.4/32", "protocol": "tcp", "ports": [80] }])),
+    )]);
+    let writes = agent.metric(&gw, "wgfence_bpf_map_writes_total");
+    agent.write_state(&no_icmp);
+    // Scraped every 100 ms, not faster: with the pins gone each scrape logs a debug line into
+    // agent.log, which is in the watched state directory, and back-to-back events would keep
+    // the watcher's 50 ms debounce from ever ending.
+    let start = Instant::now();
+    let mut applied = None;
+    while applied.is_none() && start.elapsed() < Duration::from_secs(1) {
+        thread::sleep(Duration::from_millis(100));
+        if agent.metric(&gw, "wgfence_bpf_map_writes_total") > writes {
+            applied = Some(start.elapsed());
+        }
+    }
+    assert!(
+        applied.is_some(),
+        "a revocation was not applied within a second with bpffs unmounted; log:\n{}",
+        agent.log_text()
+    );
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Ping, ip("10.8.0.1")),
+        Reach::Blocked,
+        "revoked icmp arrived with bpffs unmounted"
+    );
+
+    // A fresh, empty bpffs mounted again: everything is pinned there.
+    bpffs.mount(&agent);
+    assert_denied_throughout(&gw, Duration::from_secs(2), "on a fresh bpffs");
+    assert_pins_restored(&gw, &agent, &no_icmp, link);
     assert_healthy(&gw, &agent, "after the pins were restored on a fresh bpffs");
     assert_eq!(repairs(&gw, &agent), 2.0);
 
