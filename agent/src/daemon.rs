@@ -25,7 +25,7 @@ use tokio::{
 };
 
 use crate::{
-    dataplane::{AttachOptions, Check, Dataplane, DataplaneError},
+    dataplane::{AttachOptions, Check, Dataplane, DataplaneError, Repair},
     metrics::{self, Health, Metrics},
     reconcile::{ReconcileError, Reconciler},
     source::{SourceError, StateSource},
@@ -334,11 +334,30 @@ impl Core {
                 }
                 Next::Idle
             }
-            Ok(Check::Repaired { reattached, .. }) => {
+            Ok(Check::Repaired {
+                reattached,
+                repairs,
+            }) => {
+                self.metrics.count_repairs(&repairs);
                 let was_faulted = std::mem::replace(&mut self.dataplane_fault, false);
                 if reattached || was_faulted {
                     // A new device has none of the old one's WireGuard peers; after a fault,
                     // loads were held back and the agent said it was not ready.
+                    self.resync()
+                } else {
+                    Next::Idle
+                }
+            }
+            Ok(Check::Unpinned { repairs, .. }) => {
+                // Logged by the check. The programs are attached and enforcing from the
+                // agent's descriptors: state changes (revocations) keep being applied.
+                self.metrics.count_repairs(&repairs);
+                self.metrics.datapath_repair_failures.inc();
+                let reattached = repairs
+                    .iter()
+                    .any(|r| matches!(r, Repair::Reattached { .. }));
+                let was_faulted = std::mem::replace(&mut self.dataplane_fault, false);
+                if reattached || was_faulted {
                     self.resync()
                 } else {
                     Next::Idle
@@ -360,7 +379,7 @@ impl Core {
                 if !self.dataplane_fault {
                     self.dataplane_fault = true;
                     self.not_ready(
-                        "detached (the pin directory was removed); restart the agent to attach again",
+                        "detached by `wgfence detach`; restart the agent to attach again",
                     );
                     self.applied = None;
                 }

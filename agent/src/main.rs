@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tracing_subscriber::{fmt, EnvFilter};
 use wgfence::{
     daemon::{self, RunOptions},
-    dataplane::{pin_dir, Dataplane, DEFAULT_BPFFS},
+    dataplane::{pin_dir, Dataplane, DEFAULT_BPFFS, DETACH_TIMEOUT},
     monitor::{Clock, EventView, Monitor},
     plan::{plan, Actual, ActualMaps},
     reconcile::read_maps,
@@ -125,10 +125,15 @@ enum Command {
         count: Option<u64>,
     },
     /// Remove the program, link and pinned maps of an interface. Peers lose their policy:
-    /// traffic is no longer filtered.
+    /// traffic is no longer filtered. Works while an agent runs: the agent lets go of its links
+    /// within a second, and detach returns once they are gone (the programs are off the
+    /// interface), or fails naming who still holds them.
     Detach {
         #[command(flatten)]
         target: Target,
+        /// Seconds to wait for a running agent to let go of the links.
+        #[arg(long, value_name = "SECS", default_value_t = DETACH_TIMEOUT.as_secs(), value_parser = secs())]
+        timeout: u64,
     },
 }
 
@@ -270,8 +275,9 @@ fn dispatch(command: Command) -> Result<ExitCode> {
         ),
         Command::Detach {
             target: Target { interface, bpffs },
+            timeout,
         } => {
-            if Dataplane::detach(&bpffs, &interface)
+            if Dataplane::detach_within(&bpffs, &interface, Duration::from_secs(timeout))
                 .with_context(|| format!("detaching from {interface}"))?
             {
                 println!(
@@ -553,7 +559,7 @@ mod tests {
                 | Command::Plan { target, .. }
                 | Command::Status { target, .. }
                 | Command::Monitor { target, .. }
-                | Command::Detach { target } => target,
+                | Command::Detach { target, .. } => target,
                 Command::Check { .. } => unreachable!(),
             };
             assert_eq!(

@@ -24,6 +24,7 @@ use prometheus_client::{
     encoding::{text::encode, DescriptorEncoder, EncodeMetric},
     metrics::{
         counter::{ConstCounter, Counter},
+        family::Family,
         gauge::Gauge,
         histogram::{exponential_buckets, Histogram},
         MetricType,
@@ -33,7 +34,10 @@ use prometheus_client::{
 use tokio::{net::TcpListener, sync::Semaphore};
 use wgfence_common::Counter as DatapathCounter;
 
-use crate::dataplane::Dataplane;
+use crate::dataplane::{Dataplane, Repair};
+
+/// The label set of `wgfence_datapath_repairs_total`: `what` was repaired.
+pub type RepairLabels = [(&'static str, &'static str); 1];
 
 /// Whether the agent enforces the current state file, and if not, why.
 #[derive(Debug, Default)]
@@ -81,6 +85,8 @@ pub struct Metrics {
     pub wireguard_peer_updates: Counter,
     pub reconcile_errors: Counter,
     pub reconcile_duration: Histogram,
+    pub datapath_repairs: Family<RepairLabels, Counter>,
+    pub datapath_repair_failures: Counter,
     pub slot_names: SlotNames,
 }
 
@@ -133,6 +139,25 @@ impl Metrics {
             "Time to plan and apply one state",
             reconcile_duration.clone(),
         );
+        let datapath_repairs = Family::<RepairLabels, Counter>::default();
+        for what in Repair::KINDS {
+            // Every kind from the start, at 0: an alert can compare against it.
+            let _ = datapath_repairs.get_or_create(&[("what", what)]);
+        }
+        registry.register(
+            "wgfence_datapath_repairs",
+            "Repairs made while enforcing, by what: pin_dir (the pin directory, <bpffs>/wgfence \
+             or bpffs removed, not by wgfence detach), map_pin, link_pin, reattach (the \
+             interface was recreated)",
+            datapath_repairs.clone(),
+        );
+        let datapath_repair_failures = Counter::default();
+        registry.register(
+            "wgfence_datapath_repair_failures",
+            "Checks that found pins missing and could not restore them (the programs kept \
+             enforcing from the agent's own descriptors)",
+            datapath_repair_failures.clone(),
+        );
         let slot_names: SlotNames = Arc::default();
         registry.register_collector(Box::new(DatapathCollector {
             bpffs,
@@ -149,7 +174,18 @@ impl Metrics {
             wireguard_peer_updates,
             reconcile_errors,
             reconcile_duration,
+            datapath_repairs,
+            datapath_repair_failures,
             slot_names,
+        }
+    }
+
+    /// Counts what a datapath check repaired.
+    pub fn count_repairs(&self, repairs: &[Repair]) {
+        for repair in repairs {
+            self.datapath_repairs
+                .get_or_create(&[("what", repair.kind())])
+                .inc();
         }
     }
 

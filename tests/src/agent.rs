@@ -89,12 +89,14 @@ pub struct Agent {
     metrics: String,
     layout: Layout,
     generation: AtomicU32,
+    /// A command the agent is started through (its arguments follow), if any.
+    wrapper: Vec<String>,
 }
 
 impl Agent {
     /// Writes the state and starts `wgfence run` on the gateway's interface.
     pub fn start(gw: &Gateway, layout: Layout, state: &str, extra: &[&str]) -> Self {
-        Self::start_with_metrics(gw, layout, state, extra, METRICS)
+        Self::start_with(gw, layout, state, extra, METRICS, &[])
     }
 
     /// As [`Agent::start`], serving its HTTP endpoint on `metrics` (an address of the node
@@ -105,6 +107,29 @@ impl Agent {
         state: &str,
         extra: &[&str],
         metrics: &str,
+    ) -> Self {
+        Self::start_with(gw, layout, state, extra, metrics, &[])
+    }
+
+    /// [`Agent::start`] through `wrapper` (e.g. `unshare ...`): the agent binary and its
+    /// arguments are appended to it.
+    pub fn start_wrapped(
+        gw: &Gateway,
+        layout: Layout,
+        state: &str,
+        extra: &[&str],
+        wrapper: &[&str],
+    ) -> Self {
+        Self::start_with(gw, layout, state, extra, METRICS, wrapper)
+    }
+
+    fn start_with(
+        gw: &Gateway,
+        layout: Layout,
+        state: &str,
+        extra: &[&str],
+        metrics: &str,
+        wrapper: &[&str],
     ) -> Self {
         let dir = std::env::temp_dir().join(unique("wgfence-agent-"));
         fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
@@ -122,6 +147,7 @@ impl Agent {
             metrics: metrics.to_owned(),
             layout,
             generation: AtomicU32::new(0),
+            wrapper: wrapper.iter().map(|s| (*s).to_owned()).collect(),
         };
         match layout {
             Layout::Kubernetes => symlink("..data/state.json", &agent.state)
@@ -148,9 +174,15 @@ impl Agent {
             .unwrap_or_else(|e| panic!("{}: {e}", self.log.display()));
         let log2 = log.try_clone().unwrap_or_else(|e| panic!("{e}"));
         let state = self.state.to_string_lossy().into_owned();
-        let child = gw
-            .node
-            .command(binary())
+        let mut command = match self.wrapper.split_first() {
+            Some((program, args)) => {
+                let mut command = gw.node.command(program);
+                command.args(args).arg(binary());
+                command
+            }
+            None => gw.node.command(binary()),
+        };
+        let child = command
             .args([
                 "--log",
                 "wgfence=debug",

@@ -319,3 +319,82 @@ fn an_interrupted_detach_is_finished_by_the_next() {
     assert!(detached, "the leftover counts as something detached");
     assert!(!left, "{} is still there", interrupted.display());
 }
+
+/// `wgfence detach` while a holder of the pin directory's lock does not let go (here this test
+/// process, whose dataplane is not checked): detach removes the pins, waits for the links,
+/// gives up after `--timeout` with a non-zero exit naming the holder, and leaves its marker.
+/// Once the holder looks (and lets go), the next detach finishes.
+#[test]
+fn a_detach_that_cannot_release_the_links_fails_naming_the_holder() {
+    use std::process::Command;
+
+    use wgfence::dataplane::{pin_dir, AttachOptions, Check, Dataplane, DEFAULT_BPFFS};
+    use wgfence_tests::{
+        agent::binary,
+        net::{unique, Netns},
+    };
+
+    let bpffs = std::path::Path::new(DEFAULT_BPFFS);
+    let ns = Netns::new("wgft-dto-");
+    let name = unique("wgt");
+    ns.ip(&[
+        "link", "add", &name, "type", "veth", "peer", "name", "other0",
+    ]);
+    struct Pins(String);
+    impl Drop for Pins {
+        fn drop(&mut self) {
+            let _ = Dataplane::detach(std::path::Path::new(DEFAULT_BPFFS), &self.0);
+        }
+    }
+    let options = AttachOptions::new(name.clone());
+    let mut dp = ns
+        .enter(|| Dataplane::attach(&options))
+        .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+    let _pins = Pins(name.clone());
+    let (link, _) = Dataplane::link_info(bpffs, &name)
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| panic!("no pinned link"));
+
+    let detach = || {
+        Command::new(binary())
+            .args(["detach", "--interface", &name, "--timeout", "1"])
+            .output()
+            .unwrap_or_else(|e| panic!("wgfence detach: {e}"))
+    };
+    let out = detach();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "detach succeeded: {out:?}");
+    assert!(
+        stderr.contains(&format!("links [{link}")) || stderr.contains(&format!(", {link}]")),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("pid {}", std::process::id())),
+        "the holder is not named: {stderr}"
+    );
+    assert!(!pin_dir(bpffs, &name).exists());
+    let markers = std::fs::read_dir(bpffs.join("wgfence"))
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .starts_with(&format!("detaching-{name}-"))
+                })
+                .count()
+        })
+        .unwrap_or(0);
+    assert_eq!(markers, 1, "the marker is not left for the holder");
+
+    // The holder looks, finds its directory under the marker and lets go.
+    let checked = ns.enter(|| dp.check());
+    assert!(matches!(checked, Ok(Check::Detached)), "{checked:?}");
+    let out = detach();
+    assert!(out.status.success(), "{out:?}");
+    let link_show = Command::new("bpftool")
+        .args(["link", "show", "id", &link.to_string()])
+        .output()
+        .unwrap_or_else(|e| panic!("bpftool: {e}"));
+    assert!(!link_show.status.success(), "link {link} still exists");
+}

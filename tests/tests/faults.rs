@@ -1,6 +1,7 @@
 //! Faults: the agent SIGKILLed in the middle of a large apply, a state larger than the maps,
-//! the WireGuard interface deleted and created again, pins removed by hand, the state file
-//! deleted, and a state file others can write. Each ends in the kernel holding exactly what
+//! the WireGuard interface deleted and created again, pins, the pin directory or the whole
+//! bpffs removed by hand, a second agent on the same interface, the state file deleted, and a
+//! state file others can write. Each ends in the kernel holding exactly what
 //! the state says (or, where the agent must not act, exactly what it held before).
 
 use std::{
@@ -15,7 +16,7 @@ use std::{
 
 use ipnet::IpNet;
 use serde_json::{json, Value};
-use wgfence::dataplane::Dataplane;
+use wgfence::dataplane::{pin_dir, Dataplane, LINK_PIN, LINK_PIN_EGRESS};
 use wgfence_common::{Allow, UNRESTRICTED};
 use wgfence_tests::{
     agent::{binary, Agent, Layout},
@@ -333,8 +334,8 @@ fn a_recreated_interface_is_reattached_and_reconverged() {
 
 /// Pins removed by hand while the agent runs: the program stays attached (the agent holds the
 /// link), and the agent pins them again within seconds, so `bpftool` and the next start's
-/// adoption see them. The pin directory removed whole (`wgfence detach`) is an operator's
-/// decision: the agent lets go and says so.
+/// adoption see them. `wgfence detach` is an operator's decision: when it returns, the agent
+/// has let go and the programs are off the interface.
 #[test]
 fn pins_removed_by_hand_are_restored_and_a_detach_is_respected() {
     let gw = Gateway::new(1);
@@ -370,22 +371,8 @@ fn pins_removed_by_hand_are_restored_and_a_detach_is_respected() {
     assert_enforced(&gw, "after the pins were restored");
     assert_eq!(agent.get(&gw, "/readyz").map(|(s, _)| s), Some(200));
 
-    // `wgfence detach` while the agent runs: enforcement stops and stays stopped.
-    let out = Command::new(binary())
-        .args(["detach", "--interface", gw.interface()])
-        .output()
-        .unwrap_or_else(|e| panic!("wgfence detach: {e}"));
-    assert!(out.status.success(), "{out:?}");
-    agent.wait_readyz(&gw, 503);
-    let (_, body) = agent.get(&gw, "/readyz").unwrap_or_default();
-    assert!(body.contains("detached"), "{body}");
-    assert_eq!(
-        probe(&gw.peers[0].ns, Kind::Tcp(22), ip("10.2.3.4")),
-        Reach::Reached,
-        "still filtering after detach"
-    );
-    thread::sleep(Duration::from_secs(2));
-    assert!(!dir.exists(), "the agent pinned again after a detach");
+    // `wgfence detach` while the agent runs: enforcement stops at once and stays stopped.
+    assert_detach_releases(&gw, &agent, &[]);
 }
 
 /// The state file deleted: the last applied state stays enforced, /readyz and `wgfence
@@ -438,17 +425,7 @@ fn a_state_file_others_can_write_is_refused() {
 
     fs::set_permissions(&agent.state, fs::Permissions::from_mode(0o666))
         .unwrap_or_else(|e| panic!("{e}"));
-    let out = gw
-        .node
-        .command(binary())
-        .args([
-            "run",
-            "--interface",
-            gw.interface(),
-            "--no-metrics",
-            "--state",
-        ])
-        .arg(&agent.state)
+    let out = run_command(&gw, &agent.state)
         .output()
         .unwrap_or_else(|e| panic!("wgfence run: {e}"));
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -641,4 +618,467 @@ fn at_a_full_peer_map_revoke_r_and_add_n_revokes_r_at_once() {
         Reach::Blocked,
         "n came back"
     );
+}
+
+/// Every pin of a complete datapath: the maps and both links.
+fn all_pins(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    wgfence_common::map_names::ALL
+        .iter()
+        .chain(&[LINK_PIN, LINK_PIN_EGRESS])
+        .map(|name| dir.join(name))
+        .collect()
+}
+
+/// Denied traffic from peer 0 stays denied for `how_long`: probed back to back (a dropped
+/// probe takes 0.8 s), so a gap of a second without the program is seen.
+#[track_caller]
+fn assert_denied_throughout(gw: &Gateway, how_long: Duration, when: &str) {
+    let start = Instant::now();
+    let mut probes = 0;
+    while start.elapsed() < how_long {
+        assert_eq!(
+            probe(&gw.peers[0].ns, Kind::Tcp(22), ip("10.2.3.4")),
+            Reach::Blocked,
+            "{when}: denied traffic arrived {:?} in (probe {probes})",
+            start.elapsed()
+        );
+        probes += 1;
+    }
+}
+
+/// Waits until every pin is back, and checks they are the live objects: the maps hold the
+/// state, the link pin is the link the program runs on, the directory is root's only.
+#[track_caller]
+fn assert_pins_restored(gw: &Gateway, agent: &Agent, s: &str, link: (u32, u32)) {
+    let dir = pin_dir(&gw.bpffs, gw.interface());
+    let pins = all_pins(&dir);
+    let restored = wait_for(Duration::from_secs(5), || pins.iter().all(|p| p.exists()));
+    assert!(
+        restored.is_some(),
+        "the pins were not restored: missing {:?}; log:\n{}",
+        pins.iter().filter(|p| !p.exists()).collect::<Vec<_>>(),
+        agent.log_text()
+    );
+    let mode = fs::metadata(&dir)
+        .map(|m| m.permissions().mode() & 0o7777)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(mode, 0o700, "re-created pin directory mode {mode:o}");
+    assert_eq!(
+        Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+        Some(link),
+        "the pinned link is not the one the agent held"
+    );
+    assert_converged(gw, s);
+}
+
+/// The agent answers `/healthz` and `/readyz` with 200.
+#[track_caller]
+fn assert_healthy(gw: &Gateway, agent: &Agent, when: &str) {
+    for path in ["/healthz", "/readyz"] {
+        let answer = agent.get(gw, path);
+        assert_eq!(
+            answer.as_ref().map(|(s, _)| *s),
+            Some(200),
+            "{when}: {path} answered {answer:?}"
+        );
+    }
+}
+
+/// Revokes peer 0's tcp/80 and checks the maps hold the new state within a second, and that
+/// traffic shows it.
+#[track_caller]
+fn assert_revocation_applies(gw: &Gateway, agent: &Agent, when: &str) {
+    let revoked = state(vec![gw.peer_json(
+        0,
+        Some(json!([{ "cidr": "10.8.0.1/32", "protocol": "icmp" }])),
+    )]);
+    let desired = wgfence::state::parse(&revoked).unwrap_or_else(|e| panic!("{e}"));
+    agent.write_state(&revoked);
+    let applied = wait_for(Duration::from_secs(1), || {
+        Dataplane::open_maps(&gw.bpffs, gw.interface())
+            .ok()
+            .is_some_and(|m| wgfence_tests::map_mismatch(&m, &desired).is_none())
+    });
+    assert!(
+        applied.is_some(),
+        "{when}: the revocation was not applied within a second; log:\n{}",
+        agent.log_text()
+    );
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Tcp(80), ip("10.2.3.4")),
+        Reach::Blocked,
+        "{when}: revoked traffic arrived"
+    );
+    assert_converged(gw, &revoked);
+}
+
+fn repairs(gw: &Gateway, agent: &Agent) -> f64 {
+    agent.metric(gw, "wgfence_datapath_repairs_total{what=\"pin_dir\"}")
+}
+
+/// Runs a command with only the capabilities the DaemonSet grants (no CAP_SYS_ADMIN).
+const POD_CAPABILITIES: [&str; 6] = [
+    "setpriv",
+    "--bounding-set",
+    "-all,+bpf,+net_admin,+perfmon",
+    "--inh-caps",
+    "-all",
+    "--",
+];
+
+/// `wgfence detach` on a running agent (through `wrapper`, if any): when it returns, the
+/// programs are off the interface (the agent let go of its links), and the agent stays
+/// detached.
+#[track_caller]
+fn assert_detach_releases(gw: &Gateway, agent: &Agent, wrapper: &[&str]) {
+    let (link, _) = Dataplane::link_info(&gw.bpffs, gw.interface())
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| panic!("no pinned link before the detach"));
+    let mut detach = match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut command = Command::new(program);
+            command.args(args).arg(binary());
+            command
+        }
+        None => Command::new(binary()),
+    };
+    let out = detach
+        .args(["detach", "--interface", gw.interface(), "--bpffs"])
+        .arg(&gw.bpffs)
+        .output()
+        .unwrap_or_else(|e| panic!("wgfence detach: {e}"));
+    assert!(out.status.success(), "{out:?}");
+    // At once: detach returns only when the links are gone.
+    let link_show = Command::new("bpftool")
+        .args(["link", "show", "id", &link.to_string()])
+        .output()
+        .unwrap_or_else(|e| panic!("bpftool: {e}"));
+    assert!(
+        !link_show.status.success(),
+        "link {link} still exists after detach returned: {link_show:?}"
+    );
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Tcp(22), ip("10.2.3.4")),
+        Reach::Reached,
+        "still filtering right after detach returned"
+    );
+    agent.wait_readyz(gw, 503);
+    let (_, body) = agent.get(gw, "/readyz").unwrap_or_default();
+    assert!(body.contains("detached"), "{body}");
+    thread::sleep(Duration::from_secs(2));
+    let dir = pin_dir(&gw.bpffs, gw.interface());
+    assert!(!dir.exists(), "the agent pinned again after a detach");
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Tcp(22), ip("10.2.3.4")),
+        Reach::Reached,
+        "filtering again after detach"
+    );
+}
+
+/// The pin directory removed by hand (`rm -rf`, a cleanup script) while the agent enforces is
+/// damage, not a detach: the programs never stop, the directory and every pin come back as
+/// the live objects, the agent stays healthy and ready, counts the repair, and keeps applying
+/// state changes. `wgfence detach` still detaches. The agent and `detach` run with the
+/// DaemonSet's capabilities only, as in a pod.
+#[test]
+fn a_removed_pin_directory_is_restored_and_enforcement_never_stops() {
+    let gw = Gateway::new(1);
+    let s = state(vec![gw.peer_json(0, Some(web_only()))]);
+    let agent = Agent::start_wrapped(&gw, Layout::Plain, &s, &[], &POD_CAPABILITIES);
+    agent.wait_ready(&gw);
+    // A few datapath checks (one a second) pass with these capabilities.
+    thread::sleep(Duration::from_millis(2500));
+    assert_healthy(&gw, &agent, "with the DaemonSet's capabilities");
+    let link = Dataplane::link_info(&gw.bpffs, gw.interface())
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| panic!("no pinned link"));
+    let dir = pin_dir(&gw.bpffs, gw.interface());
+
+    fs::remove_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    assert_denied_throughout(
+        &gw,
+        Duration::from_secs(3),
+        "with the pin directory removed",
+    );
+    assert_pins_restored(&gw, &agent, &s, link);
+    assert_healthy(&gw, &agent, "after the pin directory was restored");
+    assert_eq!(repairs(&gw, &agent), 1.0);
+    assert!(agent.log_text().contains("ERROR"), "no error logged");
+    assert_enforced(&gw, "after the pin directory was restored");
+    assert_revocation_applies(&gw, &agent, "after the pin directory was restored");
+
+    assert_detach_releases(&gw, &agent, &POD_CAPABILITIES);
+}
+
+/// A bpffs of the agent's own: the agent runs in a mount namespace of its own (private
+/// propagation) where a fresh bpffs is mounted, so nothing outside sees it (namespaces other
+/// tests create copy the host's mounts, not this one, and would keep an unmounted bpffs and its
+/// pins alive), and /sys/fs/bpf, which other tests use, is never touched. The test reaches it
+/// through `/proc/<agent>/root`.
+struct PrivateBpffs {
+    /// The mount point, as the agent sees it.
+    path: std::path::PathBuf,
+}
+
+impl PrivateBpffs {
+    fn new() -> Self {
+        let path = std::env::temp_dir().join(wgfence_tests::net::unique("wgft-bpffs-"));
+        fs::create_dir_all(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        Self { path }
+    }
+
+    /// What to start the agent through: a new mount namespace with the bpffs mounted.
+    fn wrapper(&self) -> Vec<String> {
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            &format!(
+                "mount -t bpf bpf {} && exec \"$0\" \"$@\"",
+                self.path.display()
+            ),
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    }
+
+    /// The bpffs as the test sees it (through the agent's root).
+    fn seen_from_outside(&self, agent: &Agent) -> std::path::PathBuf {
+        let pid = agent
+            .pid()
+            .unwrap_or_else(|| panic!("the agent is not running"));
+        std::path::Path::new(&format!("/proc/{pid}/root")).join(
+            self.path
+                .strip_prefix("/")
+                .unwrap_or_else(|e| panic!("{e}")),
+        )
+    }
+
+    /// Runs `args` in the agent's mount namespace.
+    fn in_agent_ns(agent: &Agent, args: &[&str]) {
+        let pid = agent
+            .pid()
+            .unwrap_or_else(|| panic!("the agent is not running"))
+            .to_string();
+        let mut full = vec!["nsenter", "--target", &pid, "--mount"];
+        full.extend_from_slice(args);
+        wgfence_tests::net::run(&full);
+    }
+
+    /// Unmounts the bpffs (lazily, as a host remount would leave it to whoever holds it).
+    fn unmount(&self, agent: &Agent) {
+        Self::in_agent_ns(agent, &["umount", "-l", &self.path.to_string_lossy()]);
+    }
+
+    /// Mounts a fresh, empty bpffs.
+    fn mount(&self, agent: &Agent) {
+        let path = self.path.to_string_lossy();
+        Self::in_agent_ns(agent, &["mount", "-t", "bpf", "bpf", &path]);
+    }
+}
+
+impl Drop for PrivateBpffs {
+    fn drop(&mut self) {
+        // The mount went with the agent's namespace.
+        let _ = fs::remove_dir(&self.path);
+    }
+}
+
+/// The whole `<bpffs>/wgfence` directory removed, and bpffs unmounted and a fresh one mounted
+/// (a host remount): both are repaired like a removed pin directory, the repaired directory is
+/// locked again (a second agent is refused), and `wgfence detach` still detaches. While no
+/// bpffs is mounted, the programs keep enforcing, the failure is counted and a revocation
+/// still applies.
+#[test]
+fn a_removed_wgfence_directory_and_a_remounted_bpffs_are_repaired() {
+    let bpffs = PrivateBpffs::new();
+    let mut gw = Gateway::new(1);
+    let bpffs_arg = bpffs.path.to_string_lossy().into_owned();
+    let wrapper = bpffs.wrapper();
+    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+    let s = state(vec![gw.peer_json(0, Some(web_only()))]);
+    let agent = Agent::start_wrapped(&gw, Layout::Plain, &s, &["--bpffs", &bpffs_arg], &wrapper);
+    // The gateway's own cleanup finds nothing there once the agent's namespace is gone.
+    gw.bpffs = bpffs.seen_from_outside(&agent);
+    agent.wait_ready(&gw);
+    let link = Dataplane::link_info(&gw.bpffs, gw.interface())
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| panic!("no pinned link"));
+
+    let wgfence_dir = gw.bpffs.join("wgfence");
+    fs::remove_dir_all(&wgfence_dir).unwrap_or_else(|e| panic!("{e}"));
+    assert_denied_throughout(&gw, Duration::from_secs(3), "with <bpffs>/wgfence removed");
+    assert_pins_restored(&gw, &agent, &s, link);
+    let parent_mode = fs::metadata(&wgfence_dir)
+        .map(|m| m.permissions().mode() & 0o077)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(parent_mode, 0, "<bpffs>/wgfence re-created open to others");
+    assert_healthy(&gw, &agent, "after <bpffs>/wgfence was restored");
+    assert_eq!(repairs(&gw, &agent), 1.0);
+
+    // bpffs unmounted: nothing to pin to. The programs keep enforcing from the agent's
+    // descriptors, the failure is counted, and state changes still apply.
+    bpffs.unmount(&agent);
+    assert_denied_throughout(&gw, Duration::from_secs(2), "with bpffs unmounted");
+    let failed = wait_for(Duration::from_secs(5), || {
+        agent.metric(&gw, "wgfence_datapath_repair_failures_total") >= 1.0
+    });
+    assert!(
+        failed.is_some(),
+        "no repair failure counted; log:\n{}",
+        agent.log_text()
+    );
+    assert_healthy(&gw, &agent, "with bpffs unmounted");
+    // The icmp rule revoked while nothing is pinned.
+    let no_icmp = state(vec![gw.peer_json(
+        0,
+        Some(json!([{ "cidr": "10.2.3.4/32", "protocol": "tcp", "ports": [80] }])),
+    )]);
+    let writes = agent.metric(&gw, "wgfence_bpf_map_writes_total");
+    agent.write_state(&no_icmp);
+    // Scraped every 100 ms, not faster: with the pins gone each scrape logs a debug line into
+    // agent.log, which is in the watched state directory, and back-to-back events would keep
+    // the watcher's 50 ms debounce from ever ending.
+    let start = Instant::now();
+    let mut applied = None;
+    while applied.is_none() && start.elapsed() < Duration::from_secs(1) {
+        thread::sleep(Duration::from_millis(100));
+        if agent.metric(&gw, "wgfence_bpf_map_writes_total") > writes {
+            applied = Some(start.elapsed());
+        }
+    }
+    assert!(
+        applied.is_some(),
+        "a revocation was not applied within a second with bpffs unmounted; log:\n{}",
+        agent.log_text()
+    );
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Ping, ip("10.8.0.1")),
+        Reach::Blocked,
+        "revoked icmp arrived with bpffs unmounted"
+    );
+
+    // A fresh, empty bpffs mounted again: everything is pinned there.
+    bpffs.mount(&agent);
+    assert_denied_throughout(&gw, Duration::from_secs(2), "on a fresh bpffs");
+    assert_pins_restored(&gw, &agent, &no_icmp, link);
+    assert_healthy(&gw, &agent, "after the pins were restored on a fresh bpffs");
+    assert_eq!(repairs(&gw, &agent), 2.0);
+
+    // The repaired directory is locked again.
+    let pid = agent
+        .pid()
+        .unwrap_or_else(|| panic!("the agent is not running"));
+    let seen = gw.bpffs.to_string_lossy().into_owned();
+    let out = second_agent(&gw, &s, &["--bpffs", &seen]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains(&format!("pid {pid}")), "{stderr}");
+
+    assert_revocation_applies(&gw, &agent, "on a fresh bpffs");
+    assert_detach_releases(&gw, &agent, &[]);
+}
+
+/// `wgfence run --no-metrics` on the gateway's interface with this state file.
+fn run_command(gw: &Gateway, state: &std::path::Path) -> Command {
+    let mut command = gw.node.command(binary());
+    command
+        .args([
+            "run",
+            "--interface",
+            gw.interface(),
+            "--no-metrics",
+            "--state",
+        ])
+        .arg(state);
+    command
+}
+
+/// Runs `wgfence run --no-metrics` on the gateway's interface with `state` (in a directory
+/// of its own) and waits up to 5 s for it to exit; a second agent that keeps running fails the
+/// test.
+fn second_agent(gw: &Gateway, state: &str, extra: &[&str]) -> std::process::Output {
+    let dir = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-second-"));
+    fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let path = dir.join("state.json");
+    fs::write(&path, state).unwrap_or_else(|e| panic!("{e}"));
+    let mut child = run_command(gw, &path)
+        .args(extra)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("wgfence run: {e}"));
+    let exited = wait_for(Duration::from_secs(5), || {
+        child.try_wait().ok().flatten().is_some()
+    });
+    if exited.is_none() {
+        let _ = child.kill();
+    }
+    let out = child
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("wgfence run: {e}"));
+    let _ = fs::remove_dir_all(&dir);
+    assert!(
+        exited.is_some(),
+        "a second agent runs beside the first; its log:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A second `wgfence run` on an interface an agent already runs on (without the metrics port
+/// that used to be the only guard) exits non-zero at once, names the running agent's pid, and
+/// changes nothing: the maps and links stay as they were, the first agent keeps enforcing and
+/// keeps applying changes.
+#[test]
+fn a_second_agent_on_the_same_interface_is_refused() {
+    let gw = Gateway::new(1);
+    let s = state(vec![gw.peer_json(0, Some(web_only()))]);
+    let agent = Agent::start(&gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+    let pid = agent
+        .pid()
+        .unwrap_or_else(|| panic!("the agent is not running"));
+    let snapshot = || {
+        let maps =
+            Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+        (
+            maps.peers()
+                .unwrap_or_else(|e| panic!("{e}"))
+                .into_iter()
+                .collect::<BTreeMap<_, _>>(),
+            maps.policies()
+                .unwrap_or_else(|e| panic!("{e}"))
+                .into_iter()
+                .map(|e| ((e.policy, e.prefix), e.value.allows().to_vec()))
+                .collect::<BTreeMap<_, _>>(),
+            Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+            Dataplane::egress_link_info(&gw.bpffs, gw.interface())
+                .unwrap_or_else(|e| panic!("{e}")),
+        )
+    };
+    let before = snapshot();
+
+    // Another view of the world: peer 0 unrestricted.
+    let other = state(vec![gw.peer_json(0, None)]);
+    let t = Instant::now();
+    let out = second_agent(&gw, &other, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("second agent exited after {:?}: {stderr}", t.elapsed());
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("pid {pid}")),
+        "the message does not name the running agent (pid {pid}): {stderr}"
+    );
+    assert_eq!(snapshot(), before, "the second agent changed the datapath");
+    assert_enforced(&gw, "after the second agent was refused");
+    assert_healthy(&gw, &agent, "after the second agent was refused");
+    assert_revocation_applies(&gw, &agent, "after the second agent was refused");
 }

@@ -24,6 +24,28 @@ pub enum DataplaneError {
          directory; remove it (`wgfence detach`) and start again"
     )]
     UnsafePinDir { path: PathBuf, uid: u32 },
+    #[error(
+        "{path} is locked by another wgfence agent ({}): one agent per interface; this one \
+         changed nothing (stop the other first)",
+        super::lock::describe_holder(*.holder)
+    )]
+    Locked { path: PathBuf, holder: Option<u32> },
+    #[error(
+        "detaching {interface}: after {}s the links {links:?} are still held{}: the programs \
+         may still be attached; run `wgfence detach` again to wait longer",
+        waited.as_secs(),
+        .holder.as_ref().map_or_else(
+            || " by another process (see `bpftool link show`)".to_owned(),
+            |h| format!(" by the agent ({h}), which lets go when it next checks its pins")
+        )
+    )]
+    DetachTimeout {
+        interface: String,
+        waited: std::time::Duration,
+        links: Vec<u32>,
+        /// The agent that still holds the detach marker's lock, if one does.
+        holder: Option<String>,
+    },
     #[error("{path} is not a mounted BPF filesystem (mount it with `mount -t bpf bpf {path}`)")]
     NotBpffs { path: PathBuf },
     #[error("{path}")]

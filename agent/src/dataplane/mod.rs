@@ -7,16 +7,22 @@
 //! layout) and replaces each program through its pinned link with `bpf_link_update`, so there
 //! is no instant without a program or without the maps' contents.
 //!
-//! While it runs, the agent holds the links and every map open itself, so [`Dataplane::check`]
-//! can repair what happens behind its back: a WireGuard interface deleted and created again
-//! (the old tcx links died with the old device: attach new ones) and pins removed by hand
-//! (pin again what is missing). A pin directory removed whole is `wgfence detach` (or an
-//! operator doing the same by hand): the agent lets go of the links and does not re-attach.
+//! While it runs, the agent holds the links and every map open itself, and an exclusive lock on
+//! its pin directory (one agent per interface, see [`lock`]), so [`Dataplane::check`] can repair
+//! what happens behind its back: a WireGuard interface deleted and created again (the old tcx
+//! links died with the old device: attach new ones), and pins, the pin directory, `<bpffs>/wgfence`
+//! or the whole bpffs removed (create the directory again, lock it, pin everything again from
+//! the agent's own descriptors). Only `wgfence detach` releases enforcement: it renames the
+//! directory to its marker (`detaching-<interface>-<pid>`), where the agent finds the very
+//! directory it locked, lets go of its links and does not re-attach; `detach` returns once the
+//! links are gone.
 
 mod error;
 mod iface;
 mod layout;
+mod lock;
 mod maps;
+mod sys;
 mod test_run;
 
 use std::{
@@ -24,6 +30,7 @@ use std::{
     io::{self, ErrorKind},
     os::unix::fs::DirBuilderExt as _,
     path::{Path, PathBuf},
+    time::{Duration, Instant},
 };
 
 use aya::{
@@ -38,7 +45,9 @@ use aya::{
 use wgfence_common::{map_names, EGRESS_PROGRAM, INGRESS_PROGRAM, L3_OFFSET_GLOBAL};
 
 pub use error::{DataplaneError, Result};
+use lock::{Acquired, PinDirLock};
 pub use maps::{Counters, Flow, Maps, PolicyEntry};
+use sys::HeldLink;
 pub use test_run::{TestProgram, TestRun};
 
 /// The datapath object, built from `ebpf/` by `build.rs`.
@@ -55,6 +64,8 @@ pub const LINK_PIN_EGRESS: &str = "link_egress";
 struct Hook {
     program: &'static str,
     attach_type: TcAttachType,
+    /// The same, as `enum bpf_attach_type`.
+    bpf_attach_type: u32,
     link_pin: &'static str,
 }
 
@@ -63,11 +74,13 @@ const HOOKS: [Hook; 2] = [
     Hook {
         program: EGRESS_PROGRAM,
         attach_type: TcAttachType::Egress,
+        bpf_attach_type: sys::BPF_TCX_EGRESS,
         link_pin: LINK_PIN_EGRESS,
     },
     Hook {
         program: INGRESS_PROGRAM,
         attach_type: TcAttachType::Ingress,
+        bpf_attach_type: sys::BPF_TCX_INGRESS,
         link_pin: LINK_PIN,
     },
 ];
@@ -77,6 +90,8 @@ const AYA_LOG_LEVEL: &str = "AYA_LOG_LEVEL";
 const LOG_LEVEL_DEBUG: u8 = 4;
 /// statfs(2) magic of a BPF filesystem.
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+/// How long `wgfence detach` waits, by default, for a running agent to let go of its links.
+pub const DETACH_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The pin directory of one interface: `<bpffs>/wgfence/<interface>`.
 pub fn pin_dir(bpffs: &Path, interface: &str) -> PathBuf {
@@ -120,23 +135,86 @@ pub enum Attachment {
 pub enum Check {
     /// Attached to the interface as it is now, every pin in place.
     Intact,
-    /// Something was repaired; the strings say what, for the log.
+    /// Something was repaired.
     Repaired {
-        repairs: Vec<String>,
+        repairs: Vec<Repair>,
         /// The programs were attached to a new device (the interface was recreated): its
         /// WireGuard peers are gone too, so the caller must read the kernel again.
         reattached: bool,
     },
+    /// The programs are attached and enforcing (the agent holds the links and maps), but pins
+    /// are missing and could not be restored (e.g. bpffs is not mounted, or another process
+    /// locked a new pin directory): the next start would not adopt them. Checked again every
+    /// time.
+    Unpinned {
+        /// What was repaired before the failure.
+        repairs: Vec<Repair>,
+        error: String,
+    },
     /// The interface does not exist (now): nothing to attach to until it comes back.
     InterfaceGone,
-    /// The pin directory was removed (`wgfence detach`): the agent let go of the links, the
-    /// programs are detached, and nothing is re-attached until the agent starts again.
+    /// `wgfence detach` renamed the pin directory to its marker: the agent let go of the links
+    /// and the lock, the programs are detached, and nothing is re-attached until the agent
+    /// starts again.
     Detached,
+}
+
+/// One repair [`Dataplane::check`] made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Repair {
+    /// The pin directory (or `<bpffs>/wgfence`, or the whole bpffs) was gone or replaced, and
+    /// not by `wgfence detach`: created again (0700) and locked again.
+    PinDir,
+    /// A map's pin was missing: pinned again from the agent's descriptor.
+    MapPin(&'static str),
+    /// A link's pin was missing: pinned again from the agent's descriptor.
+    LinkPin(&'static str),
+    /// The interface was recreated: new links attached.
+    Reattached { ifindex: u32 },
+}
+
+impl Repair {
+    /// Every kind, as [`Repair::kind`] names them (for metric labels).
+    pub const KINDS: [&'static str; 4] = ["pin_dir", "map_pin", "link_pin", "reattach"];
+
+    /// The kind of repair, for a metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Repair::PinDir => "pin_dir",
+            Repair::MapPin(_) => "map_pin",
+            Repair::LinkPin(_) => "link_pin",
+            Repair::Reattached { .. } => "reattach",
+        }
+    }
+}
+
+impl std::fmt::Display for Repair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Repair::PinDir => write!(f, "created the pin directory again"),
+            Repair::MapPin(name) => write!(f, "pinned map {name} again"),
+            Repair::LinkPin(name) => write!(f, "pinned the link {name} again"),
+            Repair::Reattached { ifindex } => {
+                write!(f, "attached to the recreated interface (index {ifindex})")
+            }
+        }
+    }
+}
+
+/// Where [`Dataplane::check`] found the pin directory this agent locked.
+enum PinDirState {
+    /// In place.
+    Ours,
+    /// Gone or replaced, not by a detach: created and locked again.
+    Restored,
+    /// Renamed to this detach marker by `wgfence detach`.
+    Detaching(PathBuf),
 }
 
 /// The attached datapath of one interface and its maps.
 pub struct Dataplane {
     interface: String,
+    bpffs: PathBuf,
     pin_dir: PathBuf,
     maps: Maps,
     attachment: Attachment,
@@ -145,9 +223,13 @@ pub struct Dataplane {
     ebpf: Ebpf,
     /// The tcx links, one per [`HOOKS`] entry, held open: pins removed by hand do not detach
     /// the programs while the agent runs, and can be pinned again from here.
-    links: Vec<Option<FdLink>>,
-    /// The pin directory was removed: the links are let go and never attached again.
+    links: Vec<Option<HeldLink>>,
+    /// The exclusive lock on the pin directory; `None` once detached.
+    lock: Option<PinDirLock>,
+    /// `wgfence detach` took the pin directory: the links are let go and never attached again.
     detached: bool,
+    /// The last check could not restore the pins, for this reason (logged once per reason).
+    unpinned: Option<String>,
     /// The interface index the links were made for.
     ifindex: u32,
     /// Where the IP header starts on that interface: a load-time constant of the programs.
@@ -166,11 +248,12 @@ impl Dataplane {
         let interface = options.interface.as_str();
         let l3_offset = iface::l3_offset(interface)?;
         ensure_bpffs(&options.bpffs)?;
+        let pin_dir = pin_dir(&options.bpffs, interface);
+        // Before anything in the kernel changes: another agent on this interface is an error.
+        let lock = lock_pin_dir(&pin_dir)?;
         // An interrupted detach left its links attached under another name: finish it first,
         // or its program would stay in the chain beside ours.
         remove_detaching(&options.bpffs, interface)?;
-        let pin_dir = pin_dir(&options.bpffs, interface);
-        create_private_dir(&pin_dir)?;
         let ifindex = iface::index(interface)?;
 
         let pins: Vec<(&'static str, PathBuf)> = map_names::ALL
@@ -223,12 +306,15 @@ impl Dataplane {
         );
         Ok(Self {
             interface: interface.to_owned(),
+            bpffs: options.bpffs.clone(),
             pin_dir,
             maps,
             attachment,
             ebpf,
             links,
+            lock: Some(lock),
             detached: false,
+            unpinned: None,
             ifindex,
             l3_offset,
             map_pins,
@@ -237,35 +323,46 @@ impl Dataplane {
 
     /// Checks that the programs are attached to the interface as it exists now and that every
     /// pin is in place, repairing what is not: a recreated interface gets new links (first in
-    /// its tcx chains), a missing map or link pin is pinned again from the agent's own fds.
-    /// Cheap (a name lookup and a few `stat`s): the daemon runs it every second.
+    /// its tcx chains); a missing pin directory (or `<bpffs>/wgfence`, or a fresh bpffs) is
+    /// created and locked again, and a missing map or link pin is pinned again from the agent's
+    /// own descriptors. Only the detach marker holding the very directory this agent locked
+    /// lets go of the links. Cheap (a name lookup and a few `stat`s): the daemon runs it every
+    /// second.
     pub fn check(&mut self) -> Result<Check> {
         if self.detached {
             return Ok(Check::Detached);
         }
-        let gone = match fs::symlink_metadata(&self.pin_dir) {
-            Ok(_) => false,
-            Err(e) if e.kind() == ErrorKind::NotFound => true,
-            // Not an answer (EACCES, EIO, ...): an error to retry, never a reason to let go.
-            Err(source) => {
-                return Err(DataplaneError::Io {
-                    path: self.pin_dir.clone(),
-                    source,
-                })
+        let mut repairs = Vec::new();
+        let mut unpinned = None;
+        match self.check_pin_dir() {
+            Ok(PinDirState::Ours) => {}
+            Ok(PinDirState::Restored) => repairs.push(Repair::PinDir),
+            Ok(PinDirState::Detaching(marker)) => {
+                self.let_go();
+                tracing::warn!(
+                    interface = %self.interface,
+                    marker = %marker.display(),
+                    "wgfence detach took the pin directory: the programs are detached and stay \
+                     so until the agent starts again"
+                );
+                return Ok(Check::Detached);
             }
-        };
-        if gone {
-            // `wgfence detach` renames the directory away before it removes anything, so a
-            // missing directory is an operator's decision, never a half-done detach.
-            self.links.iter_mut().for_each(|l| *l = None);
-            self.detached = true;
-            tracing::warn!(
-                interface = %self.interface,
-                pin_dir = %self.pin_dir.display(),
-                "the pin directory was removed (wgfence detach?): the programs are detached \
-                 and stay so until the agent starts again"
-            );
-            return Ok(Check::Detached);
+            Err(e) => unpinned = Some(e),
+        }
+        if unpinned.is_none() {
+            for (name, data) in &self.map_pins {
+                let path = self.pin_dir.join(name);
+                if path.exists() {
+                    continue;
+                }
+                match data.pin(&path) {
+                    Ok(()) => repairs.push(Repair::MapPin(name)),
+                    Err(source) => {
+                        unpinned = Some(DataplaneError::Pin { path, source });
+                        break;
+                    }
+                }
+            }
         }
         let ifindex = match iface::index(&self.interface) {
             Ok(index) => index,
@@ -276,17 +373,6 @@ impl Dataplane {
             }
             Err(e) => return Err(e),
         };
-        let mut repairs = Vec::new();
-        for (name, data) in &self.map_pins {
-            let path = self.pin_dir.join(name);
-            if !path.exists() {
-                data.pin(&path).map_err(|source| DataplaneError::Pin {
-                    path: path.clone(),
-                    source,
-                })?;
-                repairs.push(format!("pinned {} again", path.display()));
-            }
-        }
         // A new index means a new device; so does the same index with our programs missing
         // from its hooks (recreated with `index N`, or the index reused).
         let reattached = ifindex != self.ifindex || !self.programs_attached()?;
@@ -310,58 +396,123 @@ impl Dataplane {
                 *slot = None;
                 let program = classifier(&mut self.ebpf, hook.program)?;
                 *slot = Some(attach_new(program, hook, &self.interface, &link_path)?);
-            } else if !link_path.exists() {
-                // The link is alive (this agent holds it): pin it again. Should that fail, the
-                // link is gone with its fd, and a new one is attached (tcx takes a program once
-                // per hook, so not before).
-                let pinned = match slot.take() {
-                    Some(link) => link.pin(&link_path).map(FdLink::from).map_err(|e| {
-                        tracing::warn!(
-                            link = %link_path.display(),
-                            error = %crate::error_chain(&e),
-                            "pinning the link again failed; attaching a new one"
-                        );
-                    }),
-                    None => Err(()),
+            } else if unpinned.is_none() && !link_path.exists() {
+                // The link is alive (this agent holds it): pin it again. The descriptor stays
+                // open whatever happens, so a failure detaches nothing.
+                let pinned = match slot {
+                    Some(link) => link.pin(&link_path),
+                    None => Err(DataplaneError::MissingMap(hook.link_pin)),
                 };
-                let link = match pinned {
-                    Ok(link) => link,
-                    Err(()) => {
-                        let program = classifier(&mut self.ebpf, hook.program)?;
-                        attach_new(program, hook, &self.interface, &link_path)?
-                    }
-                };
-                *slot = Some(link);
-                repairs.push(format!("pinned the link again at {}", link_path.display()));
+                match pinned {
+                    Ok(()) => repairs.push(Repair::LinkPin(hook.link_pin)),
+                    Err(e) => unpinned = Some(e),
+                }
             }
         }
         if reattached {
             self.ifindex = ifindex;
-            repairs.push(format!(
-                "attached to the recreated interface {} (index {ifindex})",
-                self.interface
-            ));
+            repairs.push(Repair::Reattached { ifindex });
         }
-        Ok(if repairs.is_empty() {
-            Check::Intact
-        } else {
-            tracing::warn!(interface = %self.interface, ?repairs, "datapath repaired");
-            Check::Repaired {
-                repairs,
-                reattached,
+        let described = || repairs.iter().map(ToString::to_string).collect::<Vec<_>>();
+        if let Some(error) = unpinned {
+            let error = crate::error_chain(&error);
+            if self.unpinned.as_ref() == Some(&error) && repairs.is_empty() {
+                return Ok(Check::Unpinned { repairs, error });
             }
+            self.unpinned = Some(error.clone());
+            tracing::error!(
+                interface = %self.interface,
+                pin_dir = %self.pin_dir.display(),
+                repairs = ?described(),
+                %error,
+                "pins are missing and could not be restored; the programs stay attached and \
+                 enforcing from the agent's own descriptors, but a restart would not adopt them"
+            );
+            return Ok(Check::Unpinned { repairs, error });
+        }
+        if self.unpinned.take().is_some() {
+            tracing::warn!(interface = %self.interface, "the pins are in place again");
+        }
+        if repairs.is_empty() {
+            return Ok(Check::Intact);
+        }
+        if repairs.contains(&Repair::PinDir) {
+            tracing::error!(
+                interface = %self.interface,
+                pin_dir = %self.pin_dir.display(),
+                repairs = ?described(),
+                "the pin directory was removed, but not by `wgfence detach`: created it again \
+                 and pinned everything again from the agent's own descriptors (the programs \
+                 never stopped)"
+            );
+        } else {
+            tracing::warn!(interface = %self.interface, repairs = ?described(), "datapath repaired");
+        }
+        Ok(Check::Repaired {
+            repairs,
+            reattached,
         })
+    }
+
+    /// Where the pin directory this agent locked is now. Missing or replaced, and not under a
+    /// detach marker, it is created and locked again.
+    fn check_pin_dir(&mut self) -> Result<PinDirState> {
+        let ours = |lock: &Option<PinDirLock>, meta: &fs::Metadata| {
+            lock.as_ref().is_some_and(|lock| lock.is(meta))
+        };
+        match fs::symlink_metadata(&self.pin_dir) {
+            Ok(meta) if ours(&self.lock, &meta) => return Ok(PinDirState::Ours),
+            // Another directory (or anything else) in its place: damage too.
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                for marker in detaching_dirs(&self.bpffs, &self.interface)? {
+                    match fs::symlink_metadata(&marker) {
+                        Ok(meta) if ours(&self.lock, &meta) => {
+                            return Ok(PinDirState::Detaching(marker))
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            // Not an answer (EACCES, EIO, ...): an error to retry, never a reason to let go.
+            Err(source) => {
+                return Err(DataplaneError::Io {
+                    path: self.pin_dir.clone(),
+                    source,
+                })
+            }
+        }
+        // Never on a plain directory where bpffs used to be: pins need bpffs.
+        ensure_bpffs(&self.bpffs)?;
+        self.lock = Some(lock_pin_dir(&self.pin_dir)?);
+        Ok(PinDirState::Restored)
+    }
+
+    /// Lets go of the links (the programs detach once nothing else holds them), then of the
+    /// lock: in this order, because a `detach` that may not look links up by id takes the
+    /// lock's release as the sign that the links are gone.
+    fn let_go(&mut self) {
+        self.links.iter_mut().for_each(|l| *l = None);
+        self.lock = None;
+        self.detached = true;
     }
 
     /// Whether the device's tcx hooks run this dataplane's programs, ingress and egress (two
     /// queries). Must run in the interface's network namespace.
     pub fn programs_attached(&mut self) -> Result<bool> {
+        let ifindex = iface::index(&self.interface)?;
         for hook in &HOOKS {
             let program = classifier(&mut self.ebpf, hook.program)?;
             let id = program.info().map_err(program_err(hook.program))?.id();
-            let (_, attached) = SchedClassifier::query_tcx(&self.interface, hook.attach_type)
-                .map_err(program_err(hook.program))?;
-            if !attached.iter().any(|p| p.id() == id) {
+            // Ids only: aya's query_tcx opens every program by id, which needs CAP_SYS_ADMIN.
+            let attached =
+                sys::tcx_program_ids(ifindex, hook.bpf_attach_type).map_err(|source| {
+                    DataplaneError::Interface {
+                        interface: self.interface.clone(),
+                        source,
+                    }
+                })?;
+            if !attached.contains(&id) {
                 return Ok(false);
             }
         }
@@ -374,16 +525,26 @@ impl Dataplane {
         Maps::from_pins(&pin_dir(bpffs, interface))
     }
 
-    /// Removes everything pinned for an interface: the link (which detaches the program) and
-    /// the maps. What is already gone is not an error. Returns whether anything was removed.
-    ///
-    /// The directory is first renamed away (atomically, inside bpffs): a running agent sees it
-    /// gone as a whole, lets go of its links and does not pin anything again, where removing
-    /// the pins one by one would look like pins lost by accident, which it repairs.
+    /// Removes everything pinned for an interface: the links (which detaches the programs)
+    /// and the maps, and waits up to [`DETACH_TIMEOUT`] until the links are really gone. What
+    /// is already gone is not an error. Returns whether anything was removed.
     pub fn detach(bpffs: &Path, interface: &str) -> Result<bool> {
+        Self::detach_within(bpffs, interface, DETACH_TIMEOUT)
+    }
+
+    /// [`Dataplane::detach`], waiting up to `timeout` for the links to be gone.
+    ///
+    /// The directory is first renamed to this detach's marker (atomically, inside bpffs). A
+    /// running agent finds there the directory it locked, lets go of its links and its lock,
+    /// and does not pin anything again; anything else that removes the directory looks like
+    /// damage, which the agent repairs. The pins are removed, then this waits until no process
+    /// holds the links (the programs are off the interface) and no agent holds the marker's
+    /// lock, and only then removes the marker. Past `timeout` it fails, naming the holder, and
+    /// leaves the marker for the agent to find (a later detach or start removes it).
+    pub fn detach_within(bpffs: &Path, interface: &str, timeout: Duration) -> Result<bool> {
         let pinned = pin_dir(bpffs, interface);
-        let dir = pinned.with_file_name(detaching_name(interface, std::process::id()));
-        let renamed = match fs::rename(&pinned, &dir) {
+        let own = pinned.with_file_name(detaching_name(interface, std::process::id()));
+        let renamed = match fs::rename(&pinned, &own) {
             Ok(()) => true,
             Err(e) if e.kind() == ErrorKind::NotFound => false,
             Err(source) => {
@@ -393,16 +554,69 @@ impl Dataplane {
                 })
             }
         };
-        // This detach's directory, and any an interrupted one left (its links still attached).
-        let leftovers = remove_detaching(bpffs, interface)?;
+        // This detach's marker, and any an interrupted one left (its links still attached).
+        let markers = detaching_dirs(bpffs, interface)?;
+        let mut links = Vec::new();
+        for marker in &markers {
+            links.extend(unpin_all(marker)?);
+        }
+        let deadline = Instant::now() + timeout;
+        // Whether this process may look links up by id (CAP_SYS_ADMIN). Without it (the
+        // DaemonSet's capabilities), only the agent's lock tells that it let go: it closes its
+        // links before its lock, so they are gone by then unless something else holds them.
+        let mut see_links = true;
+        loop {
+            let mut held = Vec::new();
+            for id in links.iter().filter(|_| see_links) {
+                match sys::link_exists(*id) {
+                    Ok(true) => held.push(*id),
+                    Ok(false) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                        tracing::debug!("no CAP_SYS_ADMIN: waiting for the agent's lock only");
+                        see_links = false;
+                        held.clear();
+                        break;
+                    }
+                    Err(source) => {
+                        return Err(DataplaneError::Io {
+                            path: own.clone(),
+                            source,
+                        })
+                    }
+                }
+            }
+            let mut locked = None;
+            for marker in &markers {
+                if lock::is_locked(marker)? {
+                    locked = Some(marker);
+                    break;
+                }
+            }
+            if held.is_empty() && locked.is_none() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(DataplaneError::DetachTimeout {
+                    interface: interface.to_owned(),
+                    waited: timeout,
+                    links: held,
+                    holder: locked.map(|marker| lock::describe_holder(lock::holder_of(marker))),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for marker in &markers {
+            remove_dir_if_exists(marker)?;
+        }
         // Leave <bpffs>/wgfence itself once no interface uses it.
-        if let Some(parent) = dir.parent() {
+        if let Some(parent) = own.parent() {
             let _ = fs::remove_dir(parent);
         }
-        if renamed || leftovers {
+        let detached = renamed || !markers.is_empty();
+        if detached {
             tracing::info!(interface, "datapath detached");
         }
-        Ok(renamed || leftovers)
+        Ok(detached)
     }
 
     /// The pinned link of an interface, if any: (link id, program id).
@@ -482,7 +696,7 @@ fn attach_or_replace(
     hook: &Hook,
     interface: &str,
     link_path: &Path,
-) -> Result<(Attachment, FdLink)> {
+) -> Result<(Attachment, HeldLink)> {
     let link_err = |source| DataplaneError::Link {
         path: link_path.to_owned(),
         source,
@@ -493,8 +707,9 @@ fn attach_or_replace(
         match program.attach_to_link(link) {
             Ok(id) => {
                 let link = program.take_link(id).map_err(program_err(hook.program))?;
-                let link = FdLink::try_from(link).map_err(link_err)?;
-                return Ok((Attachment::Replaced, link));
+                drop(FdLink::try_from(link).map_err(link_err)?);
+                // The pin stays: a descriptor of the agent's own from it.
+                return Ok((Attachment::Replaced, HeldLink::open(link_path)?));
             }
             Err(e) => {
                 // ENOLINK: the interface the link was made for is gone (e.g. recreated).
@@ -520,7 +735,7 @@ fn attach_new(
     hook: &Hook,
     interface: &str,
     link_path: &Path,
-) -> Result<FdLink> {
+) -> Result<HeldLink> {
     // First in the tcx chain: a program before ours could pass packets we must drop (ingress),
     // or drop packets before their flow is recorded (egress: harmless, but first is simplest).
     let id = program
@@ -539,7 +754,10 @@ fn attach_new(
         path: link_path.to_owned(),
         source,
     })?;
-    Ok(FdLink::from(pinned))
+    // Opened before aya's descriptor closes with `pinned`: the link never has only its pin.
+    let held = HeldLink::open(link_path)?;
+    drop(pinned);
+    Ok(held)
 }
 
 fn ensure_bpffs(path: &Path) -> Result<()> {
@@ -614,14 +832,29 @@ fn detaching_name(interface: &str, pid: u32) -> String {
     format!("detaching-{interface}-{pid:010}")
 }
 
-/// Removes every `detaching-<interface>-*` directory under `<bpffs>/wgfence`, links first (the
-/// programs stop before their maps go); whether there was any.
-fn remove_detaching(bpffs: &Path, interface: &str) -> Result<bool> {
+/// Creates the pin directory (see [`create_private_dir`]) and takes its lock: another agent's
+/// lock is [`DataplaneError::Locked`].
+fn lock_pin_dir(dir: &Path) -> Result<PinDirLock> {
+    // A concurrent detach may rename the directory between the open and the lock: again.
+    for _ in 0..5 {
+        create_private_dir(dir)?;
+        if let Acquired::Locked(lock) = PinDirLock::try_acquire(dir)? {
+            return Ok(lock);
+        }
+    }
+    Err(DataplaneError::Io {
+        path: dir.to_owned(),
+        source: io::Error::other("the directory was moved away five times while locking it"),
+    })
+}
+
+/// Every `detaching-<interface>-*` directory under `<bpffs>/wgfence` (detach markers).
+fn detaching_dirs(bpffs: &Path, interface: &str) -> Result<Vec<PathBuf>> {
     let parent = bpffs.join("wgfence");
     let prefix = format!("detaching-{interface}-");
     let entries = match fs::read_dir(&parent) {
         Ok(entries) => entries,
-        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(false),
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Vec::new()),
         Err(source) => {
             return Err(DataplaneError::Io {
                 path: parent,
@@ -629,7 +862,7 @@ fn remove_detaching(bpffs: &Path, interface: &str) -> Result<bool> {
             })
         }
     };
-    let dirs: Vec<PathBuf> = entries
+    Ok(entries
         .filter_map(|e| e.ok())
         .filter(|e| {
             e.file_name()
@@ -638,42 +871,74 @@ fn remove_detaching(bpffs: &Path, interface: &str) -> Result<bool> {
                 .is_some_and(|pid| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
         })
         .map(|e| e.path())
-        .collect();
-    for dir in &dirs {
-        let entries = match fs::read_dir(dir) {
-            Ok(entries) => entries,
-            // Another detach finished it meanwhile.
-            Err(e) if e.kind() == ErrorKind::NotFound => continue,
-            Err(source) => {
-                return Err(DataplaneError::Io {
-                    path: dir.clone(),
-                    source,
-                })
-            }
-        };
-        let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
-        paths.sort_by_key(|p| {
-            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-            [LINK_PIN, LINK_PIN_EGRESS]
-                .iter()
-                .position(|link| *link == name)
-                .unwrap_or(usize::MAX)
-        });
-        for path in paths {
-            remove_if_exists(&path)?;
+        .collect())
+}
+
+/// Removes the detach markers an interrupted detach left (links first: the programs stop
+/// before their maps go), except those an agent still holds locked: it lets go at its next
+/// check, and the detach that renamed them waits for it. Whether there was any.
+fn remove_detaching(bpffs: &Path, interface: &str) -> Result<bool> {
+    let markers = detaching_dirs(bpffs, interface)?;
+    for marker in &markers {
+        if lock::is_locked(marker)? {
+            tracing::info!(
+                marker = %marker.display(),
+                "a detach marker is still locked by an agent that has not let go yet; left alone"
+            );
+            continue;
         }
-        match fs::remove_dir(dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == ErrorKind::NotFound => {}
-            Err(source) => {
-                return Err(DataplaneError::Io {
-                    path: dir.clone(),
-                    source,
-                })
-            }
-        }
+        unpin_all(marker)?;
+        remove_dir_if_exists(marker)?;
     }
-    Ok(!dirs.is_empty())
+    Ok(!markers.is_empty())
+}
+
+/// Removes every pin in `dir`, links first; the ids of the links that were pinned there.
+fn unpin_all(dir: &Path) -> Result<Vec<u32>> {
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        // Another detach finished it meanwhile.
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(DataplaneError::Io {
+                path: dir.to_owned(),
+                source,
+            })
+        }
+    };
+    let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    let link_index = |p: &PathBuf| {
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        [LINK_PIN, LINK_PIN_EGRESS]
+            .iter()
+            .position(|link| *link == name)
+    };
+    paths.sort_by_key(|p| link_index(p).unwrap_or(usize::MAX));
+    let mut links = Vec::new();
+    for path in paths {
+        if link_index(&path).is_some() {
+            // Read before the pin goes, to wait for the link itself afterwards.
+            if let Ok(info) = PinnedLink::from_pin(&path)
+                .map(FdLink::from)
+                .and_then(|l| l.info())
+            {
+                links.push(info.id());
+            }
+        }
+        remove_if_exists(&path)?;
+    }
+    Ok(links)
+}
+
+fn remove_dir_if_exists(dir: &Path) -> Result<()> {
+    match fs::remove_dir(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(DataplaneError::Io {
+            path: dir.to_owned(),
+            source,
+        }),
+    }
 }
 
 fn remove_if_exists(path: &Path) -> Result<()> {

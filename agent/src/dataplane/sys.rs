@@ -1,0 +1,191 @@
+//! The few `bpf(2)` calls the agent makes itself, because aya offers them only in a form that
+//! needs CAP_SYS_ADMIN (which the DaemonSet does not grant) or consumes what it is given.
+//!
+//! A tcx link held open by its own descriptor, pinned without giving the descriptor up.
+//!
+//! aya's `FdLink::pin` consumes the link and closes its descriptor when pinning fails; with its
+//! pin removed, that would release the link and take the program off the interface. The agent
+//! repairs pins while it enforces, so it keeps a descriptor of each link that nothing consumes
+//! (`BPF_OBJ_GET` on the pin, right after it is made) and pins that one again when needed
+//! (`BPF_OBJ_PIN`, which only borrows it). Neither needs more than the agent's CAP_BPF (the
+//! `*_GET_FD_BY_ID` commands would need CAP_SYS_ADMIN).
+//!
+//! Which programs run on a tcx hook: `BPF_PROG_QUERY` gives their ids, which is all the check
+//! needs (aya's `query_tcx` opens each by id, CAP_SYS_ADMIN again).
+
+use std::{
+    ffi::CString,
+    io,
+    os::{
+        fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+        unix::ffi::OsStrExt as _,
+    },
+    path::Path,
+};
+
+use super::{DataplaneError, Result};
+
+/// `bpf(2)` commands of the stable UAPI (include/uapi/linux/bpf.h).
+const BPF_OBJ_PIN: libc::c_long = 6;
+const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_PROG_QUERY: libc::c_long = 16;
+const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
+/// `enum bpf_attach_type`.
+pub(crate) const BPF_TCX_INGRESS: u32 = 46;
+pub(crate) const BPF_TCX_EGRESS: u32 = 47;
+
+/// The `BPF_OBJ_*` member of `union bpf_attr`.
+#[repr(C)]
+struct ObjAttr {
+    pathname: u64,
+    bpf_fd: u32,
+    file_flags: u32,
+    path_fd: i32,
+    /// Explicit, so no uninitialised padding reaches the kernel (which wants zeros there).
+    pad: u32,
+}
+
+/// The `*_GET_FD_BY_ID` member of `union bpf_attr`.
+#[repr(C)]
+struct GetFdByIdAttr {
+    id: u32,
+    next_id: u32,
+    open_flags: u32,
+}
+
+/// The `BPF_PROG_QUERY` member of `union bpf_attr`.
+#[repr(C)]
+struct QueryAttr {
+    target_ifindex: u32,
+    attach_type: u32,
+    query_flags: u32,
+    attach_flags: u32,
+    prog_ids: u64,
+    prog_cnt: u32,
+    pad: u32,
+    prog_attach_flags: u64,
+    link_ids: u64,
+    link_attach_flags: u64,
+    revision: u64,
+}
+
+/// The ids of the programs attached to a tcx hook of the interface, in chain order. Needs
+/// CAP_NET_ADMIN (or CAP_SYS_ADMIN).
+pub(crate) fn tcx_program_ids(ifindex: u32, attach_type: u32) -> io::Result<Vec<u32>> {
+    let mut ids = vec![0u32; 16];
+    loop {
+        let mut attr = QueryAttr {
+            target_ifindex: ifindex,
+            attach_type,
+            query_flags: 0,
+            attach_flags: 0,
+            prog_ids: ids.as_mut_ptr() as u64,
+            prog_cnt: u32::try_from(ids.len()).unwrap_or(u32::MAX),
+            pad: 0,
+            prog_attach_flags: 0,
+            link_ids: 0,
+            link_attach_flags: 0,
+            revision: 0,
+        };
+        // SAFETY: `attr` is the BPF_PROG_QUERY member; `prog_ids` points to `prog_cnt` u32s
+        // that outlive the call.
+        match unsafe { bpf(BPF_PROG_QUERY, &mut attr) } {
+            Ok(_) => {
+                ids.truncate(attr.prog_cnt as usize);
+                return Ok(ids);
+            }
+            // More programs than room: the kernel said how many.
+            Err(e)
+                if e.raw_os_error() == Some(libc::ENOSPC) && attr.prog_cnt as usize > ids.len() =>
+            {
+                ids = vec![0u32; attr.prog_cnt as usize];
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// One tcx link, kept alive by this descriptor for as long as the value lives.
+#[derive(Debug)]
+pub(crate) struct HeldLink {
+    fd: OwnedFd,
+}
+
+impl HeldLink {
+    /// A descriptor of its own for the link pinned at `path`.
+    pub(crate) fn open(path: &Path) -> Result<Self> {
+        let fd = obj(BPF_OBJ_GET, path, 0)?;
+        // SAFETY: on success BPF_OBJ_GET returned a new descriptor that nothing else owns.
+        Ok(Self {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    /// Pins the link at `path`; the descriptor stays open whatever happens.
+    pub(crate) fn pin(&self, path: &Path) -> Result<()> {
+        obj(BPF_OBJ_PIN, path, self.fd.as_raw_fd() as u32)?;
+        Ok(())
+    }
+}
+
+/// `BPF_OBJ_GET` or `BPF_OBJ_PIN` of `fd` at `path`.
+fn obj(cmd: libc::c_long, path: &Path, fd: u32) -> Result<i32> {
+    let io_err = |source| DataplaneError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let c_path = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io_err(io::Error::from_raw_os_error(libc::EINVAL)))?;
+    let mut attr = ObjAttr {
+        pathname: c_path.as_ptr() as u64,
+        bpf_fd: fd,
+        file_flags: 0,
+        path_fd: 0,
+        pad: 0,
+    };
+    // SAFETY: `attr` is the BPF_OBJ_* member; the path it points to outlives the call, and
+    // `fd` (for a pin) is the caller's open descriptor.
+    unsafe { bpf(cmd, &mut attr) }.map_err(io_err)
+}
+
+/// Whether a link with this id still exists (anything still holds it: a pin, a descriptor).
+/// Needs CAP_SYS_ADMIN: `EPERM` without it.
+pub(crate) fn link_exists(id: u32) -> io::Result<bool> {
+    Ok(link_fd(id)?.is_some())
+}
+
+/// A new descriptor of the link with this id; `None` once the link is gone.
+fn link_fd(id: u32) -> io::Result<Option<OwnedFd>> {
+    let mut attr = GetFdByIdAttr {
+        id,
+        next_id: 0,
+        open_flags: 0,
+    };
+    // SAFETY: `attr` is the BPF_LINK_GET_FD_BY_ID member (no pointers).
+    match unsafe { bpf(BPF_LINK_GET_FD_BY_ID, &mut attr) } {
+        // SAFETY: on success the syscall returned a new descriptor that nothing else owns.
+        Ok(fd) => Ok(Some(unsafe { OwnedFd::from_raw_fd(fd) })),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// `bpf(cmd, attr, sizeof attr)`: the syscall's non-negative result.
+///
+/// # Safety
+/// `attr` must be the `union bpf_attr` member that `cmd` reads, with every pointer in it valid.
+unsafe fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<i32> {
+    // SAFETY: the caller's contract; the kernel reads at most size_of::<T>() bytes.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *mut T,
+            std::mem::size_of::<T>() as libc::c_ulong,
+        )
+    };
+    if ret < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    i32::try_from(ret).map_err(|_| io::Error::from_raw_os_error(libc::EOVERFLOW))
+}
