@@ -170,11 +170,16 @@ impl Reconciler {
         }
         let now = crate::monitor::Clock::now().monotonic_ns();
         let config = self.kernel_config.unwrap_or_default();
+        // Before this agent wrote its settings (fresh or just translated maps) the entry has no
+        // timeouts yet: nothing is judged expired by them.
+        let timeouts = config.tcp_timeout_ns != 0;
         let peers = &self.actual.maps().peers;
         let dead = |flow: &Flow| {
             let v = &flow.value;
             peers.get(&flow.peer).is_none_or(|e| e.owner != v.owner)
-                || now.saturating_sub(v.last_seen_ns) > config.timeout_ns(flow.protocol, v.state)
+                || (timeouts
+                    && now.saturating_sub(v.last_seen_ns)
+                        > config.timeout_ns(flow.protocol, v.state))
         };
         let freed = self.dataplane.maps_mut().remove_flows(dead)?;
         self.flows_freed += freed;

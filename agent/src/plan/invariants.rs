@@ -113,7 +113,10 @@ pub fn check_converged(actual: &Actual, desired: &DesiredState) -> Result<(), St
     let mut owners = BTreeMap::new();
     for (addr, entry) in &maps.peers {
         if let Some(other) = owners.insert(entry.owner, addr) {
-            return Err(format!("owner {} shared by {other} and {addr}", entry.owner));
+            return Err(format!(
+                "owner {} shared by {other} and {addr}",
+                entry.owner
+            ));
         }
     }
     // One slot per peer.
