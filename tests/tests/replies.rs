@@ -323,20 +323,45 @@ fn flows_toward(gw: &Gateway, addr: std::net::IpAddr) -> Vec<Flow> {
 }
 
 /// Issue 11 item 3, end to end: a restricted peer cannot fill the reply flow tables, neither
-/// by sending through the node to another peer (hairpin: the node forwards it back into the
-/// tunnel) nor by being flooded; another peer's flows keep working.
+/// by sending through the node to its own address (a ClusterIP-like DNAT on the node turns its
+/// allowed `10.99.0.5:443` into its own tunnel address) or to another peer's (the node forwards
+/// both back into the tunnel), nor by being flooded; another peer's flows keep working.
 #[test]
 fn no_peer_fills_the_flow_tables_and_a_flood_leaves_others_their_flows() {
     const QUOTA: u64 = 64;
     const FLOOD: u16 = 2000;
     let gw = Gateway::new(2);
-    // The node routes between peers, as a gateway does.
-    gw.node.exec(&["sysctl", "-qw", "net.ipv4.ip_forward=1"]);
     let (a, b) = (&gw.peers[0], &gw.peers[1]);
+    // The node routes between peers, as a gateway does, and maps a service address to peer A
+    // (checksums are not the point here: the flood's are zero).
+    gw.node.exec(&["sysctl", "-qw", "net.ipv4.ip_forward=1"]);
+    gw.node
+        .exec(&["sysctl", "-qw", "net.netfilter.nf_conntrack_checksum=0"]);
+    let a_addr = a.v4.to_string();
+    gw.node.exec(&[
+        "iptables",
+        "-t",
+        "nat",
+        "-A",
+        "PREROUTING",
+        "-d",
+        "10.99.0.5",
+        "-p",
+        "tcp",
+        "--dport",
+        "443",
+        "-j",
+        "DNAT",
+        "--to-destination",
+        &a_addr,
+    ]);
     let state = json!({
         "version": 1,
         "peers": [
-            gw.peer_json(0, Some(json!([{ "cidr": "10.8.0.0/24", "protocol": "tcp", "ports": [443] }]))),
+            gw.peer_json(0, Some(json!([
+                { "cidr": "10.99.0.0/24", "protocol": "tcp", "ports": [443] },
+                { "cidr": "10.8.0.3/32", "protocol": "tcp", "ports": [443] },
+            ]))),
             gw.peer_json(1, Some(web_only())),
         ],
     })
@@ -345,22 +370,45 @@ fn no_peer_fills_the_flow_tables_and_a_flood_leaves_others_their_flows() {
     let agent = Agent::start(&gw, Layout::Plain, &state, &["--flows-per-peer", &quota]);
     agent.wait_ready(&gw);
 
-    // Peer A sends thousands of SYNs to B's port 443 (its policy allows that) from distinct
-    // ports: the node forwards them back out of the tunnel to B. None is a flow the network
-    // started, so none is recorded (before the fix each was, against B's quota).
+    // Peer A sends thousands of SYNs (its policy allows them) from distinct ports to the
+    // service, which the node sends back to A itself, and to B's port 443. None is a flow the
+    // network started, so none is recorded (before the fix each was, against A's or B's quota).
     a.ns.enter(|| {
         for port in 0..FLOOD {
-            let syn =
-                Packet::new(&a.v4.to_string(), &b.v4.to_string(), TCP, 443).src_port(20_000 + port);
-            send_raw(&syn.ip()).unwrap_or_else(|e| panic!("peer A: {e}"));
+            for dst in ["10.99.0.5", &b.v4.to_string()] {
+                let syn = Packet::new(&a_addr, dst, TCP, 443).src_port(20_000 + port);
+                send_raw(&syn.ip()).unwrap_or_else(|e| panic!("peer A: {e}"));
+            }
         }
     });
     thread::sleep(Duration::from_millis(500));
-    assert!(
-        flows_toward(&gw, b.v4.into()).is_empty(),
-        "the hairpin flood recorded flows toward B"
+    let own = flows_toward(&gw, a.v4.into()).len();
+    let other = flows_toward(&gw, b.v4.into()).len();
+    assert_eq!(
+        (own, other),
+        (0, 0),
+        "the hairpin flood recorded flows toward A and B"
     );
     assert_eq!(agent.metric(&gw, "wgfence_reply_flows_recorded_total"), 0.0);
+    // The SYNs did go around: the node forwarded them into the tunnel (to A and B).
+    let forwarded = gw.node.exec(&[
+        "iptables",
+        "-t",
+        "nat",
+        "-L",
+        "PREROUTING",
+        "-v",
+        "-x",
+        "-n",
+    ]);
+    let forwarded = String::from_utf8_lossy(&forwarded.stdout).into_owned();
+    assert!(
+        forwarded.lines().any(|l| l.contains("DNAT")
+            && l.split_whitespace()
+                .next()
+                .is_some_and(|n| n.parse::<u32>().is_ok_and(|n| n > 0))),
+        "the service DNAT saw no packet:\n{forwarded}"
+    );
 
     // The node starts a UDP flow toward B; while B's answer is pending, the node floods A with
     // new TCP flows far past A's quota.
