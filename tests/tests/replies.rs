@@ -100,14 +100,7 @@ fn the_network_reaches_a_restricted_peer_that_cannot_reach_it() {
     assert!(agent.metric(&gw, "wgfence_reply_flows_freed_total") >= filled as f64);
     check_all(&from_node(Reached));
     // A peer that leaves takes its flows with it: a later holder of the address starts afresh.
-    let flows_of = |addr: std::net::IpAddr| {
-        Dataplane::open_maps(&gw.bpffs, gw.interface())
-            .and_then(|m| m.flows())
-            .unwrap_or_else(|e| panic!("{e}"))
-            .into_iter()
-            .filter(|f| f.peer == addr)
-            .count()
-    };
+    let flows_of = |addr: std::net::IpAddr| flows_toward(&gw, addr).len();
     assert!(flows_of(gw.peers[0].v4.into()) > 0);
     let without = json!({ "version": 1, "peers": [gw.peer_json(1, None)] }).to_string();
     let before = agent.reconciles(&gw);
