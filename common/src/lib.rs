@@ -514,10 +514,10 @@ mod tests {
             assert!(name.len() <= 15, "{name} is longer than 15 characters");
             assert!(
                 name.starts_with("wgf2_"),
-                "{name} does not carry layout version 1"
+                "{name} does not carry layout version 2"
             );
         }
-        assert_eq!(LAYOUT_VERSION, 1);
+        assert_eq!(LAYOUT_VERSION, 2);
     }
 
     #[test]
