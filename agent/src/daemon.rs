@@ -39,6 +39,9 @@ use crate::{
 const MAX_RETRY: Duration = Duration::from_secs(30);
 /// How often the attachment and the pins are checked (a name lookup and a few `stat`s).
 const DATAPLANE_CHECK: Duration = Duration::from_secs(1);
+/// How often expired and orphaned reply flows are deleted (one pass over the flow tables),
+/// giving their peers' quota back.
+const FLOW_SWEEP: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -107,6 +110,7 @@ struct Core {
     peer_metrics: bool,
     status: StatusFile,
     map_writes_seen: u64,
+    flows_freed_seen: u64,
     wg_updates_seen: u64,
     allow_insecure_state: bool,
     /// The last dataplane check found the interface gone, the pins detached or an error.
@@ -298,6 +302,11 @@ impl Core {
             .inc_by(updates - self.wg_updates_seen);
         self.map_writes_seen = writes;
         self.wg_updates_seen = updates;
+        let freed = self.reconciler.flows_freed();
+        self.metrics
+            .reply_flows_freed
+            .inc_by(freed - self.flows_freed_seen);
+        self.flows_freed_seen = freed;
         if let Some(d) = duration {
             self.metrics.reconcile_duration.observe(d.as_secs_f64());
         }
@@ -395,6 +404,21 @@ impl Core {
         }
     }
 
+    /// Deletes expired and orphaned reply flows. A failure is logged and left to the next
+    /// sweep or resync: it stops nothing (a flow that stays only holds its peer's quota).
+    fn sweep_flows(&mut self) -> Next {
+        if self.dataplane_fault {
+            return Next::Idle;
+        }
+        if let Err(e) = self.reconciler.collect_flows() {
+            if !matches!(e, ReconcileError::Closed) {
+                tracing::warn!(error = %crate::error_chain(&e), "sweeping reply flows failed; will retry");
+            }
+        }
+        self.account(None);
+        Next::Idle
+    }
+
     fn resync(&mut self) -> Next {
         if let Err(e) = self.reconciler.refresh() {
             if !matches!(e, ReconcileError::Closed) {
@@ -479,6 +503,7 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         peer_metrics: options.peer_metrics,
         status: StatusFile::new(&options.interface, &options.state),
         map_writes_seen: 0,
+        flows_freed_seen: 0,
         wg_updates_seen: 0,
         allow_insecure_state: options.allow_insecure_state,
         dataplane_fault: false,
@@ -489,6 +514,8 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     let mut resync = tokio::time::interval_at(Instant::now() + options.resync, options.resync);
     let mut check = tokio::time::interval_at(Instant::now() + DATAPLANE_CHECK, DATAPLANE_CHECK);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sweep = tokio::time::interval_at(Instant::now() + FLOW_SWEEP, FLOW_SWEEP);
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stop = shutdown.clone();
     loop {
         let retry_at = (next == Next::Retry).then(|| Instant::now() + retry_delay);
@@ -506,6 +533,9 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
                 if checked == Next::Retry {
                     next = Next::Retry;
                 }
+            }
+            _ = sweep.tick() => {
+                step(&mut core, Core::sweep_flows).await?;
             }
             () = sleep_until(retry_at) => {
                 next = step(&mut core, |c| c.load(true)).await?;

@@ -157,6 +157,11 @@ struct DatapathArgs {
     /// 0 switches them off.
     #[arg(long, value_name = "N", default_value_t = DEFAULTS.events_per_second)]
     drop_events_per_second: u32,
+    /// Reply flows one peer may hold at once (IPv4 and IPv6 together). Past it, the network's
+    /// new flows toward that peer get no reply passing until old ones expire; no peer can take
+    /// another's room. 0 records no flows.
+    #[arg(long, value_name = "N", default_value_t = DEFAULTS.flows_per_peer)]
+    flows_per_peer: u32,
 }
 
 const DEFAULTS: DatapathSettings = DatapathSettings::DEFAULT;
@@ -174,6 +179,7 @@ impl DatapathArgs {
             udp_timeout: Duration::from_secs(self.flow_timeout_udp),
             icmp_timeout: Duration::from_secs(self.flow_timeout_icmp),
             events_per_second: self.drop_events_per_second,
+            flows_per_peer: self.flows_per_peer,
         }
     }
 }

@@ -84,6 +84,7 @@ pub struct Metrics {
     pub bpf_map_writes: Counter,
     pub wireguard_peer_updates: Counter,
     pub reconcile_errors: Counter,
+    pub reply_flows_freed: Counter,
     pub reconcile_duration: Histogram,
     pub datapath_repairs: Family<RepairLabels, Counter>,
     pub datapath_repair_failures: Counter,
@@ -101,6 +102,7 @@ impl Metrics {
         let bpf_map_writes = Counter::default();
         let wireguard_peer_updates = Counter::default();
         let reconcile_errors = Counter::default();
+        let reply_flows_freed = Counter::default();
         // 100 µs .. ~1.6 s
         let reconcile_duration = Histogram::new(exponential_buckets(0.0001, 2.0, 15));
         registry.register("wgfence_peers", "Peers in the applied state", peers.clone());
@@ -133,6 +135,11 @@ impl Metrics {
             "wgfence_reconcile_errors",
             "Reconciles that failed in the kernel (retried)",
             reconcile_errors.clone(),
+        );
+        registry.register(
+            "wgfence_reply_flows_freed",
+            "Reply flows the agent deleted: expired, or their address got a new holder",
+            reply_flows_freed.clone(),
         );
         registry.register(
             "wgfence_reconcile_duration_seconds",
@@ -173,6 +180,7 @@ impl Metrics {
             bpf_map_writes,
             wireguard_peer_updates,
             reconcile_errors,
+            reply_flows_freed,
             reconcile_duration,
             datapath_repairs,
             datapath_repair_failures,
@@ -263,6 +271,15 @@ impl Collector for DatapathCollector {
             std::iter::once((
                 Vec::<(&str, &str)>::new(),
                 counters.get(DatapathCounter::FlowRecorded),
+            )),
+        )?;
+        counter_family(
+            &mut encoder,
+            "wgfence_reply_flows_refused",
+            "Flows toward restricted peers not recorded: the peer's quota (--flows-per-peer) or the flow table was full",
+            std::iter::once((
+                Vec::<(&str, &str)>::new(),
+                counters.get(DatapathCounter::FlowRefused),
             )),
         )?;
 

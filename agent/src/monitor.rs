@@ -149,6 +149,11 @@ impl Clock {
         }
     }
 
+    /// CLOCK_MONOTONIC at [`Clock::now`], in the kernel's `bpf_ktime_get_ns` time.
+    pub fn monotonic_ns(&self) -> u64 {
+        self.monotonic_ns
+    }
+
     pub fn wall(&self, monotonic_ns: u64) -> SystemTime {
         let ago = Duration::from_nanos(self.monotonic_ns.saturating_sub(monotonic_ns));
         self.wall.checked_sub(ago).unwrap_or(self.wall)

@@ -48,6 +48,10 @@ pub struct ActualMaps {
     pub peers: BTreeMap<IpAddr, PeerEntry>,
     /// Trie entries grouped by policy id.
     pub policies: BTreeMap<u32, CompiledPolicy>,
+    /// The owner high-water mark the kernel's settings entry holds ([`Config::owner_high`]).
+    ///
+    /// [`Config::owner_high`]: wgfence_common::Config::owner_high
+    pub owner_high: u64,
 }
 
 impl ActualMaps {
@@ -66,7 +70,14 @@ impl ActualMaps {
                 .into_iter()
                 .map(|(id, entries)| (id, CompiledPolicy::from_entries(entries)))
                 .collect(),
+            owner_high: 0,
         }
+    }
+
+    /// The same, with the owner high-water mark of the kernel's settings entry.
+    pub fn with_owner_high(mut self, owner_high: u64) -> Self {
+        self.owner_high = owner_high;
+        self
     }
 }
 
@@ -106,6 +117,8 @@ struct Index {
     by_content: BTreeMap<CompiledPolicy, BTreeSet<u32>>,
     /// The WireGuard peer each allowed IP is routed to.
     holders: BTreeMap<IpNet, WgKey>,
+    /// The highest owner handed out: the kernel's high-water mark, or a higher entry's owner.
+    owner_high: u64,
 }
 
 fn count_up(map: &mut BTreeMap<u32, usize>, key: u32) {
@@ -146,10 +159,14 @@ impl Eq for Actual {}
 impl Actual {
     /// The kernel's state as read (O(entries) to index).
     pub fn new(maps: ActualMaps, wg: ActualWg) -> Self {
-        let mut index = Index::default();
+        let mut index = Index {
+            owner_high: maps.owner_high,
+            ..Index::default()
+        };
         for entry in maps.peers.values() {
             count_up(&mut index.policy_refs, entry.policy);
             count_up(&mut index.slot_refs, entry.slot);
+            index.owner_high = index.owner_high.max(entry.owner);
         }
         for (id, content) in &maps.policies {
             index
@@ -182,6 +199,11 @@ impl Actual {
 
     pub fn maps(&self) -> &ActualMaps {
         &self.maps
+    }
+
+    /// The highest owner ever handed out, as far as the kernel shows.
+    pub fn owner_high(&self) -> u64 {
+        self.index.owner_high
     }
 
     pub fn wg(&self) -> &ActualWg {
@@ -247,11 +269,16 @@ impl Actual {
                 self.index_content(*policy);
             }
             Op::ResetPeerCounters { .. } => {}
+            Op::RaiseOwnerHigh { owner } => {
+                self.maps.owner_high = self.maps.owner_high.max(*owner);
+                self.index.owner_high = self.index.owner_high.max(*owner);
+            }
             Op::PutPeerEntry { addr, entry, .. } => {
                 if let Some(old) = self.maps.peers.insert(*addr, *entry) {
                     self.count_entry(old, false);
                 }
                 self.count_entry(*entry, true);
+                self.index.owner_high = self.index.owner_high.max(entry.owner);
             }
             Op::DeletePeerEntry { addr } => {
                 if let Some(old) = self.maps.peers.remove(addr) {
@@ -331,6 +358,11 @@ pub enum Op {
     ResetPeerCounters {
         slot: u32,
     },
+    /// Persists the owner high-water mark in the settings entry, before any entry with an
+    /// owner up to `owner` is written: a restarted agent never hands out an owner again.
+    RaiseOwnerHigh {
+        owner: u64,
+    },
     PutPeerEntry {
         peer: String,
         addr: IpAddr,
@@ -376,11 +408,15 @@ impl fmt::Display for Op {
                 allows.len()
             ),
             Op::ResetPeerCounters { slot } => write!(f, "map: reset counters of slot {slot}"),
+            Op::RaiseOwnerHigh { owner } => {
+                write!(f, "map: raise the owner high-water mark to {owner}")
+            }
             Op::PutPeerEntry { peer, addr, entry } => write!(
                 f,
-                "map: put peer {addr} ({peer}) -> {}, slot {}",
+                "map: put peer {addr} ({peer}) -> {}, slot {}, owner {}",
                 policy(entry.policy),
-                entry.slot
+                entry.slot,
+                entry.owner
             ),
             Op::DeletePeerEntry { addr } => write!(f, "map: delete peer {addr}"),
             Op::WgPeer(c) => {
@@ -438,6 +474,8 @@ pub enum PlanError {
     PolicyIdsExhausted,
     #[error("no free per-peer counter slot is left (at most {MAX_PEERS})")]
     SlotsExhausted,
+    #[error("no entry owner is left (64-bit counter exhausted)")]
+    OwnersExhausted,
 }
 
 /// Hands out the smallest values of `from..=max` that are not used, in increasing order. The
@@ -609,6 +647,7 @@ fn plan_scope(
         index.slot_refs.keys().copied().collect::<BTreeSet<u32>>()
     });
     let mut taken = BTreeSet::new();
+    let mut owner_high = index.owner_high;
     let mut wanted: BTreeMap<IpAddr, (&str, WgKey, PeerEntry)> = BTreeMap::new();
     for peer in &touched {
         // The slot of one of its addresses, or of an address WireGuard still has for its key
@@ -646,11 +685,37 @@ fn plan_scope(
         taken.insert(slot);
         let policy = peer.policy.as_deref().map_or(UNRESTRICTED, |p| ids[p]);
         for addr in peer.addrs() {
+            // An address keeps its owner while its WireGuard holder and its slot stay; any
+            // other change gets a new owner, so the entry write ends the old holder's flows.
+            let kept = maps.peers.get(&addr).filter(|e| {
+                e.slot == slot && index.holders.get(&IpNet::from(addr)) == Some(&peer.public_key)
+            });
+            let owner = match kept {
+                Some(entry) => entry.owner,
+                None => {
+                    owner_high = owner_high
+                        .checked_add(1)
+                        .ok_or(PlanError::OwnersExhausted)?;
+                    owner_high
+                }
+            };
             wanted.insert(
                 addr,
-                (&peer.name, peer.public_key, PeerEntry { policy, slot }),
+                (
+                    &peer.name,
+                    peer.public_key,
+                    PeerEntry {
+                        policy,
+                        slot,
+                        owner,
+                    },
+                ),
             );
         }
+    }
+    // Persisted before any entry carries a new owner.
+    if owner_high > index.owner_high {
+        ops.push(Op::RaiseOwnerHigh { owner: owner_high });
     }
 
     let mut moved = Vec::new();
@@ -672,13 +737,14 @@ fn plan_scope(
             entry: *entry,
         };
         // An address WireGuard still routes to another peer must not carry the new holder's
-        // policy before it moves: delete now, write after the WireGuard step.
+        // policy, or its new owner, before it moves: delete now, write after the WireGuard
+        // step. (With the new owner in place early, the old holder's traffic could record
+        // flows the new holder would then answer.)
         let held_by_other = index
             .holders
             .get(&IpNet::from(*addr))
             .is_some_and(|holder| holder != key);
-        let policy_changes = current.is_some_and(|c| c.policy != entry.policy);
-        if held_by_other && (policy_changes || current.is_none()) {
+        if held_by_other {
             moving.insert(*addr);
             moved.push(put);
         } else {
@@ -1067,12 +1133,13 @@ mod tests {
             .map(|op| match op {
                 Op::PutPolicyEntry { .. } => "policy",
                 Op::ResetPeerCounters { .. } => "reset",
+                Op::RaiseOwnerHigh { .. } => "owners",
                 Op::PutPeerEntry { .. } => "peer",
                 Op::WgPeer(_) => "wg",
                 _ => "other",
             })
             .collect();
-        assert_eq!(kinds, ["policy", "reset", "peer", "wg"]);
+        assert_eq!(kinds, ["policy", "reset", "owners", "peer", "wg"]);
 
         let revoke = converge(&mut kernel, &alice, &empty);
         let kinds: Vec<&str> = revoke
@@ -1236,7 +1303,11 @@ mod tests {
                 [
                     Op::PutPolicyEntry { policy: 2, .. },
                     Op::PutPeerEntry {
-                        entry: PeerEntry { policy: 2, slot: 0 },
+                        entry: PeerEntry {
+                            policy: 2,
+                            slot: 0,
+                            ..
+                        },
                         ..
                     },
                     Op::DeletePolicyEntry { policy: 1, .. }
@@ -1247,8 +1318,19 @@ mod tests {
         );
     }
 
+    /// The owner of each address's entry.
+    fn owners(kernel: &Kernel) -> BTreeMap<IpAddr, u64> {
+        kernel
+            .0
+            .maps()
+            .peers
+            .iter()
+            .map(|(a, e)| (*a, e.owner))
+            .collect()
+    }
+
     #[test]
-    fn key_rotation_with_the_same_addresses_leaves_the_maps_alone() {
+    fn key_rotation_gives_the_addresses_new_owners_and_keeps_policy_and_slot() {
         let mut kernel = Kernel::default();
         let old = one(
             json!([{ "name": "a", "publicKey": key(1), "address": "10.8.0.2", "addressV6": "fd00:8::2" }]),
@@ -1257,11 +1339,100 @@ mod tests {
             json!([{ "name": "a", "publicKey": key(2), "address": "10.8.0.2", "addressV6": "fd00:8::2" }]),
         );
         converge(&mut kernel, &DesiredState::default(), &old);
+        let before = kernel.0.maps().peers.clone();
         let rotate = converge(&mut kernel, &old, &new);
-        assert_eq!(rotate.map_writes(), 0, "{:#?}", rotate.ops);
+        // The old key's flows end with the entry write; the entries move with WireGuard.
         assert!(
-            matches!(rotate.ops.as_slice(), [Op::WgPeer(c), Op::RemoveWgPeer { .. }] if c.create)
+            matches!(
+                rotate.ops.as_slice(),
+                [
+                    Op::DeletePeerEntry { .. },
+                    Op::DeletePeerEntry { .. },
+                    Op::RaiseOwnerHigh { owner: 4 },
+                    Op::WgPeer(c),
+                    Op::PutPeerEntry { .. },
+                    Op::PutPeerEntry { .. },
+                    Op::RemoveWgPeer { .. },
+                ] if c.create
+            ),
+            "{:#?}",
+            rotate.ops
         );
+        for (addr, entry) in &kernel.0.maps().peers {
+            let old = before[addr];
+            assert_eq!((entry.policy, entry.slot), (old.policy, old.slot));
+            assert!(entry.owner > old.owner, "{addr}: {entry:?} after {old:?}");
+        }
+    }
+
+    /// Issue 11 item 4: a new peer takes an address in the same push that removes its holder,
+    /// with equal rules. The plan used to hold only WireGuard operations, so the new peer's
+    /// packets passed as replies to the old peer's flows.
+    #[test]
+    fn a_new_holder_with_equal_rules_gets_a_new_owner() {
+        let rules = json!([{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] }]);
+        let old = one(
+            json!([{ "name": "old", "publicKey": key(1), "address": "10.8.0.2",
+            "addressV6": "fd00:8::2", "egress": rules }]),
+        );
+        let new = one(
+            json!([{ "name": "new", "publicKey": key(2), "address": "10.8.0.2",
+            "addressV6": "fd00:8::2", "egress": rules }]),
+        );
+        for incremental in [true, false] {
+            let mut kernel = Kernel::default();
+            converge(&mut kernel, &DesiredState::default(), &old);
+            let before = owners(&kernel);
+            let take = if incremental {
+                converge(&mut kernel, &old, &new)
+            } else {
+                let plan = plan(&new, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+                for op in &plan.ops {
+                    kernel.apply(op);
+                }
+                assert_converged(&kernel, &new);
+                plan
+            };
+            assert!(take.map_writes() > 0, "{:#?}", take.ops);
+            let after = owners(&kernel);
+            for (addr, owner) in &after {
+                assert!(
+                    *owner > before[addr],
+                    "{addr} kept owner {owner} (incremental: {incremental})"
+                );
+            }
+            // And once converged, nothing more: an unchanged state costs no write.
+            assert!(plan(&new, &kernel.actual()).is_ok_and(|p| p.is_empty()));
+        }
+    }
+
+    #[test]
+    fn owners_are_never_reused_after_a_restart() {
+        let mut kernel = Kernel::default();
+        let a = one(json!([{ "name": "a", "publicKey": key(1), "address": "10.8.0.2" }]));
+        let b = one(json!([{ "name": "b", "publicKey": key(2), "address": "10.8.0.2" }]));
+        converge(&mut kernel, &DesiredState::default(), &a);
+        let first = owners(&kernel)[&IpAddr::from([10, 8, 0, 2])];
+        converge(&mut kernel, &a, &DesiredState::default());
+        assert!(kernel.0.maps().peers.is_empty());
+        assert_eq!(kernel.0.maps().owner_high, first);
+        // A restarted agent reads only the kernel: the high-water mark is all that is left.
+        let restarted = Actual::new(kernel.0.maps().clone(), kernel.0.wg().clone());
+        let plan = plan(&b, &restarted).unwrap_or_else(|e| panic!("{e}"));
+        let owner = plan.ops.iter().find_map(|op| match op {
+            Op::PutPeerEntry { entry, .. } => Some(entry.owner),
+            _ => None,
+        });
+        assert_eq!(owner, Some(first + 1), "{:#?}", plan.ops);
+        let raise = plan
+            .ops
+            .iter()
+            .position(|op| matches!(op, Op::RaiseOwnerHigh { owner } if *owner == first + 1));
+        let put = plan
+            .ops
+            .iter()
+            .position(|op| matches!(op, Op::PutPeerEntry { .. }));
+        assert!(raise < put && raise.is_some(), "{:#?}", plan.ops);
     }
 
     /// The old address leaves the state, so it goes first, like any revocation (at a full map,
@@ -1277,7 +1448,7 @@ mod tests {
         assert!(
             matches!(
                 change.ops.as_slice(),
-                [Op::DeletePeerEntry { .. }, Op::PutPeerEntry { .. }, Op::WgPeer(c)] if !c.create && c.add_allowed_ips.len() == 1
+                [Op::DeletePeerEntry { .. }, Op::RaiseOwnerHigh { .. }, Op::PutPeerEntry { .. }, Op::WgPeer(c)] if !c.create && c.add_allowed_ips.len() == 1
             ),
             "{:#?}",
             change.ops

@@ -256,6 +256,22 @@ mod tests {
         s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
     }
 
+    /// The datapath judges a later IPv6 fragment with `PROTO_UNKNOWN`, which only `any`
+    /// matches: no rule may compile to an entry with that protocol.
+    #[test]
+    fn no_rule_compiles_to_the_unknown_protocol() {
+        for cidr in ["10.0.0.0/8", "fd00::/8"] {
+            for protocol in [Protocol::Any, Protocol::Tcp, Protocol::Udp, Protocol::Icmp] {
+                for ports in [vec![], vec![PortRange::single(443)]] {
+                    let allows = Rule::new(net(cidr), protocol, ports).allows();
+                    assert!(allows
+                        .iter()
+                        .all(|a| a.protocol != wgfence_common::PROTO_UNKNOWN));
+                }
+            }
+        }
+    }
+
     fn tcp(cidr: &str, ports: &[(u16, u16)]) -> Rule {
         let ports = ports
             .iter()

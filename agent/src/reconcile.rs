@@ -6,6 +6,10 @@
 //! the device. A full read happens at start-up, on every resync (which repairs drift made
 //! behind the agent's back), and after any failed operation.
 //!
+//! Reply flows: an address's flows are forgotten when it leaves or gets a new WireGuard holder,
+//! and [`Reconciler::collect_flows`] (at start, on every resync and periodically) deletes flows
+//! that expired or whose owner is no longer their address's, giving their quota back.
+//!
 //! A failure stops the plan where it is. Every prefix of a plan is safe to stop at (no entry
 //! points at an incomplete policy, no address gets a policy its holder does not own), and the
 //! next attempt reads the kernel and plans again from there. Nothing is rolled back: the
@@ -23,7 +27,7 @@ use std::{
 };
 
 use crate::{
-    dataplane::{Dataplane, DataplaneError, Maps},
+    dataplane::{Dataplane, DataplaneError, Flow, Maps},
     plan::{plan, plan_update, Actual, ActualMaps, Op, Plan, PlanError, WgPeerChange},
     policy::CompiledPolicy,
     settings::{online_cpus, DatapathSettings},
@@ -64,7 +68,7 @@ pub fn read_maps(maps: &Maps) -> Result<ActualMaps, DataplaneError> {
         .policies()?
         .into_iter()
         .map(|e| (e.policy, e.prefix, e.value.allows().to_vec()));
-    Ok(ActualMaps::from_entries(peers, entries))
+    Ok(ActualMaps::from_entries(peers, entries).with_owner_high(maps.config()?.owner_high))
 }
 
 pub struct Reconciler {
@@ -82,6 +86,8 @@ pub struct Reconciler {
     cpus: u32,
     /// The datapath's settings entry as the kernel has it (read with the maps).
     kernel_config: Option<wgfence_common::Config>,
+    /// Reply flows deleted so far.
+    flows_freed: u64,
     closed: Arc<AtomicBool>,
 }
 
@@ -99,6 +105,7 @@ impl Reconciler {
             settings: DatapathSettings::default(),
             cpus: online_cpus(),
             kernel_config: None,
+            flows_freed: 0,
             closed: Arc::new(AtomicBool::new(false)),
         };
         r.refresh()?;
@@ -142,14 +149,51 @@ impl Reconciler {
     }
 
     /// Reads the maps and the WireGuard device again (resync: what changed behind the agent's
-    /// back shows up in the next plan).
+    /// back shows up in the next plan), then collects the flows that are no longer their
+    /// address's (before anything new is allocated).
     pub fn refresh(&mut self) -> Result<(), ReconcileError> {
         self.check_open()?;
         self.applied = None;
         self.actual = Actual::new(read_maps(self.dataplane.maps())?, self.wg.read()?);
         self.kernel_config = Some(self.dataplane.maps().config()?);
         self.stale = false;
+        self.collect_flows()?;
         Ok(())
+    }
+
+    /// Deletes the reply flows that can no longer pass a reply: expired ones, and those whose
+    /// owner is not (or no longer) the owner of their address's entry. Each counts as freed
+    /// for its slot, which gives the slot's quota back. Returns how many went; costs one pass
+    /// over the flow tables and one write per deleted flow (none when nothing is dead).
+    pub fn collect_flows(&mut self) -> Result<u64, ReconcileError> {
+        self.check_open()?;
+        if self.stale {
+            return Ok(0);
+        }
+        let now = crate::monitor::Clock::now().monotonic_ns();
+        let config = self.kernel_config.unwrap_or_default();
+        // Before this agent wrote its settings (fresh or just translated maps) the entry has no
+        // timeouts yet: nothing is judged expired by them.
+        let timeouts = config.tcp_timeout_ns != 0;
+        let peers = &self.actual.maps().peers;
+        let dead = |flow: &Flow| {
+            let v = &flow.value;
+            peers.get(&flow.peer).is_none_or(|e| e.owner != v.owner)
+                || (timeouts
+                    && now.saturating_sub(v.last_seen_ns)
+                        > config.timeout_ns(flow.protocol, v.state))
+        };
+        let freed = self.dataplane.maps_mut().remove_flows(dead)?;
+        self.flows_freed += freed;
+        if freed > 0 {
+            tracing::debug!(freed, "collected expired and orphaned reply flows");
+        }
+        Ok(freed)
+    }
+
+    /// Flows this reconciler deleted so far (collected or forgotten).
+    pub fn flows_freed(&self) -> u64 {
+        self.flows_freed
     }
 
     /// What `reconcile` would do now.
@@ -237,7 +281,8 @@ impl Reconciler {
         let removed = self
             .dataplane
             .maps_mut()
-            .remove_flows(|peer| addrs.contains(&peer))?;
+            .remove_flows(|flow| addrs.contains(&flow.peer))?;
+        self.flows_freed += removed;
         if removed > 0 {
             tracing::debug!(
                 removed,
@@ -252,7 +297,9 @@ impl Reconciler {
     /// it did. Switching replies off forgets every recorded flow, so switching them on again
     /// starts afresh.
     fn apply_config(&mut self, desired: &DesiredState) -> Result<bool, ReconcileError> {
-        let want = self.settings.config(desired.replies, self.cpus);
+        let mut want = self.settings.config(desired.replies, self.cpus);
+        // The planner's, never lowered here.
+        want.owner_high = self.kernel_config.map_or(0, |c| c.owner_high);
         if self.kernel_config == Some(want) {
             return Ok(false);
         }
@@ -261,7 +308,7 @@ impl Reconciler {
         let replies_were_on = self.kernel_config.is_some_and(|c| c.replies());
         self.kernel_config = Some(want);
         if replies_were_on && !want.replies() {
-            self.dataplane.maps_mut().remove_flows(|_| true)?;
+            self.flows_freed += self.dataplane.maps_mut().remove_flows(|_| true)?;
         }
         Ok(true)
     }
@@ -308,6 +355,11 @@ impl Reconciler {
                     for op in batch {
                         self.check_open()?;
                         apply_map_op(self.dataplane.maps_mut(), op)?;
+                        if let (Op::RaiseOwnerHigh { owner }, Some(config)) =
+                            (op, self.kernel_config.as_mut())
+                        {
+                            config.owner_high = config.owner_high.max(*owner);
+                        }
                         self.actual.apply(op);
                     }
                     i += run;
@@ -365,6 +417,16 @@ pub fn apply_map_op(maps: &mut Maps, op: &Op) -> Result<(), DataplaneError> {
             allows,
         } => maps.upsert_policy(*policy, *prefix, &CompiledPolicy::value(allows)),
         Op::ResetPeerCounters { slot } => maps.reset_peer_counters(*slot),
+        Op::RaiseOwnerHigh { owner } => {
+            let config = maps.config()?;
+            if config.owner_high >= *owner {
+                return Ok(());
+            }
+            maps.set_config(&wgfence_common::Config {
+                owner_high: *owner,
+                ..config
+            })
+        }
         Op::PutPeerEntry { addr, entry, .. } => maps.upsert_peer(*addr, *entry),
         // Deleting what is already gone is not an error.
         Op::DeletePeerEntry { addr } => maps.remove_peer(*addr).map(drop),

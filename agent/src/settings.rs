@@ -1,10 +1,11 @@
-//! The datapath's settings, the single entry of `wgf1_config`: whether replies pass (from the
-//! state's `"replies"`), the reply flows' idle timeouts and the drop event rate (from the
-//! command line). The reconciler writes the entry only when it differs from the kernel's.
+//! The datapath's settings, the single entry of `wgf2_config`: whether replies pass (from the
+//! state's `"replies"`), the reply flows' idle timeouts, each peer's flow quota and the drop
+//! event rate (from the command line). The reconciler writes the entry only when it differs
+//! from the kernel's. The entry also keeps the owner high-water mark, which is the planner's.
 
 use std::time::Duration;
 
-use wgfence_common::{Config, CONFIG_REPLIES};
+use wgfence_common::{Config, CONFIG_REPLIES, DEFAULT_FLOWS_PER_PEER};
 
 /// Settings the agent's command line controls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,17 +19,20 @@ pub struct DatapathSettings {
     pub icmp_timeout: Duration,
     /// Drop events per second, node-wide; 0 switches drop events off.
     pub events_per_second: u32,
+    /// Live reply flows one peer may hold (both address families together).
+    pub flows_per_peer: u32,
 }
 
 impl DatapathSettings {
     /// The timeouts of Cilium's connection tracking (TCP 6 h, closing 10 s, UDP 60 s) and of
-    /// Linux conntrack for ICMP (30 s); 1,000 drop events per second.
+    /// Linux conntrack for ICMP (30 s); 1,000 drop events per second; 1,024 flows per peer.
     pub const DEFAULT: Self = Self {
         tcp_timeout: Duration::from_secs(6 * 3600),
         tcp_closing_timeout: Duration::from_secs(10),
         udp_timeout: Duration::from_secs(60),
         icmp_timeout: Duration::from_secs(30),
         events_per_second: 1000,
+        flows_per_peer: DEFAULT_FLOWS_PER_PEER,
     };
 }
 
@@ -41,7 +45,8 @@ impl Default for DatapathSettings {
 const NANOS_PER_SECOND: u64 = 1_000_000_000;
 
 impl DatapathSettings {
-    /// The map entry for a state with `replies`, on a machine with `cpus` online CPUs.
+    /// The map entry for a state with `replies`, on a machine with `cpus` online CPUs (with an
+    /// owner high-water mark of 0: the reconciler keeps the kernel's).
     ///
     /// The rate limiter keeps one bucket per CPU, so each CPU gets an equal share of the rate:
     /// the node never exceeds `events_per_second` (plus one burst), however the flood spreads.
@@ -59,13 +64,14 @@ impl DatapathSettings {
         };
         Config {
             flags: if replies { CONFIG_REPLIES } else { 0 },
-            _pad: 0,
+            flows_per_peer: self.flows_per_peer,
             tcp_timeout_ns: nanos(self.tcp_timeout),
             tcp_closing_timeout_ns: nanos(self.tcp_closing_timeout),
             udp_timeout_ns: nanos(self.udp_timeout),
             other_timeout_ns: nanos(self.icmp_timeout),
             event_interval_ns,
             event_burst_ns,
+            owner_high: 0,
         }
     }
 }
@@ -92,6 +98,7 @@ mod tests {
         assert_eq!(on.tcp_closing_timeout_ns, 10 * NANOS_PER_SECOND);
         assert_eq!(on.udp_timeout_ns, 60 * NANOS_PER_SECOND);
         assert_eq!(on.other_timeout_ns, 30 * NANOS_PER_SECOND);
+        assert_eq!(on.flows_per_peer, 1024);
     }
 
     #[test]

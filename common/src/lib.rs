@@ -13,39 +13,45 @@
 use bytemuck::{Pod, Zeroable};
 
 /// Version of the map layout below. Bumped on any change to a key, a value or a map's meaning.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// Map names. Each carries the layout version and fits the kernel's 15-character limit
 /// (`BPF_OBJ_NAME_LEN` - 1), so `bpftool map show` prints them whole.
 pub mod map_names {
     /// IPv4 peer address -> [`super::PeerEntry`].
-    pub const PEERS_V4: &str = "wgf1_peers_v4";
+    pub const PEERS_V4: &str = "wgf2_peers_v4";
     /// IPv6 peer address -> [`super::PeerEntry`].
-    pub const PEERS_V6: &str = "wgf1_peers_v6";
+    pub const PEERS_V6: &str = "wgf2_peers_v6";
     /// LPM trie: (policy id, IPv4 destination prefix) -> [`super::PolicyValue`].
-    pub const POLICY_V4: &str = "wgf1_policy_v4";
+    pub const POLICY_V4: &str = "wgf2_policy_v4";
     /// LPM trie: (policy id, IPv6 destination prefix) -> [`super::PolicyValue`].
-    pub const POLICY_V6: &str = "wgf1_policy_v6";
+    pub const POLICY_V6: &str = "wgf2_policy_v6";
     /// Per-CPU array of packet counters indexed by [`super::Counter`].
-    pub const STATS: &str = "wgf1_stats";
+    pub const STATS: &str = "wgf2_stats";
     /// Array of [`super::PeerCounters`] indexed by [`super::PeerEntry::slot`].
-    pub const PEER_STATS: &str = "wgf1_peer_stats";
+    pub const PEER_STATS: &str = "wgf2_peer_stats";
 
-    /// LRU hash: IPv4 flow the network started toward a peer ([`super::FlowKeyV4`]) ->
+    /// Hash: IPv4 flow the network started toward a peer ([`super::FlowKeyV4`]) ->
     /// [`super::FlowValue`].
-    pub const FLOWS_V4: &str = "wgf1_flows_v4";
-    /// LRU hash: IPv6 flow the network started toward a peer ([`super::FlowKeyV6`]) ->
+    pub const FLOWS_V4: &str = "wgf2_flows_v4";
+    /// Hash: IPv6 flow the network started toward a peer ([`super::FlowKeyV6`]) ->
     /// [`super::FlowValue`].
-    pub const FLOWS_V6: &str = "wgf1_flows_v6";
+    pub const FLOWS_V6: &str = "wgf2_flows_v6";
+    /// Array of u64 indexed by [`super::PeerEntry::slot`]: flows the datapath recorded for
+    /// the slot (atomic adds, datapath only).
+    pub const FLOW_MADE: &str = "wgf2_flow_made";
+    /// Array of u64 indexed by [`super::PeerEntry::slot`]: flows of the slot the agent deleted
+    /// (agent only). A slot's live flows are `made - freed`.
+    pub const FLOW_FREED: &str = "wgf2_flow_freed";
     /// Array of one [`super::Config`]: the settings the agent gives the datapath.
-    pub const CONFIG: &str = "wgf1_config";
+    pub const CONFIG: &str = "wgf2_config";
     /// Ring buffer of [`super::DropEvent`]s, read by `wgfence monitor`.
-    pub const EVENTS: &str = "wgf1_events";
+    pub const EVENTS: &str = "wgf2_events";
     /// Per-CPU array of one [`super::EventBucket`]: the drop event rate limiter.
-    pub const EVENT_BUCKET: &str = "wgf1_ev_bucket";
+    pub const EVENT_BUCKET: &str = "wgf2_ev_bucket";
 
     /// Every map the agent pins, in a fixed order.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 13] = [
         PEERS_V4,
         PEERS_V6,
         POLICY_V4,
@@ -54,6 +60,8 @@ pub mod map_names {
         PEER_STATS,
         FLOWS_V4,
         FLOWS_V6,
+        FLOW_MADE,
+        FLOW_FREED,
         CONFIG,
         EVENTS,
         EVENT_BUCKET,
@@ -77,9 +85,11 @@ pub const MAX_PEERS: u32 = 131_072;
 pub const MAX_POLICY_ENTRIES: u32 = 1_048_576;
 /// Allow entries per trie value: the bound of the datapath's scan.
 pub const MAX_ALLOWS: usize = 32;
-/// Flows per address family in the reply flow tables (LRU: the least recently used flow goes
-/// when a new one needs room).
+/// Flows per address family in the reply flow tables (a plain hash: nothing is evicted; when
+/// the table is full, new flows are refused until the agent sweeps expired ones).
 pub const MAX_FLOWS: u32 = 131_072;
+/// Default of [`Config::flows_per_peer`]: live flows one peer slot may hold in both tables.
+pub const DEFAULT_FLOWS_PER_PEER: u32 = 1024;
 /// Bytes of the drop event ring buffer (a power of two, a multiple of the page size).
 pub const EVENTS_BYTES: u32 = 256 * 1024;
 /// IPv6 extension headers the datapath walks before it gives up (and fails closed).
@@ -94,6 +104,11 @@ pub const PROTO_ICMP: u8 = 1;
 pub const PROTO_TCP: u8 = 6;
 pub const PROTO_UDP: u8 = 17;
 pub const PROTO_ICMPV6: u8 = 58;
+/// Protocol the datapath matches a non-first IPv6 fragment with: its fragment header's
+/// next-header field is the sender's word, not necessarily the first fragment's, so such a
+/// fragment may only match [`PROTO_ANY`] entries. 255 is reserved by IANA; the policy compiler
+/// never produces an [`Allow`] with it.
+pub const PROTO_UNKNOWN: u8 = 255;
 
 /// Key of the IPv4 peer map: the peer's tunnel address, network byte order.
 #[repr(C)]
@@ -118,6 +133,10 @@ pub struct PeerEntry {
     /// Index of this peer's [`PeerCounters`] in the per-peer counter array. A peer's IPv4 and
     /// IPv6 entries share one slot.
     pub slot: u32,
+    /// The holder of this entry: allocated by the agent whenever the address gets a new
+    /// WireGuard holder or a new slot, never reused (across restarts too, see
+    /// [`Config::owner_high`]). A flow counts only for the entry whose owner recorded it.
+    pub owner: u64,
 }
 
 /// Data part of an IPv4 policy trie key. The trie key's prefix length counts the 32 bits of
@@ -239,13 +258,15 @@ pub const FLOW_OPEN: u32 = 0;
 pub const FLOW_CLOSING: u32 = 1;
 
 /// Value of the flow tables: when the flow last carried a packet (either way), in
-/// `bpf_ktime_get_ns` time (CLOCK_MONOTONIC), its state, and the counter slot of the peer that
-/// held the address when the flow was recorded (a reply passes only for that peer, so a flow
-/// never carries over to a new holder of the address).
+/// `bpf_ktime_get_ns` time (CLOCK_MONOTONIC), the [`PeerEntry::owner`] of the address when the
+/// flow was recorded (a reply passes only while the entry still has that owner, so a flow never
+/// carries over to a new holder of the address), its state, and the slot whose quota it counts
+/// against.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct FlowValue {
     pub last_seen_ns: u64,
+    pub owner: u64,
     pub state: u32,
     pub slot: u32,
 }
@@ -259,7 +280,9 @@ pub const CONFIG_REPLIES: u32 = 1;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct Config {
     pub flags: u32,
-    pub _pad: u32,
+    /// Live flows one peer slot may hold (both families): the datapath records no new flow for
+    /// a slot whose `made - freed` has reached it. 0 records nothing.
+    pub flows_per_peer: u32,
     /// Idle timeout of an open TCP flow.
     pub tcp_timeout_ns: u64,
     /// Idle timeout of a TCP flow after a FIN or RST.
@@ -271,11 +294,26 @@ pub struct Config {
     pub event_interval_ns: u64,
     /// Drop events: the most credit one CPU can save up (the burst).
     pub event_burst_ns: u64,
+    /// The highest [`PeerEntry::owner`] the agent ever handed out on this interface (the
+    /// datapath does not read it). Raised before an entry with a higher owner is written, so
+    /// a restarted agent never reuses an owner.
+    pub owner_high: u64,
 }
 
 impl Config {
     pub const fn replies(&self) -> bool {
         self.flags & CONFIG_REPLIES != 0
+    }
+
+    /// The idle timeout of a flow of `protocol` in `state` ([`FlowValue::state`]).
+    #[inline(always)]
+    pub const fn timeout_ns(&self, protocol: u8, state: u32) -> u64 {
+        match protocol {
+            PROTO_TCP if state == FLOW_CLOSING => self.tcp_closing_timeout_ns,
+            PROTO_TCP => self.tcp_timeout_ns,
+            PROTO_UDP => self.udp_timeout_ns,
+            _ => self.other_timeout_ns,
+        }
     }
 }
 
@@ -354,6 +392,9 @@ pub enum Counter {
     EventSent = 11,
     /// Not a verdict: a flow toward a restricted peer recorded by the egress program.
     FlowRecorded = 12,
+    /// Not a verdict: a flow the egress program did not record because the peer's quota
+    /// ([`Config::flows_per_peer`]) or the flow table was full.
+    FlowRefused = 13,
 }
 
 /// Length of the counter array; leaves room for new counters without a layout change.
@@ -374,11 +415,12 @@ impl Counter {
     ];
 
     /// Counters that are not verdicts: drop events and recorded flows.
-    pub const OTHER: [Counter; 4] = [
+    pub const OTHER: [Counter; 5] = [
         Counter::EventSent,
         Counter::EventRateLimited,
         Counter::EventRingFull,
         Counter::FlowRecorded,
+        Counter::FlowRefused,
     ];
 
     pub const fn is_pass(self) -> bool {
@@ -404,6 +446,7 @@ impl Counter {
             10 => Counter::EventRingFull,
             11 => Counter::EventSent,
             12 => Counter::FlowRecorded,
+            13 => Counter::FlowRefused,
             _ => return None,
         })
     }
@@ -424,6 +467,7 @@ impl Counter {
             Counter::EventRingFull => "ring_full",
             Counter::EventSent => "sent",
             Counter::FlowRecorded => "flow_recorded",
+            Counter::FlowRefused => "flow_refused",
         }
     }
 }
@@ -469,18 +513,18 @@ mod tests {
         for name in map_names::ALL {
             assert!(name.len() <= 15, "{name} is longer than 15 characters");
             assert!(
-                name.starts_with("wgf1_"),
-                "{name} does not carry layout version 1"
+                name.starts_with("wgf2_"),
+                "{name} does not carry layout version 2"
             );
         }
-        assert_eq!(LAYOUT_VERSION, 1);
+        assert_eq!(LAYOUT_VERSION, 2);
     }
 
     #[test]
     fn sizes_are_stable() {
         assert_eq!(core::mem::size_of::<PeerKeyV4>(), 4);
         assert_eq!(core::mem::size_of::<PeerKeyV6>(), 16);
-        assert_eq!(core::mem::size_of::<PeerEntry>(), 8);
+        assert_eq!(core::mem::size_of::<PeerEntry>(), 16);
         assert_eq!(core::mem::size_of::<PolicyKeyV4>(), 8);
         assert_eq!(core::mem::size_of::<PolicyKeyV6>(), 20);
         assert_eq!(core::mem::size_of::<Allow>(), 6);
@@ -488,8 +532,8 @@ mod tests {
         assert_eq!(core::mem::size_of::<PeerCounters>(), 32);
         assert_eq!(core::mem::size_of::<FlowKeyV4>(), 16);
         assert_eq!(core::mem::size_of::<FlowKeyV6>(), 40);
-        assert_eq!(core::mem::size_of::<FlowValue>(), 16);
-        assert_eq!(core::mem::size_of::<Config>(), 56);
+        assert_eq!(core::mem::size_of::<FlowValue>(), 24);
+        assert_eq!(core::mem::size_of::<Config>(), 64);
         assert_eq!(core::mem::size_of::<DropEvent>(), 64);
     }
 
@@ -515,5 +559,13 @@ mod tests {
         assert!(Allow::new(PROTO_TCP, 0, u16::MAX).matches(PROTO_TCP, None));
         assert!(Allow::new(PROTO_ANY, 0, u16::MAX).matches(PROTO_UDP, Some(53)));
         assert!(Allow::new(PROTO_ICMP, 0, u16::MAX).matches(PROTO_ICMP, None));
+    }
+
+    #[test]
+    fn the_unknown_protocol_matches_only_any() {
+        assert!(Allow::new(PROTO_ANY, 0, u16::MAX).matches(PROTO_UNKNOWN, None));
+        for p in [PROTO_TCP, PROTO_UDP, PROTO_ICMP, PROTO_ICMPV6, 44, 59] {
+            assert!(!Allow::new(p, 0, u16::MAX).matches(PROTO_UNKNOWN, None));
+        }
     }
 }

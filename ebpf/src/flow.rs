@@ -5,17 +5,22 @@
 //! A flow is keyed as the peer's reply looks (peer address and port first), so the ingress
 //! lookup needs no swapping. Only the egress program creates entries: a peer cannot make one
 //! from its side. Idle timeouts are the agent's ([`Config`]), checked against the entry's
-//! timestamp at lookup; the LRU map forgets the least recently used flows when it is full.
+//! timestamp at lookup; the agent deletes expired flows. Nothing is evicted: a flow counts
+//! against its peer's quota ([`Config::flows_per_peer`]) until the agent deletes it, and a full
+//! quota or a full table refuses new flows (which only stops replies).
+//!
+//! A flow belongs to the [`PeerEntry::owner`] that held the address when it was recorded; for
+//! any other owner it is absent.
 
-use aya_ebpf::{btf_maps::LruHashMap, programs::TcContext};
+use aya_ebpf::{bindings::BPF_NOEXIST, btf_maps::HashMap, programs::TcContext};
 use wgfence_common::{
-    Config, Counter, FlowValue, FLOW_CLOSING, FLOW_OPEN, MAX_FLOWS, PROTO_ICMP, PROTO_ICMPV6,
-    PROTO_TCP, PROTO_UDP,
+    Config, Counter, FlowValue, PeerEntry, FLOW_CLOSING, FLOW_OPEN, MAX_FLOWS, PROTO_ICMP,
+    PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
 };
 
-use crate::{count, now_ns, Drop, Pass};
+use crate::{count, count_made, now_ns, under_quota, Drop, Pass};
 
-pub(crate) type Flows<K> = LruHashMap<K, FlowValue, { MAX_FLOWS as usize }>;
+pub(crate) type Flows<K> = HashMap<K, FlowValue, { MAX_FLOWS as usize }>;
 
 const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
@@ -39,12 +44,7 @@ const fn tcp_closes(flags: u8) -> bool {
 /// The idle timeout of a flow of `protocol` in `state`.
 #[inline(always)]
 fn timeout(config: &Config, protocol: u8, state: u32) -> u64 {
-    match protocol {
-        PROTO_TCP if state == FLOW_CLOSING => config.tcp_closing_timeout_ns,
-        PROTO_TCP => config.tcp_timeout_ns,
-        PROTO_UDP => config.udp_timeout_ns,
-        _ => config.other_timeout_ns,
-    }
+    config.timeout_ns(protocol, state)
 }
 
 /// What the egress program saw of a packet toward a restricted peer.
@@ -58,7 +58,7 @@ pub(crate) struct ToPeer {
 }
 
 /// Egress: refreshes the live flow of a packet toward a restricted peer, or records a new one
-/// when the packet may start one. An expired flow, or one recorded for another holder of the
+/// when the packet may start one. An expired flow, or one recorded for another owner of the
 /// address, counts as absent. `reply_allowed` (asked only before recording) says whether the
 /// peer's policy already allows the reply: then no flow is needed and none is recorded, so the
 /// answers to the peer's own allowed traffic never fill the table.
@@ -67,17 +67,24 @@ pub(crate) fn on_egress<K>(
     flows: &Flows<K>,
     key: &K,
     packet: &ToPeer,
-    slot: u32,
+    peer: &PeerEntry,
     config: &Config,
     reply_allowed: impl FnOnce() -> bool,
 ) {
     let now = now_ns();
+    let starts = packet.start && !packet.close;
     if let Some(flow) = flows.get_ptr_mut(key) {
         // SAFETY: `flow` points into the map's element for `key`; racing writers store whole
         // aligned words, and a torn timestamp only shifts an idle timeout.
-        let (last_seen, state, owner) =
-            unsafe { ((*flow).last_seen_ns, (*flow).state, (*flow).slot) };
-        let live = owner == slot
+        let (last_seen, state, owner, slot) = unsafe {
+            (
+                (*flow).last_seen_ns,
+                (*flow).state,
+                (*flow).owner,
+                (*flow).slot,
+            )
+        };
+        let live = owner == peer.owner
             && now.saturating_sub(last_seen) <= timeout(config, packet.protocol, state);
         if live {
             // SAFETY: as above.
@@ -91,20 +98,49 @@ pub(crate) fn on_egress<K>(
             }
             return;
         }
-    }
-    if packet.start && !packet.close && !reply_allowed() {
-        let flow = FlowValue {
-            last_seen_ns: now,
-            state: FLOW_OPEN,
-            slot,
-        };
-        if flows.insert(key, flow, 0).is_ok() {
-            count(Counter::FlowRecorded);
+        if !starts || reply_allowed() {
+            return;
         }
+        if slot != peer.slot {
+            // Another slot's dead flow: it counts against that slot until the agent deletes it.
+            count(Counter::FlowRefused);
+            return;
+        }
+        // The slot's own dead flow: taken over in place, its quota unchanged. The owner goes
+        // first, so the entry never looks live for the old owner.
+        // SAFETY: as above.
+        unsafe {
+            (*flow).owner = peer.owner;
+            (*flow).state = FLOW_OPEN;
+            (*flow).last_seen_ns = now;
+        }
+        count(Counter::FlowRecorded);
+        return;
+    }
+    if !starts || reply_allowed() {
+        return;
+    }
+    if !under_quota(peer.slot, config) {
+        count(Counter::FlowRefused);
+        return;
+    }
+    let flow = FlowValue {
+        last_seen_ns: now,
+        owner: peer.owner,
+        state: FLOW_OPEN,
+        slot: peer.slot,
+    };
+    // Never replaces an entry (a racing CPU's): a full table refuses.
+    if flows.insert(key, flow, u64::from(BPF_NOEXIST)).is_ok() {
+        count_made(peer.slot);
+        count(Counter::FlowRecorded);
+    } else {
+        count(Counter::FlowRefused);
     }
 }
 
-/// Ingress: the peer's packet `key`, which its policy denies, passes if it answers a live flow.
+/// Ingress: the peer's packet `key`, which its policy denies, passes if it answers a live flow
+/// of the address's current owner.
 #[inline(always)]
 pub(crate) fn reply<K>(
     flows: &Flows<K>,
@@ -112,16 +148,17 @@ pub(crate) fn reply<K>(
     protocol: u8,
     close: bool,
     config: &Config,
-    slot: u32,
+    peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
+    let slot = peer.slot;
     let Some(flow) = flows.get_ptr_mut(key) else {
         return Err(Drop::peer(Counter::DropPolicy, slot));
     };
     let now = now_ns();
     // SAFETY: as in `on_egress`.
-    let (last_seen, state, owner) = unsafe { ((*flow).last_seen_ns, (*flow).state, (*flow).slot) };
+    let (last_seen, state, owner) = unsafe { ((*flow).last_seen_ns, (*flow).state, (*flow).owner) };
     // Recorded for another holder of this address: not this peer's flow.
-    if owner != slot || now.saturating_sub(last_seen) > timeout(config, protocol, state) {
+    if owner != peer.owner || now.saturating_sub(last_seen) > timeout(config, protocol, state) {
         return Err(Drop::peer(Counter::DropPolicy, slot));
     }
     // SAFETY: as in `on_egress`.

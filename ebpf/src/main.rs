@@ -31,7 +31,7 @@ mod v6;
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
+    btf_maps::{Array, HashMap, LpmTrie, PerCpuArray, RingBuf},
     macros::{btf_map, classifier},
     programs::TcContext,
     Global,
@@ -54,39 +54,45 @@ const TCX_DROP: i32 = 2;
 #[unsafe(no_mangle)]
 static WGFENCE_L3_OFFSET: Global<u32> = Global::new(0);
 
-#[btf_map(name = "wgf1_peers_v4")]
+#[btf_map(name = "wgf2_peers_v4")]
 static PEERS_V4: HashMap<PeerKeyV4, PeerEntry, { MAX_PEERS as usize }> = HashMap::new();
 
-#[btf_map(name = "wgf1_peers_v6")]
+#[btf_map(name = "wgf2_peers_v6")]
 static PEERS_V6: HashMap<PeerKeyV6, PeerEntry, { MAX_PEERS as usize }> = HashMap::new();
 
-#[btf_map(name = "wgf1_policy_v4")]
+#[btf_map(name = "wgf2_policy_v4")]
 static POLICY_V4: LpmTrie<PolicyKeyV4, PolicyValue, { MAX_POLICY_ENTRIES as usize }> =
     LpmTrie::new();
 
-#[btf_map(name = "wgf1_policy_v6")]
+#[btf_map(name = "wgf2_policy_v6")]
 static POLICY_V6: LpmTrie<PolicyKeyV6, PolicyValue, { MAX_POLICY_ENTRIES as usize }> =
     LpmTrie::new();
 
-#[btf_map(name = "wgf1_stats")]
+#[btf_map(name = "wgf2_stats")]
 static STATS: PerCpuArray<u64, { COUNTERS_LEN as usize }> = PerCpuArray::new();
 
-#[btf_map(name = "wgf1_peer_stats")]
+#[btf_map(name = "wgf2_peer_stats")]
 static PEER_STATS: Array<PeerCounters, { MAX_PEERS as usize }> = Array::new();
 
-#[btf_map(name = "wgf1_flows_v4")]
-static FLOWS_V4: LruHashMap<FlowKeyV4, FlowValue, { MAX_FLOWS as usize }> = LruHashMap::new();
+#[btf_map(name = "wgf2_flows_v4")]
+static FLOWS_V4: HashMap<FlowKeyV4, FlowValue, { MAX_FLOWS as usize }> = HashMap::new();
 
-#[btf_map(name = "wgf1_flows_v6")]
-static FLOWS_V6: LruHashMap<FlowKeyV6, FlowValue, { MAX_FLOWS as usize }> = LruHashMap::new();
+#[btf_map(name = "wgf2_flows_v6")]
+static FLOWS_V6: HashMap<FlowKeyV6, FlowValue, { MAX_FLOWS as usize }> = HashMap::new();
 
-#[btf_map(name = "wgf1_config")]
+#[btf_map(name = "wgf2_flow_made")]
+static FLOW_MADE: Array<u64, { MAX_PEERS as usize }> = Array::new();
+
+#[btf_map(name = "wgf2_flow_freed")]
+static FLOW_FREED: Array<u64, { MAX_PEERS as usize }> = Array::new();
+
+#[btf_map(name = "wgf2_config")]
 static CONFIG: Array<Config, 1> = Array::new();
 
-#[btf_map(name = "wgf1_events")]
+#[btf_map(name = "wgf2_events")]
 static EVENTS: RingBuf<DropEvent, { EVENTS_BYTES as usize }> = RingBuf::new();
 
-#[btf_map(name = "wgf1_ev_bucket")]
+#[btf_map(name = "wgf2_ev_bucket")]
 static EVENT_BUCKET: PerCpuArray<EventBucket, 1> = PerCpuArray::new();
 
 /// Length of an Ethernet header; the ethertype is its last two bytes.
@@ -174,6 +180,13 @@ pub fn wgfence_egress(ctx: TcContext) -> i32 {
     if !config.replies() {
         return TCX_NEXT;
     }
+    // A packet the interface itself delivered (a peer sending to its own or another peer's
+    // address through the node) was not started by the network: it records no flow, or any
+    // peer could fill the tables and make replies for itself.
+    // SAFETY: reads of two context fields every tc program may read.
+    if unsafe { (*ctx.skb.skb).ingress_ifindex == (*ctx.skb.skb).ifindex } {
+        return TCX_NEXT;
+    }
     let l3 = WGFENCE_L3_OFFSET.load() as usize;
     if l3 >= ETH_HLEN && is_arp(&ctx, l3) {
         return TCX_NEXT;
@@ -259,6 +272,25 @@ pub(crate) fn count(counter: Counter) {
     if let Some(value) = STATS.get_ptr_mut(counter as u32) {
         // SAFETY: a per-CPU array element, written only by this CPU.
         unsafe { *value += 1 };
+    }
+}
+
+/// Whether `slot` may record one more flow: its live flows (recorded by the datapath minus
+/// deleted by the agent) are below the quota. A failed lookup refuses.
+#[inline(always)]
+pub(crate) fn under_quota(slot: u32, config: &Config) -> bool {
+    let (Some(made), Some(freed)) = (FLOW_MADE.get(slot), FLOW_FREED.get(slot)) else {
+        return false;
+    };
+    made.saturating_sub(*freed) < u64::from(config.flows_per_peer)
+}
+
+/// Counts a flow recorded for `slot` against its quota.
+#[inline(always)]
+pub(crate) fn count_made(slot: u32) {
+    if let Some(made) = FLOW_MADE.get_ptr_mut(slot) {
+        // SAFETY: a preallocated array element, updated only with atomic adds.
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(made, 1) };
     }
 }
 

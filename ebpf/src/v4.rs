@@ -3,8 +3,8 @@
 
 use aya_ebpf::{btf_maps::lpm_trie::Key, programs::TcContext};
 use wgfence_common::{
-    Counter, DropEvent, FlowKeyV4, PeerKeyV4, PolicyKeyV4, EVENT_PORTS, POLICY_ID_BITS, PROTO_ICMP,
-    PROTO_TCP, PROTO_UDP, UNRESTRICTED,
+    Counter, DropEvent, FlowKeyV4, PeerEntry, PeerKeyV4, PolicyKeyV4, EVENT_PORTS, POLICY_ID_BITS,
+    PROTO_ICMP, PROTO_TCP, PROTO_UDP, UNRESTRICTED,
 };
 
 use crate::{
@@ -69,7 +69,7 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
         Err(Drop {
             why: Counter::DropPolicy,
             ..
-        }) if first => reply(ctx, l4, ip, protocol, ports, peer.slot),
+        }) if first => reply(ctx, l4, ip, protocol, ports, &peer),
         verdict => verdict,
     }
 }
@@ -82,9 +82,9 @@ fn reply(
     ip: &[u8; HEAD_LEN],
     protocol: u8,
     ports: Option<(u16, u16)>,
-    slot: u32,
+    peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
-    let denied = Err(Drop::peer(Counter::DropPolicy, slot));
+    let denied = Err(Drop::peer(Counter::DropPolicy, peer.slot));
     // A copy: the agent may rewrite the entry while this packet runs.
     let Some(config) = config().copied() else {
         return denied;
@@ -98,10 +98,10 @@ fn reply(
             remote_port,
             close,
         }) => (peer_port, remote_port, close),
-        Some(Answer::Error) => return related(ctx, l4 + ICMP_ERROR_LEN, ip, &config, slot),
+        Some(Answer::Error) => return related(ctx, l4 + ICMP_ERROR_LEN, ip, &config, peer),
         None => return denied,
     };
-    on_flow(ip, peer_port, remote_port, protocol, close, &config, slot)
+    on_flow(ip, peer_port, remote_port, protocol, close, &config, peer)
 }
 
 /// The peer's packet (`ip`) as a reply on the flow (ports, protocol) it names.
@@ -113,7 +113,7 @@ fn on_flow(
     protocol: u8,
     close: bool,
     config: &wgfence_common::Config,
-    slot: u32,
+    peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
     let key = FlowKeyV4 {
         peer: addr(ip, 12),
@@ -123,7 +123,7 @@ fn on_flow(
         protocol,
         _pad: [0; 3],
     };
-    flow::reply(&FLOWS_V4, &key, protocol, close, config, slot)
+    flow::reply(&FLOWS_V4, &key, protocol, close, config, peer)
 }
 
 /// An ICMP error from the peer about a packet of a flow the network started (conntrack's
@@ -134,9 +134,9 @@ fn related(
     quoted: usize,
     ip: &[u8; HEAD_LEN],
     config: &wgfence_common::Config,
-    slot: u32,
+    peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
-    let denied = Err(Drop::peer(Counter::DropPolicy, slot));
+    let denied = Err(Drop::peer(Counter::DropPolicy, peer.slot));
     let Ok(inner) = ctx.load::<[u8; HEAD_LEN]>(quoted) else {
         return denied;
     };
@@ -155,7 +155,7 @@ fn related(
     else {
         return denied;
     };
-    on_flow(ip, peer_port, remote_port, protocol, false, config, slot)
+    on_flow(ip, peer_port, remote_port, protocol, false, config, peer)
 }
 
 /// Egress: records or refreshes the flow of a packet toward a restricted peer.
@@ -203,7 +203,7 @@ pub(crate) fn record(
         let port = (protocol != PROTO_ICMP).then_some(remote_port);
         decide(POLICY_V4.get(&policy_key), peer.slot, protocol, port).is_ok()
     };
-    flow::on_egress(&FLOWS_V4, &key, &packet, peer.slot, config, reply_allowed);
+    flow::on_egress(&FLOWS_V4, &key, &packet, &peer, config, reply_allowed);
 }
 
 /// Fills a drop event's addresses, protocol and (when the header is at hand) ports.

@@ -4,8 +4,9 @@
 
 use aya_ebpf::{btf_maps::lpm_trie::Key, programs::TcContext};
 use wgfence_common::{
-    Counter, DropEvent, FlowKeyV6, PeerKeyV6, PolicyKeyV6, EVENT_PORTS, MAX_IPV6_EXT_HEADERS,
-    POLICY_ID_BITS, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, UNRESTRICTED,
+    Counter, DropEvent, FlowKeyV6, PeerEntry, PeerKeyV6, PolicyKeyV6, EVENT_PORTS,
+    MAX_IPV6_EXT_HEADERS, POLICY_ID_BITS, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, PROTO_UNKNOWN,
+    UNRESTRICTED,
 };
 
 use crate::{
@@ -96,11 +97,14 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
     };
     dst.addr.copy_from_slice(&tail[4..20]);
     let key = Key::new(POLICY_ID_BITS + 128, dst);
-    match decide(POLICY_V6.get(&key), slot, next, ports.map(|p| p.1)) {
+    // A later fragment's next header is the sender's word (it need not be the first
+    // fragment's): such a fragment matches only entries for every protocol.
+    let protocol = if first_fragment { next } else { PROTO_UNKNOWN };
+    match decide(POLICY_V6.get(&key), slot, protocol, ports.map(|p| p.1)) {
         Err(Drop {
             why: Counter::DropPolicy,
             ..
-        }) if first_fragment => reply(ctx, offset, &src, &dst.addr, next, ports, slot),
+        }) if first_fragment => reply(ctx, offset, &src, &dst.addr, next, ports, &peer),
         verdict => verdict,
     }
 }
@@ -114,9 +118,9 @@ fn reply(
     dst: &[u8; 16],
     protocol: u8,
     ports: Option<(u16, u16)>,
-    slot: u32,
+    peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
-    let denied = Err(Drop::peer(Counter::DropPolicy, slot));
+    let denied = Err(Drop::peer(Counter::DropPolicy, peer.slot));
     // A copy: the agent may rewrite the entry while this packet runs.
     let Some(config) = config().copied() else {
         return denied;
@@ -131,7 +135,7 @@ fn reply(
             close,
         }) => (peer_port, remote_port, close),
         Some(Answer::Error) => {
-            return related(ctx, l4 + ICMP_ERROR_LEN, src, dst, &config, slot);
+            return related(ctx, l4 + ICMP_ERROR_LEN, src, dst, &config, peer);
         }
         None => return denied,
     };
@@ -143,7 +147,7 @@ fn reply(
         protocol,
         close,
         &config,
-        slot,
+        peer,
     )
 }
 
@@ -158,7 +162,7 @@ fn on_flow(
     protocol: u8,
     close: bool,
     config: &wgfence_common::Config,
-    slot: u32,
+    peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
     let key = FlowKeyV6 {
         peer: src.addr,
@@ -168,7 +172,7 @@ fn on_flow(
         protocol,
         _pad: [0; 3],
     };
-    flow::reply(&FLOWS_V6, &key, protocol, close, config, slot)
+    flow::reply(&FLOWS_V6, &key, protocol, close, config, peer)
 }
 
 /// An ICMPv6 error from the peer about a packet of a flow the network started (conntrack's
@@ -181,9 +185,9 @@ fn related(
     src: &PeerKeyV6,
     dst: &[u8; 16],
     config: &wgfence_common::Config,
-    slot: u32,
+    peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
-    let denied = Err(Drop::peer(Counter::DropPolicy, slot));
+    let denied = Err(Drop::peer(Counter::DropPolicy, peer.slot));
     let Ok(inner) = ctx.load::<[u8; HEADER_LEN]>(quoted) else {
         return denied;
     };
@@ -204,7 +208,7 @@ fn related(
         protocol,
         false,
         config,
-        slot,
+        peer,
     )
 }
 
@@ -260,7 +264,7 @@ pub(crate) fn record(
         let port = (protocol != PROTO_ICMPV6).then_some(remote_port);
         decide(POLICY_V6.get(&policy_key), peer.slot, protocol, port).is_ok()
     };
-    flow::on_egress(&FLOWS_V6, &key, &packet, peer.slot, config, reply_allowed);
+    flow::on_egress(&FLOWS_V6, &key, &packet, &peer, config, reply_allowed);
 }
 
 /// Fills a drop event's addresses, protocol and (when the upper-layer header follows the fixed

@@ -516,7 +516,7 @@ fn resync_repairs_drift() {
         .bpffs
         .join("wgfence")
         .join(gw.interface())
-        .join("wgf1_peers_v4");
+        .join(wgfence_common::map_names::PEERS_V4);
     let map = map.to_string_lossy();
     run(&[
         "bpftool", "map", "delete", "pinned", &map, "key", "10", "8", "0", "3",

@@ -15,7 +15,11 @@ use wgfence_tests::{
 };
 
 fn entry(policy: u32, slot: u32) -> PeerEntry {
-    PeerEntry { policy, slot }
+    PeerEntry {
+        policy,
+        slot,
+        owner: u64::from(slot) + 1,
+    }
 }
 
 #[test]

@@ -19,8 +19,8 @@
 //!   whose port is unknown matches only rules without `ports`;
 //! - IPv4 options are skipped by IHL; an IHL below 5 is malformed;
 //! - IPv6 extension headers are walked, at most `MAX_IPV6_EXT_HEADERS` of them; a longer chain
-//!   is dropped (header_chain); a non-first fragment's protocol is its fragment header's next
-//!   header and it has no port;
+//!   is dropped (header_chain); a non-first fragment has no port, and no protocol either (its
+//!   fragment header's next header is the sender's word): only rules for any protocol match it;
 //! - a header the verdict needs that is cut short is malformed; neither IPv4 nor IPv6: not_ip.
 //!
 //! The flow table is empty (only the egress program records flows), so the reply pass, which
@@ -114,7 +114,7 @@ impl<'a> Model<'a> {
         } else {
             None
         };
-        allowed(rules, dst, protocol, port)
+        allowed(rules, dst, Some(protocol), port)
     }
 
     fn v6(&self, ip: &[u8]) -> Counter {
@@ -176,7 +176,8 @@ impl<'a> Model<'a> {
         } else {
             None
         };
-        allowed(rules, dst, next, port)
+        // A later fragment's protocol is unknown: only `any` rules can match it.
+        allowed(rules, dst, first.then_some(next), port)
     }
 }
 
@@ -197,7 +198,7 @@ fn port_at(ip: &[u8], offset: usize) -> Option<u16> {
 
 /// A restricted peer's verdict, straight from its rules (none: `"egress": []`, nothing
 /// passes).
-fn allowed(rules: &[Rule], dst: IpAddr, protocol: u8, port: Option<u16>) -> Counter {
+fn allowed(rules: &[Rule], dst: IpAddr, protocol: Option<u8>, port: Option<u16>) -> Counter {
     if rules.iter().any(|r| matches(r, dst, protocol, port)) {
         Counter::PassPolicy
     } else {
@@ -205,14 +206,15 @@ fn allowed(rules: &[Rule], dst: IpAddr, protocol: u8, port: Option<u16>) -> Coun
     }
 }
 
-fn matches(rule: &Rule, dst: IpAddr, protocol: u8, port: Option<u16>) -> bool {
+/// `protocol`: `None` when the packet's protocol is unknown (a later IPv6 fragment).
+fn matches(rule: &Rule, dst: IpAddr, protocol: Option<u8>, port: Option<u16>) -> bool {
     let protocol_ok = match rule.protocol {
         Protocol::Any => true,
-        Protocol::Tcp => protocol == TCP,
-        Protocol::Udp => protocol == UDP,
+        Protocol::Tcp => protocol == Some(TCP),
+        Protocol::Udp => protocol == Some(UDP),
         Protocol::Icmp => match rule.cidr {
-            IpNet::V4(_) => protocol == ICMP,
-            IpNet::V6(_) => protocol == ICMPV6,
+            IpNet::V4(_) => protocol == Some(ICMP),
+            IpNet::V6(_) => protocol == Some(ICMPV6),
         },
     };
     let port_ok = match port {

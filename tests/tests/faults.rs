@@ -500,6 +500,7 @@ fn fill_peer_map(gw: &Gateway) -> usize {
         let entry = wgfence_common::PeerEntry {
             policy: UNRESTRICTED,
             slot: (i % max) as u32,
+            owner: 0,
         };
         maps.upsert_peer(filler(i), entry)
             .unwrap_or_else(|e| panic!("filling the peer map ({i} of {}): {e}", max - present));
@@ -507,6 +508,7 @@ fn fill_peer_map(gw: &Gateway) -> usize {
     let over = wgfence_common::PeerEntry {
         policy: UNRESTRICTED,
         slot: 0,
+        owner: 0,
     };
     assert!(
         maps.upsert_peer(filler(max), over).is_err(),

@@ -11,6 +11,9 @@ use wgfence::{
     settings::DatapathSettings,
 };
 use wgfence_common::{Counter, FlowValue, PeerEntry, MAX_FLOWS, UNRESTRICTED};
+
+/// The restricted peer's entry owner (any value: the agent allocates them).
+const OWNER: u64 = 40;
 use wgfence_tests::{
     install_policy, ip, net,
     packet::{Packet, ICMP, ICMPV6, TCP, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, UDP},
@@ -60,6 +63,7 @@ fn program(settings: DatapathSettings, replies: bool) -> TestProgram {
             PeerEntry {
                 policy: 1,
                 slot: SLOT,
+                owner: OWNER,
             },
         )
         .unwrap_or_else(|e| panic!("{e}"));
@@ -69,6 +73,7 @@ fn program(settings: DatapathSettings, replies: bool) -> TestProgram {
         PeerEntry {
             policy: UNRESTRICTED,
             slot: 5,
+            owner: OWNER + 1,
         },
     )
     .unwrap_or_else(|e| panic!("{e}"));
@@ -111,9 +116,13 @@ fn from_peer(p: &mut TestProgram, packet: &Packet, expected: Counter) {
 }
 
 fn recorded(p: &TestProgram) -> u64 {
+    counted(p, Counter::FlowRecorded)
+}
+
+fn counted(p: &TestProgram, counter: Counter) -> u64 {
     p.maps()
         .counters()
-        .map(|c| c.get(Counter::FlowRecorded))
+        .map(|c| c.get(counter))
         .unwrap_or_else(|e| panic!("{e}"))
 }
 
@@ -333,8 +342,10 @@ fn idle_flows_expire_and_closing_tcp_flows_expire_sooner() {
     from_peer(&mut p, &udp, Counter::PassReply);
 }
 
+/// Nothing is evicted: a full table keeps every flow it has and refuses new ones (which only
+/// stops replies), so no peer can push another's flows out.
 #[test]
-fn a_full_flow_table_forgets_old_flows_and_keeps_taking_new_ones() {
+fn a_full_flow_table_refuses_new_flows_and_keeps_the_old_ones() {
     let mut p = default_program();
     to_peer(
         &mut p,
@@ -342,60 +353,171 @@ fn a_full_flow_table_forgets_old_flows_and_keeps_taking_new_ones() {
     );
     let first = Packet::new(PEER_V4, NODE_V4, UDP, 52000).src_port(161);
     from_peer(&mut p, &first, Counter::PassReply);
-    // Fill the table with other flows, from user space as the egress program would.
-    let now = FlowValue::default();
+    // Fill the table with other flows (of another slot), from user space as the egress program
+    // would, until it takes no more.
     let maps = p.maps_mut();
-    for i in 0..MAX_FLOWS + MAX_FLOWS / 4 {
-        maps.insert_flow(&Flow {
-            peer: ip(PEER_V4),
+    let mut i = 0u32;
+    let refused = loop {
+        let flow = Flow {
+            peer: ip("10.8.0.9"),
             remote: std::net::Ipv4Addr::from(0x0a63_0000 + i).into(),
             protocol: 17,
             peer_port: 1,
             remote_port: 1,
             value: FlowValue {
                 last_seen_ns: u64::MAX / 2,
-                ..now
+                slot: SLOT + 1,
+                ..FlowValue::default()
             },
-        })
-        .unwrap_or_else(|e| panic!("flow {i}: {e}"));
-    }
-    let flows = p.maps().flows().unwrap_or_else(|e| panic!("{e}"));
-    assert!(
-        flows.len() <= MAX_FLOWS as usize,
-        "{} flows in a table of {MAX_FLOWS}",
-        flows.len()
-    );
-    // The kernel's LRU is approximate (a flow that carried packets gets a second chance), but
-    // room comes from the least recently used: most of the earliest filler flows are gone,
-    // the latest are all there.
-    let filler = |i: u32| -> std::net::IpAddr { std::net::Ipv4Addr::from(0x0a63_0000 + i).into() };
-    let present: std::collections::HashSet<std::net::IpAddr> =
-        flows.iter().map(|f| f.remote).collect();
-    let quarter = MAX_FLOWS / 4;
-    let early_kept = (0..quarter)
-        .filter(|i| present.contains(&filler(*i)))
-        .count();
-    let total = MAX_FLOWS + quarter;
-    let late_kept = (total - 1000..total)
-        .filter(|i| present.contains(&filler(*i)))
-        .count();
-    assert!(
-        early_kept < quarter as usize / 2,
-        "{early_kept} of the first {quarter} flows kept"
-    );
-    assert_eq!(late_kept, 1000, "the latest flows must all be there");
-    // A new flow still finds room, and its replies pass.
-    let before = recorded(&p);
+        };
+        if let Err(e) = maps.insert_flow(&flow) {
+            break e;
+        }
+        i += 1;
+        assert!(i <= MAX_FLOWS, "the table took more than {MAX_FLOWS} flows");
+    };
+    assert_eq!(i, MAX_FLOWS - 1, "filled up to the limit, then: {refused}");
+    // The first flow is still there and still passes replies.
+    from_peer(&mut p, &first, Counter::PassReply);
+    // A new flow finds no room: refused and counted, and its "reply" is judged by the policy.
+    let (before, refused_before) = (recorded(&p), counted(&p, Counter::FlowRefused));
     to_peer(
         &mut p,
         &Packet::new(NODE_V4, PEER_V4, UDP, 161).src_port(53000),
     );
-    assert_eq!(recorded(&p), before + 1);
+    assert_eq!(recorded(&p), before);
+    assert_eq!(counted(&p, Counter::FlowRefused), refused_before + 1);
     from_peer(
         &mut p,
         &Packet::new(PEER_V4, NODE_V4, UDP, 53000).src_port(161),
+        Counter::DropPolicy,
+    );
+}
+
+/// Issue 11 item 3: however many flows the network starts toward one peer, it holds at most
+/// its quota; another peer's flows still record and their replies pass.
+#[test]
+fn a_peer_holds_at_most_its_quota_of_flows_and_others_keep_theirs() {
+    const QUOTA: u32 = 16;
+    const OTHER: &str = "10.8.0.5";
+    const OTHER_SLOT: u32 = SLOT + 2;
+    let mut p = program(
+        DatapathSettings {
+            flows_per_peer: QUOTA,
+            ..DatapathSettings::default()
+        },
+        true,
+    );
+    p.maps_mut()
+        .upsert_peer(
+            ip(OTHER),
+            PeerEntry {
+                policy: 1,
+                slot: OTHER_SLOT,
+                owner: OWNER + 2,
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    // A flood of new flows toward the peer, over both families (one quota for both).
+    for port in 0..200u16 {
+        to_peer(
+            &mut p,
+            &Packet::new(NODE_V4, PEER_V4, TCP, 22).src_port(10_000 + port),
+        );
+        to_peer(
+            &mut p,
+            &Packet::new(NODE_V6, PEER_V6, UDP, 161).src_port(10_000 + port),
+        );
+    }
+    let flows = p.maps().flows().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        flows.len(),
+        QUOTA as usize,
+        "flows held by the flooded peer"
+    );
+    assert_eq!(recorded(&p), u64::from(QUOTA));
+    assert_eq!(counted(&p, Counter::FlowRefused), 400 - u64::from(QUOTA));
+    assert_eq!(
+        p.maps().flow_quota(SLOT).unwrap_or_else(|e| panic!("{e}")),
+        (u64::from(QUOTA), 0)
+    );
+    // The flows it got pass replies; one past the quota does not.
+    from_peer(
+        &mut p,
+        &Packet::new(PEER_V4, NODE_V4, TCP, 10_000)
+            .src_port(22)
+            .tcp_flags(TCP_SYN | TCP_ACK),
         Counter::PassReply,
     );
+    from_peer(
+        &mut p,
+        &Packet::new(PEER_V4, NODE_V4, TCP, 10_199)
+            .src_port(22)
+            .tcp_flags(TCP_SYN | TCP_ACK),
+        Counter::DropPolicy,
+    );
+    // The other peer is untouched by the flood: its flow records and its reply passes.
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, OTHER, UDP, 161).src_port(52000),
+    );
+    from_peer(
+        &mut p,
+        &Packet::new(OTHER, NODE_V4, UDP, 52000).src_port(161),
+        Counter::PassReply,
+    );
+    // The agent deletes one of the flooded peer's flows: its quota has room for one more.
+    let forgotten = p
+        .maps_mut()
+        .remove_flows(|f| f.peer == ip(PEER_V4) && f.remote_port == 10_000)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(forgotten, 1);
+    assert_eq!(
+        p.maps().flow_quota(SLOT).unwrap_or_else(|e| panic!("{e}")),
+        (u64::from(QUOTA), 1)
+    );
+    let before = recorded(&p);
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, TCP, 22).src_port(20_000),
+    );
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, TCP, 22).src_port(20_001),
+    );
+    assert_eq!(recorded(&p), before + 1);
+}
+
+/// Issue 11 item 3: a packet the WireGuard interface itself delivered (a peer sending to its
+/// own or another peer's address through the node) starts no flow.
+#[test]
+fn packets_that_came_in_on_the_interface_record_no_flow() {
+    let mut p = default_program();
+    for port in 0..100u16 {
+        // To its own address, from another peer, and over IPv6.
+        for packet in [
+            Packet::new(PEER_V4, PEER_V4, TCP, 443).src_port(30_000 + port),
+            Packet::new(OPEN_V4, PEER_V4, UDP, 53).src_port(30_000 + port),
+            Packet::new(PEER_V6, PEER_V6, TCP, 443).src_port(30_000 + port),
+        ] {
+            let run = p
+                .run_egress_hairpin(&packet.frame())
+                .unwrap_or_else(|e| panic!("egress test run: {e}"));
+            assert!(run.passed(), "the egress program never drops");
+        }
+    }
+    assert_eq!(recorded(&p), 0);
+    assert!(p
+        .maps()
+        .flows()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .is_empty());
+    // The same packet from elsewhere (the node, another interface) does record.
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V4, PEER_V4, TCP, 443).src_port(30_000),
+    );
+    assert_eq!(recorded(&p), 1);
 }
 
 #[test]
@@ -421,33 +543,48 @@ fn answers_to_what_the_policy_allows_record_no_flow() {
     assert_eq!(recorded(&p), 1);
 }
 
+/// Issue 11 item 4: a flow counts only for the entry owner that recorded it. A new owner of
+/// the address (a new holder, same slot or not) gets no replies from the old holder's flows.
 #[test]
-fn a_flow_belongs_to_the_peer_that_held_the_address() {
+fn a_flow_belongs_to_the_owner_that_recorded_it() {
     let mut p = default_program();
-    to_peer(
-        &mut p,
-        &Packet::new(NODE_V4, PEER_V4, UDP, 161).src_port(52000),
-    );
+    let datagram = Packet::new(NODE_V4, PEER_V4, UDP, 161).src_port(52000);
+    to_peer(&mut p, &datagram);
     let answer = Packet::new(PEER_V4, NODE_V4, UDP, 52000).src_port(161);
     from_peer(&mut p, &answer, Counter::PassReply);
-    // The address goes to another peer (another counter slot): the old flow is not its own.
-    p.maps_mut()
-        .upsert_peer(
-            ip(PEER_V4),
-            PeerEntry {
-                policy: 1,
-                slot: SLOT + 10,
-            },
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
+    let give = |p: &mut TestProgram, slot: u32, owner: u64| {
+        p.maps_mut()
+            .upsert_peer(
+                ip(PEER_V4),
+                PeerEntry {
+                    policy: 1,
+                    slot,
+                    owner,
+                },
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+    };
+    // Same policy, same slot, new owner: the old flow is not the new owner's.
+    give(&mut p, SLOT, OWNER + 10);
     from_peer(&mut p, &answer, Counter::DropPolicy);
-    // Nor does the network's next datagram refresh it for the new holder: it records anew.
+    // The network's next datagram records it anew for the new owner (in place: same slot).
     let before = recorded(&p);
-    to_peer(
-        &mut p,
-        &Packet::new(NODE_V4, PEER_V4, UDP, 161).src_port(52000),
-    );
+    to_peer(&mut p, &datagram);
     assert_eq!(recorded(&p), before + 1);
+    from_peer(&mut p, &answer, Counter::PassReply);
+    // Another slot: the dead flow counts against the old slot until the agent deletes it, so
+    // it is not taken over; once deleted, the flow records for the new owner.
+    give(&mut p, SLOT + 10, OWNER + 11);
+    from_peer(&mut p, &answer, Counter::DropPolicy);
+    to_peer(&mut p, &datagram);
+    from_peer(&mut p, &answer, Counter::DropPolicy);
+    let owner = OWNER + 11;
+    let gone = p
+        .maps_mut()
+        .remove_flows(|f| f.value.owner != owner)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(gone, 1);
+    to_peer(&mut p, &datagram);
     from_peer(&mut p, &answer, Counter::PassReply);
 }
 

@@ -86,8 +86,15 @@ impl Bench {
             (RESTRICTED_V6, 1, 0),
             (OPEN, UNRESTRICTED, 1),
         ] {
-            maps.upsert_peer(ip(addr), PeerEntry { policy, slot })
-                .unwrap_or_else(|e| panic!("{e}"));
+            maps.upsert_peer(
+                ip(addr),
+                PeerEntry {
+                    policy,
+                    slot,
+                    owner: u64::from(slot) + 1,
+                },
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
         }
         let settings = DatapathSettings {
             events_per_second,

@@ -39,15 +39,18 @@ fn program() -> TestProgram {
         ),
         Rule::new(net("fd00:9::/32"), Protocol::Udp, vec![]),
         Rule::new(net("::/0"), Protocol::Icmp, vec![]),
+        Rule::new(net("fd00:a::/32"), Protocol::Any, vec![]),
     ];
     install_policy(maps, POLICY, &rules);
     let restricted = PeerEntry {
         policy: POLICY,
         slot: RESTRICTED_SLOT,
+        owner: 1,
     };
     let open = PeerEntry {
         policy: UNRESTRICTED,
         slot: 6,
+        owner: 2,
     };
     for (addr, entry) in [
         (RESTRICTED_V4, restricted),
@@ -256,11 +259,33 @@ fn ipv6_fragments() {
         more: false,
     });
     expect(&mut p, &later.frame(), Counter::DropPolicy);
+    // Issue 11 item 8: a later fragment's next header is the sender's word (it need not be the
+    // first fragment's), so it matches only rules for every protocol: not the all-ports UDP
+    // rule of fd00:9::/32, not the ICMPv6 rule every destination has.
     let later_portless = Packet::new(RESTRICTED_V6, "fd00:9::1", UDP, 53).ext(Ext::Fragment {
         offset: 100,
         more: true,
     });
-    expect(&mut p, &later_portless.frame(), Counter::PassPolicy);
+    expect(&mut p, &later_portless.frame(), Counter::DropPolicy);
+    let later_claims_icmp = Packet::new(RESTRICTED_V6, "fd00:1::1", ICMPV6, 0).ext(Ext::Fragment {
+        offset: 100,
+        more: false,
+    });
+    expect(&mut p, &later_claims_icmp.frame(), Counter::DropPolicy);
+    // A rule for every protocol takes later fragments, whatever they claim.
+    for protocol in [TCP, UDP, ICMPV6, 59] {
+        let later = Packet::new(RESTRICTED_V6, "fd00:a::1", protocol, 443).ext(Ext::Fragment {
+            offset: 100,
+            more: true,
+        });
+        expect(&mut p, &later.frame(), Counter::PassPolicy);
+    }
+    // The first fragment still names its protocol and port.
+    let first_udp = Packet::new(RESTRICTED_V6, "fd00:9::1", UDP, 53).ext(Ext::Fragment {
+        offset: 0,
+        more: true,
+    });
+    expect(&mut p, &first_udp.frame(), Counter::PassPolicy);
 }
 
 #[test]

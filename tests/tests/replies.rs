@@ -16,6 +16,7 @@ use wgfence::{
 use wgfence_common::{FlowValue, MAX_FLOWS};
 use wgfence_tests::{
     agent::{Agent, Layout},
+    packet::{send_raw, Packet, TCP},
     probe::{check_all, Expect, Kind, Reach},
     topology::Gateway,
 };
@@ -67,31 +68,39 @@ fn the_network_reaches_a_restricted_peer_that_cannot_reach_it() {
     assert!(replies >= 6.0, "{replies} replies counted");
     assert!(agent.metric(&gw, "wgfence_reply_flows_recorded_total") >= 6.0);
 
-    // A full flow table still takes the node's new flows: fill it behind the agent's back.
+    // Flows of no owner fill the table behind the agent's back: new flows are refused (nothing
+    // is evicted), until the agent's sweep collects them, within seconds.
     let mut maps = Dataplane::open_maps(&gw.bpffs, gw.interface())
         .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+    let mut filled = 0u64;
     for i in 0..MAX_FLOWS {
-        maps.insert_flow(&Flow {
+        let flow = Flow {
             peer: gw.peers[0].v4.into(),
             remote: std::net::Ipv4Addr::from(0x0a63_0000 + i).into(),
             protocol: 17,
             peer_port: 1,
             remote_port: 1,
-            value: FlowValue::default(),
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
+            value: FlowValue {
+                last_seen_ns: u64::MAX / 2,
+                owner: u64::MAX,
+                slot: 200,
+                ..FlowValue::default()
+            },
+        };
+        if maps.insert_flow(&flow).is_err() {
+            break;
+        }
+        filled += 1;
     }
+    assert!(filled > u64::from(MAX_FLOWS) / 2, "{filled} filler flows");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while maps.flows().map(|f| f.len()).unwrap_or(usize::MAX) > 100 && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(200));
+    }
+    assert!(agent.metric(&gw, "wgfence_reply_flows_freed_total") >= filled as f64);
     check_all(&from_node(Reached));
-
     // A peer that leaves takes its flows with it: a later holder of the address starts afresh.
-    let flows_of = |addr: std::net::IpAddr| {
-        Dataplane::open_maps(&gw.bpffs, gw.interface())
-            .and_then(|m| m.flows())
-            .unwrap_or_else(|e| panic!("{e}"))
-            .into_iter()
-            .filter(|f| f.peer == addr)
-            .count()
-    };
+    let flows_of = |addr: std::net::IpAddr| flows_toward(&gw, addr).len();
     assert!(flows_of(gw.peers[0].v4.into()) > 0);
     let without = json!({ "version": 1, "peers": [gw.peer_json(1, None)] }).to_string();
     let before = agent.reconciles(&gw);
@@ -124,8 +133,13 @@ fn the_network_reaches_a_restricted_peer_that_cannot_reach_it() {
 /// The node sends one datagram to the restricted peer, which answers at once and again after
 /// `delay`, on the same flow. Which answers arrive at the node?
 fn answers(gw: &Gateway, delay: Duration) -> (bool, bool) {
+    answers_of(gw, 0, delay)
+}
+
+/// [`answers`] of peer `i`.
+fn answers_of(gw: &Gateway, i: usize, delay: Duration) -> (bool, bool) {
     const PORT: u16 = 7000;
-    let peer = &gw.peers[0];
+    let peer = &gw.peers[i];
     thread::scope(|s| {
         let server = s.spawn(|| {
             peer.ns.enter(|| {
@@ -289,4 +303,217 @@ fn plan_shows_the_replies_switch_it_would_write() {
         off.contains("1 map writes, 0 WireGuard peer changes"),
         "{off}"
     );
+}
+
+/// The flows recorded toward `addr`.
+fn flows_toward(gw: &Gateway, addr: std::net::IpAddr) -> Vec<Flow> {
+    Dataplane::open_maps(&gw.bpffs, gw.interface())
+        .and_then(|m| m.flows())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_iter()
+        .filter(|f| f.peer == addr)
+        .collect()
+}
+
+/// Issue 11 item 3, end to end: a restricted peer cannot fill the reply flow tables, neither
+/// by sending through the node to its own address (a ClusterIP-like DNAT on the node turns its
+/// allowed `10.99.0.5:443` into its own tunnel address) or to another peer's (the node forwards
+/// both back into the tunnel), nor by being flooded; another peer's flows keep working.
+#[test]
+fn no_peer_fills_the_flow_tables_and_a_flood_leaves_others_their_flows() {
+    const QUOTA: u64 = 64;
+    const FLOOD: u16 = 2000;
+    let gw = Gateway::new(2);
+    let (a, b) = (&gw.peers[0], &gw.peers[1]);
+    // The node routes between peers, as a gateway does, and maps a service address to peer A
+    // (checksums are not the point here: the flood's are zero).
+    gw.node.exec(&["sysctl", "-qw", "net.ipv4.ip_forward=1"]);
+    gw.node
+        .exec(&["sysctl", "-qw", "net.netfilter.nf_conntrack_checksum=0"]);
+    let a_addr = a.v4.to_string();
+    gw.node.exec(&[
+        "iptables",
+        "-t",
+        "nat",
+        "-A",
+        "PREROUTING",
+        "-d",
+        "10.99.0.5",
+        "-p",
+        "tcp",
+        "--dport",
+        "443",
+        "-j",
+        "DNAT",
+        "--to-destination",
+        &a_addr,
+    ]);
+    let state = json!({
+        "version": 1,
+        "peers": [
+            gw.peer_json(0, Some(json!([
+                { "cidr": "10.99.0.0/24", "protocol": "tcp", "ports": [443] },
+                { "cidr": "10.8.0.3/32", "protocol": "tcp", "ports": [443] },
+            ]))),
+            gw.peer_json(1, Some(web_only())),
+        ],
+    })
+    .to_string();
+    let quota = QUOTA.to_string();
+    let agent = Agent::start(&gw, Layout::Plain, &state, &["--flows-per-peer", &quota]);
+    agent.wait_ready(&gw);
+
+    // Peer A sends thousands of SYNs (its policy allows them) from distinct ports to the
+    // service, which the node sends back to A itself, and to B's port 443. None is a flow the
+    // network started, so none is recorded (before the fix each was, against A's or B's quota).
+    a.ns.enter(|| {
+        for port in 0..FLOOD {
+            for dst in ["10.99.0.5", &b.v4.to_string()] {
+                let syn = Packet::new(&a_addr, dst, TCP, 443).src_port(20_000 + port);
+                send_raw(&syn.ip()).unwrap_or_else(|e| panic!("peer A: {e}"));
+            }
+        }
+    });
+    thread::sleep(Duration::from_millis(500));
+    let own = flows_toward(&gw, a.v4.into()).len();
+    let other = flows_toward(&gw, b.v4.into()).len();
+    assert_eq!(
+        (own, other),
+        (0, 0),
+        "the hairpin flood recorded flows toward A and B"
+    );
+    assert_eq!(agent.metric(&gw, "wgfence_reply_flows_recorded_total"), 0.0);
+    // The SYNs did go around: the node forwarded them into the tunnel (to A and B).
+    let forwarded = gw.node.exec(&[
+        "iptables",
+        "-t",
+        "nat",
+        "-L",
+        "PREROUTING",
+        "-v",
+        "-x",
+        "-n",
+    ]);
+    let forwarded = String::from_utf8_lossy(&forwarded.stdout).into_owned();
+    assert!(
+        forwarded.lines().any(|l| l.contains("DNAT")
+            && l.split_whitespace()
+                .next()
+                .is_some_and(|n| n.parse::<u32>().is_ok_and(|n| n > 0))),
+        "the service DNAT saw no packet:\n{forwarded}"
+    );
+
+    // The node starts a UDP flow toward B; while B's answer is pending, the node floods A with
+    // new TCP flows far past A's quota.
+    let (now, later) = thread::scope(|s| {
+        let b_answers = s.spawn(|| answers_of(&gw, 1, Duration::from_secs(3)));
+        thread::sleep(Duration::from_millis(700));
+        gw.node.enter(|| {
+            for port in 0..FLOOD {
+                let syn =
+                    Packet::new("10.8.0.1", &a.v4.to_string(), TCP, 22).src_port(20_000 + port);
+                send_raw(&syn.ip()).unwrap_or_else(|e| panic!("node: {e}"));
+            }
+        });
+        b_answers
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e))
+    });
+    let held = flows_toward(&gw, a.v4.into()).len() as u64;
+    assert_eq!(held, QUOTA, "flows held by the flooded peer A");
+    let refused = agent.metric(&gw, "wgfence_reply_flows_refused_total");
+    assert!(
+        refused >= f64::from(FLOOD) - QUOTA as f64 - 1.0,
+        "{refused} refused"
+    );
+    // B's flow was recorded before the flood and still passes its answer after it.
+    assert!(
+        now && later,
+        "B's answers: now {now}, after the flood {later}"
+    );
+    // And the node still starts new flows toward B.
+    check_all(&[
+        Expect::new("node", &gw.node, Kind::Tcp(22), "10.8.0.3", Reach::Reached),
+        Expect::new("node", &gw.node, Kind::Ping, "fd00:8::3", Reach::Reached),
+    ]);
+}
+
+/// Issue 11 item 4: at start, before anything new is allocated, the agent deletes the flows
+/// whose owner is not their address's (left by an earlier holder) and the expired ones, and
+/// gives their slot's quota back; while it runs, its sweep does the same within seconds.
+#[test]
+fn the_agent_collects_flows_that_lost_their_owner_or_expired() {
+    let gw = Gateway::new(2);
+    let mut agent = Agent::start(&gw, Layout::Plain, &state(&gw, None), &[]);
+    agent.wait_ready(&gw);
+    let addr: std::net::IpAddr = gw.peers[0].v4.into();
+    let maps = || {
+        Dataplane::open_maps(&gw.bpffs, gw.interface())
+            .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)))
+    };
+    let entry = maps()
+        .peers()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_iter()
+        .find_map(|(a, e)| (a == addr).then_some(e))
+        .unwrap_or_else(|| panic!("no entry for {addr}"));
+    agent.stop();
+    let flow = |remote: u32, owner: u64, last_seen_ns: u64| Flow {
+        peer: addr,
+        remote: std::net::Ipv4Addr::from(remote).into(),
+        protocol: 17,
+        peer_port: 1,
+        remote_port: 1,
+        value: FlowValue {
+            last_seen_ns,
+            owner,
+            slot: entry.slot,
+            ..FlowValue::default()
+        },
+    };
+    let live = u64::MAX / 2;
+    let mut m = maps();
+    let (made, freed) = m.flow_quota(entry.slot).unwrap_or_else(|e| panic!("{e}"));
+    for f in [
+        flow(0x0a63_0001, entry.owner + 1000, live),
+        flow(0x0a63_0002, entry.owner, 0),
+        flow(0x0a63_0003, entry.owner, live),
+    ] {
+        m.insert_flow(&f).unwrap_or_else(|e| panic!("{e}"));
+    }
+    agent.restart(&gw, &[]);
+    agent.wait_ready(&gw);
+    let kept: Vec<u32> = flows_toward(&gw, addr)
+        .iter()
+        .filter_map(|f| match f.remote {
+            std::net::IpAddr::V4(r) => Some(u32::from(r)),
+            std::net::IpAddr::V6(_) => None,
+        })
+        .collect();
+    assert_eq!(
+        kept,
+        [0x0a63_0003],
+        "only the live flow of the current owner stays"
+    );
+    assert_eq!(
+        maps()
+            .flow_quota(entry.slot)
+            .unwrap_or_else(|e| panic!("{e}")),
+        (made + 3, freed + 2)
+    );
+
+    // While it runs: a flow of another owner goes within a sweep.
+    maps()
+        .insert_flow(&flow(0x0a63_0004, entry.owner + 1001, live))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let deadline = Instant::now() + Duration::from_secs(12);
+    while flows_toward(&gw, addr).len() > 1 && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(
+        flows_toward(&gw, addr).len(),
+        1,
+        "the sweep left the orphan"
+    );
+    assert!(agent.metric(&gw, "wgfence_reply_flows_freed_total") >= 1.0);
 }

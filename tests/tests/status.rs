@@ -100,7 +100,7 @@ fn status_reports_the_datapath_the_agent_and_per_peer_counters() {
     assert_eq!(before["schemaVersion"], 1);
     assert_eq!(before["interface"], gw.interface());
     assert_eq!(before["attached"], true);
-    assert_eq!(before["layoutVersion"], 1);
+    assert_eq!(before["layoutVersion"], wgfence_common::LAYOUT_VERSION);
     let pin_dir = gw.bpffs.join("wgfence").join(gw.interface());
     assert_eq!(before["pinDir"], pin_dir.to_string_lossy().as_ref());
     assert_eq!(
@@ -210,7 +210,8 @@ fn status_reports_the_datapath_the_agent_and_per_peer_counters() {
     let expect_lines = [
         format!("interface        {}", gw.interface()),
         format!(
-            "datapath         attached (layout v1, pins in {})",
+            "datapath         attached (layout v{}, pins in {})",
+            wgfence_common::LAYOUT_VERSION,
             pin_dir.display()
         ),
         format!(

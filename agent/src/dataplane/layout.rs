@@ -89,17 +89,24 @@ pub(crate) fn expected(name: &str) -> Option<Layout> {
             0,
         ),
         map_names::FLOWS_V4 => layout(
-            MapType::LruHash,
+            MapType::Hash,
             size_of::<FlowKeyV4>(),
             size_of::<FlowValue>(),
             MAX_FLOWS,
             0,
         ),
         map_names::FLOWS_V6 => layout(
-            MapType::LruHash,
+            MapType::Hash,
             size_of::<FlowKeyV6>(),
             size_of::<FlowValue>(),
             MAX_FLOWS,
+            0,
+        ),
+        map_names::FLOW_MADE | map_names::FLOW_FREED => layout(
+            MapType::Array,
+            size_of::<u32>(),
+            size_of::<u64>(),
+            MAX_PEERS,
             0,
         ),
         map_names::CONFIG => layout(MapType::Array, size_of::<u32>(), size_of::<Config>(), 1, 0),
@@ -148,7 +155,7 @@ mod tests {
         for name in map_names::ALL {
             assert!(expected(name).is_some(), "{name} has no expected layout");
         }
-        assert!(expected("wgf0_peers_v4").is_none());
+        assert!(expected("wgf1_peers_v4").is_none());
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! many kernel writes a reconcile cost.
 
 use std::{
+    collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::Path,
 };
@@ -81,6 +82,8 @@ pub struct Maps {
     peer_stats: Array<MapData, PeerCounters>,
     flows_v4: HashMap<MapData, FlowKeyV4, FlowValue>,
     flows_v6: HashMap<MapData, FlowKeyV6, FlowValue>,
+    flow_made: Array<MapData, u64>,
+    flow_freed: Array<MapData, u64>,
     config: Array<MapData, Config>,
     /// Held, never used here: the programs are loaded against these maps' file descriptors,
     /// which must stay open until then (`wgfence monitor` opens the ring buffer's pin).
@@ -124,7 +127,6 @@ impl Maps {
             ebpf.take_map(name)
                 .map(|map| match map {
                     Map::HashMap(d)
-                    | Map::LruHashMap(d)
                     | Map::LpmTrie(d)
                     | Map::PerCpuArray(d)
                     | Map::Array(d)
@@ -158,6 +160,8 @@ impl Maps {
             peer_stats: typed(map_names::PEER_STATS, data(map_names::PEER_STATS)?)?,
             flows_v4: typed(map_names::FLOWS_V4, data(map_names::FLOWS_V4)?)?,
             flows_v6: typed(map_names::FLOWS_V6, data(map_names::FLOWS_V6)?)?,
+            flow_made: typed(map_names::FLOW_MADE, data(map_names::FLOW_MADE)?)?,
+            flow_freed: typed(map_names::FLOW_FREED, data(map_names::FLOW_FREED)?)?,
             config: typed(map_names::CONFIG, data(map_names::CONFIG)?)?,
             writes: 0,
         })
@@ -311,67 +315,98 @@ impl Maps {
     }
 
     /// Every recorded reply flow, sorted by (peer, remote, protocol, ports). Expired flows are
-    /// included until the LRU reuses their room: the datapath checks the timeout at lookup.
+    /// included until the agent's sweep deletes them: the datapath checks the timeout at lookup.
     pub fn flows(&self) -> Result<Vec<Flow>> {
         let mut flows = Vec::new();
         for item in self.flows_v4.iter() {
             let (key, value) = item.map_err(map_err(map_names::FLOWS_V4))?;
-            flows.push(Flow {
-                peer: IpAddr::V4(key.peer.into()),
-                remote: IpAddr::V4(key.remote.into()),
-                protocol: key.protocol,
-                peer_port: key.peer_port,
-                remote_port: key.remote_port,
-                value,
-            });
+            flows.push(flow_v4(&key, value));
         }
         for item in self.flows_v6.iter() {
             let (key, value) = item.map_err(map_err(map_names::FLOWS_V6))?;
-            flows.push(Flow {
-                peer: IpAddr::V6(key.peer.into()),
-                remote: IpAddr::V6(key.remote.into()),
-                protocol: key.protocol,
-                peer_port: key.peer_port,
-                remote_port: key.remote_port,
-                value,
-            });
+            flows.push(flow_v6(&key, value));
         }
         flows.sort_unstable_by_key(|f| (f.peer, f.remote, f.protocol, f.peer_port, f.remote_port));
         Ok(flows)
     }
 
-    /// Deletes the reply flows whose peer address `forget` selects (one pass over each table);
-    /// returns how many went. Flows the datapath adds meanwhile are not affected.
-    pub fn remove_flows(&mut self, forget: impl Fn(IpAddr) -> bool) -> Result<u64> {
-        let v4: Vec<FlowKeyV4> = self
+    /// Deletes the reply flows `forget` selects (one pass over each table) and counts each
+    /// deleted flow as freed for its slot ([`map_names::FLOW_FREED`]), which gives the slot's
+    /// quota back; returns how many went. Flows the datapath adds meanwhile are not affected.
+    ///
+    /// A flow is counted after it is deleted: if the agent stops in between, the slot's quota
+    /// stays short by those flows (fewer replies, never more).
+    pub fn remove_flows(&mut self, forget: impl Fn(&Flow) -> bool) -> Result<u64> {
+        let v4: Vec<(FlowKeyV4, u32)> = self
             .flows_v4
-            .keys()
-            .filter_map(|k| k.ok())
-            .filter(|k| forget(IpAddr::V4(k.peer.into())))
+            .iter()
+            .filter_map(|item| item.ok())
+            .filter(|(k, v)| forget(&flow_v4(k, *v)))
+            .map(|(k, v)| (k, v.slot))
             .collect();
-        let v6: Vec<FlowKeyV6> = self
+        let v6: Vec<(FlowKeyV6, u32)> = self
             .flows_v6
-            .keys()
-            .filter_map(|k| k.ok())
-            .filter(|k| forget(IpAddr::V6(k.peer.into())))
+            .iter()
+            .filter_map(|item| item.ok())
+            .filter(|(k, v)| forget(&flow_v6(k, *v)))
+            .map(|(k, v)| (k, v.slot))
             .collect();
-        // A flow the LRU evicted since it was listed is already gone: not an error.
-        let mut count = 0;
-        for key in &v4 {
+        let mut freed: BTreeMap<u32, u64> = BTreeMap::new();
+        // Only the agent deletes flows: one already gone was deleted by another handle (a
+        // test) and counted there.
+        for (key, slot) in &v4 {
             self.writes += 1;
-            count += u64::from(removed(map_names::FLOWS_V4, self.flows_v4.remove(key))?);
+            if removed(map_names::FLOWS_V4, self.flows_v4.remove(key))? {
+                *freed.entry(*slot).or_default() += 1;
+            }
         }
-        for key in &v6 {
+        for (key, slot) in &v6 {
             self.writes += 1;
-            count += u64::from(removed(map_names::FLOWS_V6, self.flows_v6.remove(key))?);
+            if removed(map_names::FLOWS_V6, self.flows_v6.remove(key))? {
+                *freed.entry(*slot).or_default() += 1;
+            }
+        }
+        let mut count = 0;
+        for (slot, n) in freed {
+            let total = self
+                .flow_freed
+                .get(&slot, 0)
+                .map_err(map_err(map_names::FLOW_FREED))?;
+            self.writes += 1;
+            self.flow_freed
+                .set(slot, total.wrapping_add(n), 0)
+                .map_err(map_err(map_names::FLOW_FREED))?;
+            count += n;
         }
         Ok(count)
     }
 
-    /// Inserts a reply flow as the egress program would (for tests and benchmarks). Flows of
-    /// mixed address families are an error.
+    /// Flows recorded for `slot` by the datapath, and deleted by the agent: the slot holds
+    /// `made - freed` flows.
+    pub fn flow_quota(&self, slot: u32) -> Result<(u64, u64)> {
+        let made = self
+            .flow_made
+            .get(&slot, 0)
+            .map_err(map_err(map_names::FLOW_MADE))?;
+        let freed = self
+            .flow_freed
+            .get(&slot, 0)
+            .map_err(map_err(map_names::FLOW_FREED))?;
+        Ok((made, freed))
+    }
+
+    /// Inserts a reply flow as the egress program would (for tests and benchmarks), counting
+    /// it against its slot's quota. Flows of mixed address families are an error.
     pub fn insert_flow(&mut self, flow: &Flow) -> Result<()> {
-        self.writes += 1;
+        self.writes += 2;
+        let slot = flow.value.slot;
+        let made = self
+            .flow_made
+            .get(&slot, 0)
+            .map_err(map_err(map_names::FLOW_MADE))?;
+        self.flow_made
+            .set(slot, made.wrapping_add(1), 0)
+            .map_err(map_err(map_names::FLOW_MADE))?;
         match (flow.peer, flow.remote) {
             (IpAddr::V4(peer), IpAddr::V4(remote)) => self
                 .flows_v4
@@ -413,6 +448,28 @@ impl Maps {
         self.peer_stats
             .set(slot, PeerCounters::default(), 0)
             .map_err(map_err(map_names::PEER_STATS))
+    }
+}
+
+fn flow_v4(key: &FlowKeyV4, value: FlowValue) -> Flow {
+    Flow {
+        peer: IpAddr::V4(key.peer.into()),
+        remote: IpAddr::V4(key.remote.into()),
+        protocol: key.protocol,
+        peer_port: key.peer_port,
+        remote_port: key.remote_port,
+        value,
+    }
+}
+
+fn flow_v6(key: &FlowKeyV6, value: FlowValue) -> Flow {
+    Flow {
+        peer: IpAddr::V6(key.peer.into()),
+        remote: IpAddr::V6(key.remote.into()),
+        protocol: key.protocol,
+        peer_port: key.peer_port,
+        remote_port: key.remote_port,
+        value,
     }
 }
 

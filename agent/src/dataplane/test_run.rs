@@ -22,6 +22,12 @@ use super::{
 /// requires in the input.
 pub const ETH_HLEN: usize = 14;
 
+/// Index of the loopback device, on which `BPF_PROG_TEST_RUN` runs tc programs.
+const LOOPBACK_IFINDEX: u32 = 1;
+/// `struct __sk_buff` field indexes (u32 words): `ingress_ifindex`, `ifindex`.
+const SKB_INGRESS_IFINDEX: usize = 9;
+const SKB_IFINDEX: usize = 10;
+
 /// Outcome of one test run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TestRun {
@@ -78,15 +84,28 @@ impl TestProgram {
     /// Runs the ingress program `repeat` times on `frame`; the kernel reports the average
     /// duration.
     pub fn run_repeat(&mut self, frame: &[u8], repeat: u32) -> Result<TestRun> {
-        self.run_program(INGRESS_PROGRAM, frame, repeat)
+        self.run_program(INGRESS_PROGRAM, frame, repeat, None)
     }
 
     /// Runs the egress program (packets to peers) `repeat` times on `frame`.
     pub fn run_egress(&mut self, frame: &[u8], repeat: u32) -> Result<TestRun> {
-        self.run_program(EGRESS_PROGRAM, frame, repeat)
+        self.run_program(EGRESS_PROGRAM, frame, repeat, None)
     }
 
-    fn run_program(&mut self, program: &'static str, frame: &[u8], repeat: u32) -> Result<TestRun> {
+    /// Runs the egress program once on `frame` as a packet that came in on the interface the
+    /// program runs on (`__sk_buff.ingress_ifindex == ifindex`, the loopback device under
+    /// `BPF_PROG_TEST_RUN`): a peer's packet the node sent back into the tunnel.
+    pub fn run_egress_hairpin(&mut self, frame: &[u8]) -> Result<TestRun> {
+        self.run_program(EGRESS_PROGRAM, frame, 1, Some(LOOPBACK_IFINDEX))
+    }
+
+    fn run_program(
+        &mut self,
+        program: &'static str,
+        frame: &[u8],
+        repeat: u32,
+        ingress_ifindex: Option<u32>,
+    ) -> Result<TestRun> {
         let fd = classifier(&mut self.ebpf, program)?
             .fd()
             .map_err(program_err(program))?;
@@ -102,8 +121,17 @@ impl TestProgram {
         attr.test.data_in = frame.as_ptr() as u64;
         attr.test.data_size_in = data_size_in;
         attr.test.repeat = repeat;
-        // SAFETY: BPF_PROG_TEST_RUN reads `frame` (valid for data_size_in bytes) and writes
-        // retval and duration into `attr`; no output buffers are given.
+        // The start of a `struct __sk_buff`, up to and including `ifindex`: the kernel takes
+        // `ingress_ifindex` from it, and an `ifindex` of 0 leaves the loopback device.
+        let mut skb = [0u32; SKB_IFINDEX + 1];
+        if let Some(index) = ingress_ifindex {
+            skb[SKB_INGRESS_IFINDEX] = index;
+            attr.test.ctx_in = skb.as_ptr() as u64;
+            attr.test.ctx_size_in = std::mem::size_of_val(&skb) as u32;
+        }
+        // SAFETY: BPF_PROG_TEST_RUN reads `frame` (valid for data_size_in bytes) and `skb`
+        // (valid for ctx_size_in bytes) and writes retval and duration into `attr`; no output
+        // buffers are given.
         let rc = unsafe {
             libc::syscall(
                 libc::SYS_bpf,

@@ -114,6 +114,16 @@ pub fn check_converged(actual: &Actual, desired: &DesiredState) -> Result<(), St
             "policy ids {policies:?} in the tries, {referenced:?} referenced"
         ));
     }
+    // One owner per address: a flow recorded for one address's holder counts for no other.
+    let mut owners = BTreeMap::new();
+    for (addr, entry) in &maps.peers {
+        if let Some(other) = owners.insert(entry.owner, addr) {
+            return Err(format!(
+                "owner {} shared by {other} and {addr}",
+                entry.owner
+            ));
+        }
+    }
     // One slot per peer.
     let mut slots = BTreeMap::new();
     for peer in &desired.peers {
@@ -205,6 +215,15 @@ pub fn check_safe_midway(
     };
     let (old_keys, new_keys) = (by_key(old), by_key(new));
     for (addr, entry) in &actual.maps().peers {
+        // The persisted high-water mark covers every owner written: a restart never hands one
+        // out again.
+        if entry.owner > actual.maps().owner_high {
+            return Err(format!(
+                "{addr}: owner {} above the persisted high-water mark {}",
+                entry.owner,
+                actual.maps().owner_high
+            ));
+        }
         let content = (entry.policy != UNRESTRICTED).then(|| content(actual, entry.policy));
         let complete = old
             .peers
