@@ -10,6 +10,7 @@ mod linker;
 mod setup;
 mod test;
 mod util;
+mod vm;
 
 use std::{ffi::OsString, path::PathBuf, process::ExitCode};
 
@@ -64,6 +65,10 @@ enum Task {
     },
     /// Run a cargo-fuzz target (installs cargo-fuzz if missing): `fuzz state --seconds 600`.
     Fuzz(fuzz::Options),
+    /// Boot Debian's 5.10, 6.1 and 6.12 kernels under qemu (TCG) and run the conformance subset
+    /// inside each (kernel WireGuard, enforcement, policy change, revocation, restart, status,
+    /// monitor, detach); prints the table of docs/operations.md "Supported kernels".
+    VmTest(vm::Options),
     /// Show what the agent pinned for an interface: its maps' contents and its tcx link.
     Dump {
         /// The WireGuard interface.
@@ -95,6 +100,7 @@ fn run(cli: Cli) -> Result<()> {
         Task::Demo => demo::run(),
         Task::Bench { quick, only } => bench::run(quick, only),
         Task::Fuzz(options) => fuzz::run(&options),
+        Task::VmTest(options) => vm::run(options),
         Task::Dump { interface, bpffs } => dump::run(&interface, &bpffs),
     }
 }

@@ -83,7 +83,12 @@ fn packages() -> Result<()> {
             wanted.join(" ")
         );
     }
-    let missing = missing_packages(&wanted);
+    ensure_packages(&wanted)
+}
+
+/// Installs those of `wanted` that are missing (Debian packages; root for the install).
+pub fn ensure_packages(wanted: &[&str]) -> Result<()> {
+    let missing = missing_packages(wanted);
     if missing.is_empty() {
         eprintln!("ok: Debian packages {}", wanted.join(" "));
         return Ok(());
