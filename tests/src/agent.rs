@@ -50,8 +50,27 @@ pub enum Layout {
     Kubernetes,
 }
 
+/// The `wgfence` of map layout 1 (commit 02c7ddc), which the upgrade test starts from:
+/// `WGFENCE_V1_BIN`, else where `cargo xtask v1-agent` (and `cargo xtask test`) builds it.
+pub fn v1_binary() -> PathBuf {
+    if let Some(bin) = std::env::var_os("WGFENCE_V1_BIN") {
+        return bin.into();
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let bin = root.join("target/v1-agent/02c7ddc/src/target/debug/wgfence");
+    assert!(
+        bin.is_file(),
+        "no layout-1 agent at {}: build it with `cargo xtask v1-agent` (cargo xtask test does) \
+         or set WGFENCE_V1_BIN",
+        bin.display()
+    );
+    bin
+}
+
 pub struct Agent {
     child: Option<Child>,
+    /// The binary `start` and `restart` run.
+    pub binary: PathBuf,
     pub dir: PathBuf,
     pub state: PathBuf,
     pub log: PathBuf,
@@ -64,10 +83,22 @@ pub struct Agent {
 impl Agent {
     /// Writes the state and starts `wgfence run` on the gateway's interface.
     pub fn start(gw: &Gateway, layout: Layout, state: &str, extra: &[&str]) -> Self {
+        Self::start_binary(binary(), gw, layout, state, extra)
+    }
+
+    /// [`Agent::start`] with another `wgfence` binary (e.g. [`v1_binary`]).
+    pub fn start_binary(
+        bin: PathBuf,
+        gw: &Gateway,
+        layout: Layout,
+        state: &str,
+        extra: &[&str],
+    ) -> Self {
         let dir = std::env::temp_dir().join(unique("wgfence-agent-"));
         fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         let agent = Self {
             child: None,
+            binary: bin,
             state: dir.join("state.json"),
             log: dir.join("agent.log"),
             dir,
@@ -95,7 +126,7 @@ impl Agent {
         let state = self.state.to_string_lossy().into_owned();
         let child = gw
             .node
-            .command(binary())
+            .command(&self.binary)
             .args([
                 "--log",
                 "wgfence=debug",
