@@ -241,11 +241,12 @@ fn layout_1_pins(gw: &Gateway) -> Vec<String> {
         .collect()
 }
 
-/// Runs the layout-1 agent on the (layout-2) datapath; it must exit by itself.
-fn run_v1_agent(gw: &Gateway, state: &std::path::Path) -> Output {
+/// Runs `wgfence run` with `bin` on the gateway; it must exit by itself within 20 s (it is
+/// killed and the test fails otherwise).
+fn run_refused(bin: &std::path::Path, gw: &Gateway, state: &std::path::Path) -> Output {
     let mut child = gw
         .node
-        .command(v1_binary())
+        .command(bin)
         .args([
             "run",
             "--interface",
@@ -258,19 +259,22 @@ fn run_v1_agent(gw: &Gateway, state: &std::path::Path) -> Output {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("starting the layout-1 agent: {e}"));
+        .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
     let start = Instant::now();
     while child.try_wait().ok().flatten().is_none() {
         if start.elapsed() > Duration::from_secs(20) {
             let _ = child.kill();
             let out = child.wait_with_output();
-            panic!("the layout-1 agent did not exit on a layout-2 datapath: {out:?}");
+            panic!(
+                "{} was not refused: it still ran after 20 s: {out:?}",
+                bin.display()
+            );
         }
         thread::sleep(Duration::from_millis(20));
     }
     child
         .wait_with_output()
-        .unwrap_or_else(|e| panic!("layout-1 agent: {e}"))
+        .unwrap_or_else(|e| panic!("{}: {e}", bin.display()))
 }
 
 #[test]
@@ -346,6 +350,23 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         .ns
         .try_exec(&["ping", "-n", "-q", "-i", "0.002", "-c", "500", "10.1.2.3"]);
     assert!(out.status.success(), "{out:?}");
+
+    // Not while the layout-1 agent still runs: it would attach its programs again.
+    let out = run_refused(&binary(), &gw, &agent.state);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!(
+        "started next to the layout-1 agent: {:?}\n{stderr}",
+        out.status
+    );
+    let pid = agent.pid().unwrap_or_default();
+    assert!(
+        !out.status.success() && stderr.contains(&format!("pid [{pid}] holds the link")),
+        "started next to the running layout-1 agent: {out:?}"
+    );
+    assert_eq!(
+        Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+        Some(1)
+    );
 
     // 10 ms streams across the upgrade.
     let streams = Streams::start(&gw, 800);
@@ -487,7 +508,7 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     assert!(agent.stop().is_some_and(|s| s.success()));
     let streams = Streams::start(&gw, 300);
     thread::sleep(Duration::from_millis(500));
-    let out = run_v1_agent(&gw, &agent.state);
+    let out = run_refused(&v1, &gw, &agent.state);
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!(
         "layout-1 agent on the layout-2 datapath: {:?}\n{stderr}",
@@ -538,7 +559,7 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
 
     // `wgfence detach` removes the tombstone and such leftovers too.
     assert!(agent.stop().is_some_and(|s| s.success()));
-    let out = run_v1_agent(&gw, &agent.state);
+    let out = run_refused(&v1, &gw, &agent.state);
     assert!(!out.status.success());
     assert!(layout_1_pins(&gw).len() > 1);
     let out = Command::new(binary())

@@ -64,6 +64,12 @@ pub enum DataplaneError {
          the next start)"
     )]
     NewerLayout { running: u32, this: u32 },
+    #[error(
+        "the datapath runs map layout {layout} and its agent still runs (pid {pids:?} holds \
+         the link): stop it first, then start this agent, which upgrades the datapath \
+         without a gap"
+    )]
+    OldAgentRunning { layout: u32, pids: Vec<u32> },
     #[error("pinning {path}")]
     Pin {
         path: PathBuf,

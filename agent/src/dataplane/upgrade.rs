@@ -241,6 +241,7 @@ pub(crate) fn name_layout(name: &str) -> Option<u32> {
 /// What one pinned link runs: the layout of its program's maps and those maps by name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Running {
+    pub link_id: u32,
     pub program_id: u32,
     /// `None`: the program uses no `wgf<N>_` map, or maps of several layouts (not ours).
     pub layout: Option<u32>,
@@ -263,7 +264,8 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
         Err(e) => return Err(link_err(e)),
     };
     let link = FdLink::from(pinned);
-    let program_id = link.info().map_err(link_err)?.program_id();
+    let info = link.info().map_err(link_err)?;
+    let (link_id, program_id) = (info.id(), info.program_id());
     let program_err = |source| DataplaneError::Program {
         program: "the pinned link's program",
         source,
@@ -274,6 +276,7 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
         .find(|p| p.id() == program_id)
     else {
         return Ok(Some(Running {
+            link_id,
             program_id,
             layout: None,
             maps: BTreeMap::new(),
@@ -295,6 +298,7 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
         _ => None,
     };
     Ok(Some(Running {
+        link_id,
         program_id,
         layout,
         maps,
@@ -305,6 +309,44 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
 /// is pinned or its program is not a wgfence one.
 pub(crate) fn running_layout(pin_dir: &Path) -> Result<Option<u32>> {
     Ok(running(&pin_dir.join(super::LINK_PIN))?.and_then(|r| r.layout))
+}
+
+/// Processes other than this one that hold the BPF link `link_id` open: a running agent
+/// holds its links. Read from /proc (`anon_inode:bpf_link` fds, `link_id` in their fdinfo);
+/// processes that vanish or cannot be read meanwhile are skipped.
+fn link_holders(link_id: u32) -> Vec<u32> {
+    let me = std::process::id();
+    let Ok(procs) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let wanted = format!("link_id:\t{link_id}");
+    let mut pids = Vec::new();
+    for entry in procs.filter_map(|e| e.ok()) {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(fds) = fs::read_dir(entry.path().join("fd")) else {
+            continue;
+        };
+        let holds = fds.filter_map(|fd| fd.ok()).any(|fd| {
+            let is_link = fs::read_link(fd.path())
+                .is_ok_and(|target| target.as_os_str() == "anon_inode:bpf_link");
+            is_link
+                && fs::read_to_string(entry.path().join("fdinfo").join(fd.file_name()))
+                    .is_ok_and(|info| info.lines().any(|l| l.trim_end() == wanted))
+        });
+        if holds {
+            pids.push(pid);
+        }
+    }
+    pids
 }
 
 /// Pins in `pin_dir` whose names carry `layout`.
@@ -638,6 +680,15 @@ impl Upgrade {
             for (name, id) in egress.maps {
                 ids.entry(name).or_insert(id);
             }
+        }
+        // The layout-1 agent must be stopped first (a DaemonSet rollout with maxSurge 0 does):
+        // running, it would find its programs replaced and attach them again.
+        let holders = link_holders(ingress.link_id);
+        if !holders.is_empty() {
+            return Err(DataplaneError::OldAgentRunning {
+                layout: v1::LAYOUT,
+                pids: holders,
+            });
         }
         let started = Instant::now();
         let v1 = V1Maps::open(&ids, pin_dir)?;
