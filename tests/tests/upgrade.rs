@@ -23,6 +23,7 @@ use wgfence_tests::{
     bench::gen,
     map_mismatch,
     net::Netns,
+    probe::{probe, Kind, Reach},
     topology::Gateway,
 };
 
@@ -584,4 +585,79 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     assert!(out.status.success(), "{out:?}");
     let dir = gw.bpffs.join("wgfence").join(gw.interface());
     assert!(!dir.exists(), "detach left {:?}", pins(&gw));
+}
+
+/// An upgrade interrupted before its switch left `wgf2_*` pins that nothing runs (here one
+/// planted by hand, holding an entry layout 1 never had), and the state file is invalid when
+/// the new agent starts: the upgrade still fills from the layout-1 maps alone, and the agent
+/// keeps enforcing exactly that (not ready, nothing applied).
+#[test]
+fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state() {
+    let gw = Gateway::new(1);
+    let s = serde_json::json!({ "version": 1, "peers": [gw.peer_json(0, Some(restricted()))] })
+        .to_string();
+    let desired = wgfence::state::parse(&s).unwrap_or_else(|e| panic!("{e}"));
+    let mut agent = Agent::start_binary(v1_binary(), &gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+    assert!(agent.stop().is_some_and(|s| s.success()));
+
+    let dir = gw.bpffs.join("wgfence").join(gw.interface());
+    let stale = dir.join("wgf2_peers_v4");
+    let stale = stale.to_string_lossy();
+    let bpftool = |args: &[&str]| {
+        let out = wgfence_tests::net::run(&[&["bpftool"][..], args].concat());
+        assert!(out.status.success(), "bpftool {args:?}: {out:?}");
+    };
+    bpftool(&[
+        "map",
+        "create",
+        &stale,
+        "type",
+        "hash",
+        "key",
+        "4",
+        "value",
+        "16",
+        "entries",
+        "131072",
+        "name",
+        "wgf2_peers_v4",
+    ]);
+    // 10.99.0.1: unrestricted, slot 7, owner 99.
+    bpftool(&[
+        "map", "update", "pinned", &stale, "key", "10", "99", "0", "1", "value", "0", "0", "0",
+        "0", "7", "0", "0", "0", "99", "0", "0", "0", "0", "0", "0", "0",
+    ]);
+
+    agent.write_state("{ not json");
+    agent.binary = binary();
+    agent.restart(&gw, &[]);
+    agent.wait_readyz(&gw, 503);
+    let log = agent.log_text();
+    assert!(
+        log.contains("upgraded the datapath from map layout 1 to 2"),
+        "{log}"
+    );
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    let peers = maps.peers().unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        peers
+            .iter()
+            .all(|(a, _)| *a != IpAddr::from([10, 99, 0, 1])),
+        "the stale entry survived: {peers:?}"
+    );
+    assert_eq!(map_mismatch(&maps, &desired), None);
+    assert_eq!(
+        layout_1_pins(&gw),
+        ["wgf1_peers_v4"],
+        "pins: {:?}",
+        pins(&gw)
+    );
+    for (kind, dst, expect) in [
+        (Kind::Tcp(80), "10.2.3.4", Reach::Reached),
+        (Kind::Tcp(22), "10.2.3.4", Reach::Blocked),
+    ] {
+        let dst: IpAddr = dst.parse().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(probe(&gw.peers[0].ns, kind, dst), expect, "{kind} to {dst}");
+    }
 }
