@@ -767,38 +767,22 @@ impl Upgrade {
             .map_err(map_err(map_names::CONFIG))?;
 
         // Policy tries, verbatim; entries of no v1 policy go (a resumed upgrade only).
-        let mut keep_v4 = BTreeSet::new();
-        for item in self.v1.policy_v4.iter() {
-            let (key, value) = item.map_err(map_err(v1::POLICY_V4))?;
-            let data = key.data();
-            let k = Key::new(
-                key.prefix_len(),
-                wgfence_common::PolicyKeyV4 {
-                    policy: data.policy,
-                    addr: data.addr,
-                },
-            );
-            v2.policy_v4
-                .insert(&k, policy_value(&value), 0)
-                .map_err(map_err(map_names::POLICY_V4))?;
-            keep_v4.insert((key.prefix_len(), data.policy, data.addr));
-        }
-        let mut keep_v6 = BTreeSet::new();
-        for item in self.v1.policy_v6.iter() {
-            let (key, value) = item.map_err(map_err(v1::POLICY_V6))?;
-            let data = key.data();
-            let k = Key::new(
-                key.prefix_len(),
-                wgfence_common::PolicyKeyV6 {
-                    policy: data.policy,
-                    addr: data.addr,
-                },
-            );
-            v2.policy_v6
-                .insert(&k, policy_value(&value), 0)
-                .map_err(map_err(map_names::POLICY_V6))?;
-            keep_v6.insert((key.prefix_len(), data.policy, data.addr));
-        }
+        let keep_v4 = copy_trie(
+            (&self.v1.policy_v4, v1::POLICY_V4),
+            (&mut v2.policy_v4, map_names::POLICY_V4),
+            |k| wgfence_common::PolicyKeyV4 {
+                policy: k.policy,
+                addr: k.addr,
+            },
+        )?;
+        let keep_v6 = copy_trie(
+            (&self.v1.policy_v6, v1::POLICY_V6),
+            (&mut v2.policy_v6, map_names::POLICY_V6),
+            |k| wgfence_common::PolicyKeyV6 {
+                policy: k.policy,
+                addr: k.addr,
+            },
+        )?;
         self.report.policy_entries = keep_v4.len() + keep_v6.len();
 
         // Peer entries, after the policies they reference; entries of no v1 peer go.
@@ -831,28 +815,8 @@ impl Upgrade {
                 }))?;
             }
         }
-        let stale_v4: Vec<_> = v2
-            .policy_v4
-            .keys()
-            .filter_map(|k| k.ok())
-            .filter(|k| !keep_v4.contains(&(k.prefix_len(), k.data().policy, k.data().addr)))
-            .collect();
-        for k in stale_v4 {
-            v2.policy_v4
-                .remove(&k)
-                .map_err(map_err(map_names::POLICY_V4))?;
-        }
-        let stale_v6: Vec<_> = v2
-            .policy_v6
-            .keys()
-            .filter_map(|k| k.ok())
-            .filter(|k| !keep_v6.contains(&(k.prefix_len(), k.data().policy, k.data().addr)))
-            .collect();
-        for k in stale_v6 {
-            v2.policy_v6
-                .remove(&k)
-                .map_err(map_err(map_names::POLICY_V6))?;
-        }
+        remove_other_entries(&mut v2.policy_v4, map_names::POLICY_V4, &keep_v4)?;
+        remove_other_entries(&mut v2.policy_v6, map_names::POLICY_V6, &keep_v6)?;
         self.report.peer_entries = peers.len();
         self.report.owners = slots.len() as u64;
 
@@ -1019,6 +983,44 @@ impl Upgrade {
         );
         Ok(self.report)
     }
+}
+
+/// Copies a layout-1 policy trie into its layout-2 twin, entry for entry; returns the keys
+/// written (prefix length and key bytes).
+fn copy_trie<A: aya::Pod, B: aya::Pod + bytemuck::Pod>(
+    (from, from_name): (&LpmTrie<MapData, A, v1::PolicyValue>, &'static str),
+    (to, to_name): (
+        &mut LpmTrie<MapData, B, wgfence_common::PolicyValue>,
+        &'static str,
+    ),
+    convert: impl Fn(&A) -> B,
+) -> Result<BTreeSet<(u32, Vec<u8>)>> {
+    let mut written = BTreeSet::new();
+    for item in from.iter() {
+        let (key, value) = item.map_err(map_err(from_name))?;
+        let data = convert(&key.data());
+        to.insert(&Key::new(key.prefix_len(), data), policy_value(&value), 0)
+            .map_err(map_err(to_name))?;
+        written.insert((key.prefix_len(), bytemuck::bytes_of(&data).to_vec()));
+    }
+    Ok(written)
+}
+
+/// Removes the entries of a layout-2 trie that are not in `keep`.
+fn remove_other_entries<B: aya::Pod + bytemuck::Pod>(
+    trie: &mut LpmTrie<MapData, B, wgfence_common::PolicyValue>,
+    name: &'static str,
+    keep: &BTreeSet<(u32, Vec<u8>)>,
+) -> Result<()> {
+    let other: Vec<Key<B>> = trie
+        .keys()
+        .filter_map(|k| k.ok())
+        .filter(|k| !keep.contains(&(k.prefix_len(), bytemuck::bytes_of(&k.data()).to_vec())))
+        .collect();
+    for key in other {
+        trie.remove(&key).map_err(map_err(name))?;
+    }
+    Ok(())
 }
 
 fn insert_flow<K: aya::Pod>(
