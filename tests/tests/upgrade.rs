@@ -245,6 +245,27 @@ fn layout_1_pins(gw: &Gateway) -> Vec<String> {
         .collect()
 }
 
+/// `bin` with only the capabilities the DaemonSet gives the agent (CAP_BPF, CAP_PERFMON,
+/// CAP_NET_ADMIN; no CAP_SYS_ADMIN, so no looking up programs or maps by id): a script in
+/// `dir` that drops the rest and runs it.
+fn with_daemonset_caps(dir: &std::path::Path, bin: &std::path::Path) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt as _;
+    let name = bin.file_name().map(|n| n.to_string_lossy().into_owned());
+    let script = dir.join(format!(
+        "{}-daemonset-caps-{}",
+        name.unwrap_or_default(),
+        fs::read_dir(dir).map(|d| d.count()).unwrap_or_default()
+    ));
+    let text = format!(
+        "#!/bin/sh\nexec setpriv --bounding-set=-all,+bpf,+perfmon,+net_admin {} \"$@\"\n",
+        bin.display()
+    );
+    fs::write(&script, text).unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    fs::set_permissions(&script, fs::Permissions::from_mode(0o755))
+        .unwrap_or_else(|e| panic!("{e}"));
+    script
+}
+
 /// Runs `wgfence run` with `bin` on the gateway; it must exit by itself within 20 s (it is
 /// killed and the test fails otherwise).
 fn run_refused(bin: &std::path::Path, gw: &Gateway, state: &std::path::Path) -> Output {
@@ -301,7 +322,12 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let desired = wgfence::state::parse(&s).unwrap_or_else(|e| panic!("{e}"));
 
     // The layout-1 datapath, made by the layout-1 agent.
-    let mut agent = Agent::start_binary(v1.clone(), &gw, Layout::Plain, &s, &[]);
+    // Both versions run with the DaemonSet's capabilities, as they would on a node.
+    let scripts = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-caps-"));
+    fs::create_dir_all(&scripts).unwrap_or_else(|e| panic!("{e}"));
+    let v1_caps = with_daemonset_caps(&scripts, &v1);
+    let v2 = with_daemonset_caps(&scripts, &binary());
+    let mut agent = Agent::start_binary(v1_caps.clone(), &gw, Layout::Plain, &s, &[]);
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(120));
     let layout =
         Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
@@ -364,7 +390,7 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     assert!(out.status.success(), "{out:?}");
 
     // Not while the layout-1 agent still runs: it would attach its programs again.
-    let out = run_refused(&binary(), &gw, &agent.state);
+    let out = run_refused(&v2, &gw, &agent.state);
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!(
         "started next to the layout-1 agent: {:?}\n{stderr}",
@@ -396,7 +422,7 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         .flatten()
         .unwrap_or_else(|| panic!("no pinned link under layout 1"));
 
-    agent.binary = binary();
+    agent.binary = v2.clone();
     let t = Instant::now();
     agent.restart(&gw, &[]);
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(120));
@@ -524,7 +550,7 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     assert!(agent.stop().is_some_and(|s| s.success()));
     let streams = Streams::start(&gw, 300);
     thread::sleep(Duration::from_millis(500));
-    let out = run_refused(&v1, &gw, &agent.state);
+    let out = run_refused(&v1_caps, &gw, &agent.state);
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!(
         "layout-1 agent on the layout-2 datapath: {:?}\n{stderr}",
@@ -575,7 +601,7 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
 
     // `wgfence detach` removes the tombstone and such leftovers too.
     assert!(agent.stop().is_some_and(|s| s.success()));
-    let out = run_refused(&v1, &gw, &agent.state);
+    let out = run_refused(&v1_caps, &gw, &agent.state);
     assert!(!out.status.success());
     assert!(layout_1_pins(&gw).len() > 1);
     let out = Command::new(binary())
@@ -585,6 +611,7 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     assert!(out.status.success(), "{out:?}");
     let dir = gw.bpffs.join("wgfence").join(gw.interface());
     assert!(!dir.exists(), "detach left {:?}", pins(&gw));
+    let _ = fs::remove_dir_all(&scripts);
 }
 
 /// An upgrade interrupted before its switch left `wgf2_*` pins that nothing runs (here one
@@ -630,7 +657,7 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
     ]);
 
     agent.write_state("{ not json");
-    agent.binary = binary();
+    agent.binary = with_daemonset_caps(&agent.dir, &binary());
     agent.restart(&gw, &[]);
     agent.wait_readyz(&gw, 503);
     let log = agent.log_text();

@@ -1,8 +1,9 @@
 //! Upgrading a running datapath of map layout 1 (`wgf1_*`) to this agent's layout 2 (`wgf2_*`)
 //! without losing a packet, and refusing a rollback without a blackhole.
 //!
-//! What runs is decided by what the pinned links run, never by which pins exist: link ->
-//! program -> the program's maps -> their names. A datapath whose ingress link runs layout-1
+//! What runs is decided by what the pinned links run, not by which pins exist: link ->
+//! program -> the program's maps -> their names. Only without CAP_SYS_ADMIN (the DaemonSet's
+//! case), where the kernel shows no program or map by id, do the peer map pins decide. A datapath whose ingress link runs layout-1
 //! programs is upgraded in this order ("fill first, then switch"):
 //!
 //! 1. the v2 maps are created and pinned (by the loader) and both v2 programs loaded;
@@ -271,14 +272,25 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
         source,
     };
     // aya 0.14 has no "program info by id": walk the loaded programs (a few dozen on a node).
+    // The attached program is always among them, unless the kernel does not let us see them:
+    // walking programs, and opening a program or map by id, need CAP_SYS_ADMIN, which the
+    // DaemonSet does not give (CAP_BPF, CAP_PERFMON, CAP_NET_ADMIN). Then the pins tell.
     let Some(info) = loaded_programs()
         .filter_map(|p| p.ok())
         .find(|p| p.id() == program_id)
     else {
+        let pin_dir = link_path.parent().unwrap_or(link_path);
+        let layout = layout_by_pins(pin_dir);
+        tracing::debug!(
+            link = %link_path.display(),
+            program_id,
+            ?layout,
+            "the link's program cannot be looked up (no CAP_SYS_ADMIN): layout read from the pins"
+        );
         return Ok(Some(Running {
             link_id,
             program_id,
-            layout: None,
+            layout,
             maps: BTreeMap::new(),
         }));
     };
@@ -303,6 +315,26 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
         layout,
         maps,
     }))
+}
+
+/// The layout of the datapath pinned in `pin_dir`, from its peer map pins, for when the
+/// programs cannot be looked up: a layout-1 peer map pinned under its own name means layout 1
+/// (after an upgrade that name holds the tombstone, an array, and a refused layout-1 agent
+/// cannot replace it), else a pinned layout-2 peer map means layout 2.
+fn layout_by_pins(pin_dir: &Path) -> Option<u32> {
+    let v1_peers = MapInfo::from_pin(pin_dir.join(v1::PEERS_V4))
+        .ok()
+        .filter(|info| {
+            info.map_type().is_ok_and(|t| t == aya::maps::MapType::Hash)
+                && info.key_size() as usize == std::mem::size_of::<v1::PeerKeyV4>()
+                && info.value_size() as usize == std::mem::size_of::<v1::PeerEntry>()
+        });
+    if v1_peers.is_some() {
+        return Some(v1::LAYOUT);
+    }
+    MapInfo::from_pin(pin_dir.join(map_names::PEERS_V4))
+        .ok()
+        .map(|_| LAYOUT_VERSION)
 }
 
 /// The layout the datapath pinned in `pin_dir` runs, by its ingress link; `None` when no link
