@@ -466,8 +466,10 @@ impl V1Maps {
         Ok(peers)
     }
 
+    /// The per-CPU packet counters; the indexes layout 2 has (it kept layout 1's meanings and
+    /// added after them).
     fn stats(&self) -> Result<Vec<Vec<u64>>> {
-        (0..v1::COUNTERS_LEN)
+        (0..v1::COUNTERS_LEN.min(wgfence_common::COUNTERS_LEN))
             .map(|i| {
                 self.stats
                     .get(&i, 0)
@@ -1068,11 +1070,11 @@ fn insert_flow<K: aya::Pod>(
     }
     match map.get(&key, 0) {
         Ok(have) => {
-            // The v2 programs have it: refresh it if the v1 programs saw it later.
+            // The v2 programs have it: the v1 programs' view wins if they saw it later.
             if have.owner == value.owner && have.last_seen_ns < value.last_seen_ns {
                 let newer = wgfence_common::FlowValue {
                     last_seen_ns: value.last_seen_ns,
-                    state: have.state.max(value.state),
+                    state: value.state,
                     ..have
                 };
                 map.insert(key, newer, 0).map_err(map_err(name))?;
