@@ -10,6 +10,7 @@ mod linker;
 mod setup;
 mod test;
 mod util;
+mod v1agent;
 mod vm;
 
 use std::{ffi::OsString, path::PathBuf, process::ExitCode};
@@ -65,6 +66,9 @@ enum Task {
     },
     /// Run a cargo-fuzz target (installs cargo-fuzz if missing): `fuzz state --seconds 600`.
     Fuzz(fuzz::Options),
+    /// Build the layout-1 agent (commit 02c7ddc) that the upgrade test starts from, and print
+    /// its path.
+    V1Agent,
     /// Boot Debian's 5.10, 6.1 and 6.12 kernels under qemu (TCG) and run the conformance subset
     /// inside each (kernel WireGuard, enforcement, policy change, revocation, restart, status,
     /// monitor, detach); prints the table of docs/operations.md "Supported kernels".
@@ -100,6 +104,7 @@ fn run(cli: Cli) -> Result<()> {
         Task::Demo => demo::run(),
         Task::Bench { quick, only } => bench::run(quick, only),
         Task::Fuzz(options) => fuzz::run(&options),
+        Task::V1Agent => v1agent::run(),
         Task::VmTest(options) => vm::run(options),
         Task::Dump { interface, bpffs } => dump::run(&interface, &bpffs),
     }
