@@ -48,7 +48,8 @@ enum Task {
         )]
         args: Vec<OsString>,
     },
-    /// Set up, check formatting, lint, run the unit tests, then the privileged integration tests.
+    /// Set up, check formatting, lint, run the unit tests, then the privileged integration tests,
+    /// then `vm-test` on every kernel.
     Test(test::Options),
     /// Set up, build, and show wgfence at work on a sandboxed gateway with three peers: allowed
     /// and denied traffic, a live policy change, a live revocation (root; removes what it made).

@@ -1,5 +1,6 @@
 //! `cargo xtask test`: what CI runs. Set up, check formatting, lint, run the unit tests, then the
-//! privileged integration tests (root: network namespaces, BPF, wireguard-go).
+//! privileged integration tests (root: network namespaces, BPF, wireguard-go), then `vm-test`:
+//! the conformance subset on Debian's 5.10, 6.1 and 6.12 kernels under qemu.
 
 use std::{
     cell::Cell,
@@ -12,7 +13,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use crate::{fuzz, setup, util, v1agent};
+use crate::{fuzz, setup, util, v1agent, vm};
 
 /// Seconds each fuzz target runs in `cargo xtask test` (CI has 2 cores and 90 minutes).
 const FUZZ_SECONDS: u64 = 25;
@@ -28,6 +29,9 @@ pub struct Options {
     /// Skip the short fuzzing run of every cargo-fuzz target.
     #[arg(long)]
     pub no_fuzz: bool,
+    /// Skip `vm-test` (Debian's 5.10, 6.1 and 6.12 kernels under qemu, about a minute each).
+    #[arg(long)]
+    pub no_vm: bool,
     /// Seconds each fuzz target runs.
     #[arg(long, default_value_t = FUZZ_SECONDS)]
     pub fuzz_seconds: u64,
@@ -136,6 +140,10 @@ pub fn run(options: Options) -> Result<()> {
             }
             totals.run(&mut cmd)
         })?;
+    }
+    if !options.unit && !options.no_vm {
+        // Last: every kernel of the matrix (they fit CI's budget with wide room, see README).
+        step("vm-test (5.10, 6.1, 6.12)", || vm::run(vm::Options::all()))?;
     }
     eprintln!(
         "test: all steps passed in {:.1}s",

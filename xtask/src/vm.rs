@@ -114,6 +114,9 @@ impl Kernel {
     }
 }
 
+/// Seconds one guest may run (a passing run takes about a minute under TCG).
+const DEFAULT_TIMEOUT: u64 = 600;
+
 const PACKAGE_SUFFIX: &str = "-cloud-amd64-unsigned";
 
 #[derive(Args)]
@@ -122,11 +125,26 @@ pub struct Options {
     #[arg(long = "kernel", value_enum)]
     pub kernels: Vec<Kernel>,
     /// Seconds one guest may run before it is killed and counted as failed.
-    #[arg(long, default_value_t = 900)]
+    #[arg(long, default_value_t = DEFAULT_TIMEOUT)]
     pub timeout: u64,
     /// Look the kernels up in the archive again instead of using the cached ones.
     #[arg(long)]
     pub refresh: bool,
+    /// Run this agent binary instead of building the release agent (e.g. another branch's).
+    #[arg(long, value_name = "PATH")]
+    pub agent: Option<PathBuf>,
+}
+
+impl Options {
+    /// Every kernel, the default timeout, the agent built from this tree.
+    pub fn all() -> Self {
+        Self {
+            kernels: Vec::new(),
+            timeout: DEFAULT_TIMEOUT,
+            refresh: false,
+            agent: None,
+        }
+    }
 }
 
 /// One guest's outcome, parsed from its console.
@@ -145,8 +163,11 @@ struct Report {
 }
 
 pub fn run(options: Options) -> Result<()> {
-    // Sets up what building needs, then builds the release agent the guests run.
-    let agent = build::build(false)?.agent;
+    let agent = match options.agent {
+        Some(agent) => agent,
+        // Sets up what building needs, then builds the release agent the guests run.
+        None => build::build(false)?.agent,
+    };
     setup::ensure_packages(PACKAGES).context("vm-test: host packages")?;
     let root = util::workspace_root()?;
     let work = util::target_dir(&root).join("vm");

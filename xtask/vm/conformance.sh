@@ -137,7 +137,7 @@ if agent_ready; then
     result start pass $(($(now_ms) - t0)) agent_ready
 else
     result start fail $(($(now_ms) - t0)) agent_not_ready
-    tail -n 30 "$AGENT_LOG"
+    cat "$AGENT_LOG"
     exit 1
 fi
 backend=$(sed -n 's/.*wireguard_backend="*\([a-z]*\).*/\1/p' "$AGENT_LOG" | head -n 1)
