@@ -783,7 +783,11 @@ impl Report {
             self.boot_seconds = fields.get("uptime").and_then(|s| s.parse().ok());
         } else if let (Some(check), Some(result)) = (fields.get("check"), fields.get("result")) {
             let ms = fields.get("ms").and_then(|s| s.parse().ok()).unwrap_or(0);
-            let detail = fields.get("detail").unwrap_or(&"").to_string();
+            // Free text, spaces included, to the end of the line.
+            let detail = rest
+                .split_once(" detail=")
+                .map_or("", |(_, d)| d.trim())
+                .to_owned();
             self.checks
                 .insert((*check).to_owned(), (*result == "pass", ms, detail));
         }
@@ -816,6 +820,9 @@ fn table(reports: &[Report]) -> String {
             let cell = match r.checks.get(*check) {
                 Some((true, ms, _)) if *ms > 0 => format!("pass, {ms} ms"),
                 Some((true, _, _)) => "pass".to_owned(),
+                Some((false, _, detail)) if !detail.is_empty() => {
+                    format!("**FAIL** ({})", detail.replace('|', "/"))
+                }
                 Some((false, _, _)) => "**FAIL**".to_owned(),
                 None => "not run".to_owned(),
             };
@@ -897,7 +904,7 @@ mod tests {
     fn parses_the_guest_lines() {
         let mut r = Report::default();
         r.parse("VMTEST info kernel=6.12.95+deb12-cloud-amd64 hook=tcx backend=kernel");
-        r.parse("VMTEST check=revocation result=pass ms=42 detail=x");
+        r.parse("VMTEST check=revocation result=pass ms=42 detail=x y");
         r.parse("VMTEST check=detach result=fail ms=0 detail=");
         r.parse("VMTEST RESULT PASS");
         assert_eq!((r.hook.as_str(), r.backend.as_str()), ("tcx", "kernel"));
