@@ -637,9 +637,18 @@ fn differential(seed: u64, rounds: u64, packets: usize) {
     }
 }
 
+/// Packets per round: `WGFENCE_DIFF_PACKETS`, else 10,000 (`cargo xtask vm-test` runs fewer
+/// under emulation).
+fn packets_per_round() -> usize {
+    std::env::var("WGFENCE_DIFF_PACKETS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10_000)
+}
+
 #[test]
 fn the_datapath_decides_like_the_reference_model() {
-    differential(base_seed(), 12, 10_000);
+    differential(base_seed(), 12, packets_per_round());
 }
 
 /// Runs `frames` against `state` and asserts the datapath decides each like the model.

@@ -72,6 +72,7 @@ const CHECKS: &[(&str, &str)] = &[
     ("monitor", "monitor"),
     ("revocation", "revocation"),
     ("detach", "detach"),
+    ("differential", "differential (BPF_PROG_TEST_RUN)"),
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, ValueEnum)]
@@ -169,6 +170,7 @@ pub fn run(options: Options) -> Result<()> {
         None => build::build(false)?.agent,
     };
     setup::ensure_packages(PACKAGES).context("vm-test: host packages")?;
+    let differential = build_differential().context("building the differential test")?;
     let root = util::workspace_root()?;
     let work = util::target_dir(&root).join("vm");
     let mut kernels: Vec<Kernel> = if options.kernels.is_empty() {
@@ -184,7 +186,7 @@ pub fn run(options: Options) -> Result<()> {
         eprintln!("==> vm-test {}", kernel.series());
         let unpacked = fetch_kernel(&work, kernel, options.refresh)
             .with_context(|| format!("fetching the {} kernel", kernel.series()))?;
-        let image = build_image(&work, kernel, &unpacked, &agent)
+        let image = build_image(&work, kernel, &unpacked, &agent, &differential)
             .with_context(|| format!("building the {} guest image", kernel.series()))?;
         let report = boot(&work, kernel, &unpacked, &image, options.timeout)
             .with_context(|| format!("booting {}", kernel.series()))?;
@@ -451,10 +453,16 @@ fn version_key(name: &str) -> Vec<u64> {
 }
 
 /// Builds (or reuses) target/vm/image-SERIES.cpio, an uncompressed initramfs.
-fn build_image(work: &Path, kernel: Kernel, unpacked: &Unpacked, agent: &Path) -> Result<PathBuf> {
+fn build_image(
+    work: &Path,
+    kernel: Kernel,
+    unpacked: &Unpacked,
+    agent: &Path,
+    differential: &Path,
+) -> Result<PathBuf> {
     let image = work.join(format!("image-{}.cpio", kernel.series()));
     let key_file = work.join(format!("image-{}.key", kernel.series()));
-    let key = image_key(unpacked, agent)?;
+    let key = image_key(unpacked, &[agent, differential])?;
     if image.is_file() && fs::read_to_string(&key_file).ok().as_deref() == Some(key.as_str()) {
         eprintln!("ok: cached guest image {}", image.display());
         return Ok(image);
@@ -488,6 +496,14 @@ fn build_image(work: &Path, kernel: Kernel, unpacked: &Unpacked, agent: &Path) -
         copy(path, &root.join("usr/bin").join(name))?;
         libraries.extend(shared_libraries(path)?);
     }
+    // The test binary without its debug information (84 MB -> a tenth): the image stays small.
+    util::run(
+        Command::new("objcopy")
+            .arg("--strip-debug")
+            .arg(differential)
+            .arg(root.join("usr/bin/differential")),
+    )?;
+    libraries.extend(shared_libraries(differential)?);
     for lib in &libraries {
         let relative = lib.strip_prefix("/").unwrap_or(lib);
         copy(lib, &root.join(relative))?;
@@ -523,14 +539,51 @@ fn build_image(work: &Path, kernel: Kernel, unpacked: &Unpacked, agent: &Path) -
     Ok(image)
 }
 
-/// What the image depends on: the kernel, the agent binary, the scripts.
-fn image_key(unpacked: &Unpacked, agent: &Path) -> Result<String> {
-    let meta = fs::metadata(agent).with_context(|| format!("{}", agent.display()))?;
+/// What the image depends on: the kernel, the binaries, the scripts.
+fn image_key(unpacked: &Unpacked, binaries: &[&Path]) -> Result<String> {
     let mut hasher = DefaultHasher::new();
     (INIT, CONFORMANCE, MODULES, GUEST_PROGRAMS).hash(&mut hasher);
-    meta.len().hash(&mut hasher);
-    meta.modified().ok().hash(&mut hasher);
+    for binary in binaries {
+        let meta = fs::metadata(binary).with_context(|| format!("{}", binary.display()))?;
+        binary.hash(&mut hasher);
+        meta.len().hash(&mut hasher);
+        meta.modified().ok().hash(&mut hasher);
+    }
     Ok(format!("{} {:016x}\n", unpacked.package, hasher.finish()))
+}
+
+/// Builds the differential test (tests/tests/differential.rs) and returns its executable, which
+/// the guest runs against the datapath as that kernel's verifier loads it.
+fn build_differential() -> Result<PathBuf> {
+    let root = util::workspace_root()?;
+    let mut cmd = util::cargo_command(&root);
+    cmd.args([
+        "test",
+        "--package",
+        "wgfence-tests",
+        "--test",
+        "differential",
+    ])
+    .args(["--no-run", "--message-format=json"])
+    .stderr(Stdio::inherit());
+    eprintln!("+ {}", util::display(&cmd));
+    let out = cmd.output().context("cannot run cargo test --no-run")?;
+    util::check(out.status, "cargo test --no-run")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    executable_of(&text, "differential")
+        .map(PathBuf::from)
+        .context("cargo reported no executable for the differential test")
+}
+
+/// The `"executable"` of the compiler-artifact message for test target `name`.
+fn executable_of(messages: &str, name: &str) -> Option<String> {
+    messages
+        .lines()
+        .filter(|l| l.contains(&format!("\"name\":\"{name}\"")))
+        .find_map(|l| {
+            let (_, rest) = l.split_once("\"executable\":\"")?;
+            rest.split_once('"').map(|(path, _)| path.to_owned())
+        })
 }
 
 fn copy(from: &Path, to: &Path) -> Result<()> {
@@ -898,6 +951,18 @@ mod tests {
                 PathBuf::from("/lib64/ld-linux-x86-64.so.2")
             ]
         );
+    }
+
+    #[test]
+    fn finds_the_test_executable_in_cargo_messages() {
+        let messages = r#"{"reason":"compiler-artifact","target":{"name":"wgfence_tests"},"executable":null}
+{"reason":"compiler-artifact","target":{"kind":["test"],"name":"differential"},"profile":{},"executable":"/w/target/debug/deps/differential-5d8e"}
+"#;
+        assert_eq!(
+            executable_of(messages, "differential").as_deref(),
+            Some("/w/target/debug/deps/differential-5d8e")
+        );
+        assert_eq!(executable_of(messages, "faults"), None);
     }
 
     #[test]

@@ -75,6 +75,23 @@ last_wg_updates() {
         sed -n 's/^last reconcile.*, \([0-9]*\) WireGuard peer updates.*/\1/p'
 }
 
+# --- the differential test: the datapath as this kernel's verifier loaded it, against the
+# reference model, under BPF_PROG_TEST_RUN (fewer packets than on the host: emulation) --------
+run_differential() {
+    t0=$(now_ms)
+    WGFENCE_DIFF_PACKETS=1000 differential --test-threads=1 --nocapture --exact \
+        the_datapath_decides_like_the_reference_model >/tmp/differential.out 2>&1
+    diff_rc=$?
+    summary=$(sed -n 's/.*differential: seed [0-9]*, \([0-9]* packets\) in.*/\1/p' /tmp/differential.out)
+    if [ $diff_rc = 0 ] && [ -n "$summary" ]; then
+        result differential pass $(($(now_ms) - t0)) "$summary, 0 mismatches"
+    else
+        tail -n 30 /tmp/differential.out
+        why=$(grep -m 1 -o 'verifier\|disagree\|loading the datapath: [^.]*' /tmp/differential.out)
+        result differential fail $(($(now_ms) - t0)) "${why:-rc=$diff_rc}"
+    fi
+}
+
 # --- topology -----------------------------------------------------------------------------
 ip netns add gw
 ip -n gw link set lo up
@@ -142,6 +159,7 @@ else
     [ -n "$why" ] || why=$(grep -m 1 '^error' "$AGENT_LOG" | cut -c 1-100)
     result start fail $(($(now_ms) - t0)) "$why: $complaint"
     cat "$AGENT_LOG"
+    run_differential
     exit 1
 fi
 backend=$(sed -n 's/.*wireguard_backend="*\([a-z]*\).*/\1/p' "$AGENT_LOG" | head -n 1)
@@ -314,6 +332,8 @@ if in_ns gw wgfence detach --interface wg0; then
 else
     result detach fail $(($(now_ms) - t0)) detach_failed
 fi
+
+run_differential
 
 if [ $FAILED != 0 ]; then
     echo "--- agent log (last 40 lines)"
