@@ -63,6 +63,12 @@ enum Command {
         /// Don't serve metrics at all.
         #[arg(long, conflicts_with = "metrics_addr")]
         no_metrics: bool,
+        /// Also serve /healthz and /readyz here, on a listener of their own with its own small
+        /// connection limit, for the kubelet's probes: clients of the metrics port cannot
+        /// starve them. The DaemonSet uses 127.0.0.1:9587 (pods cannot reach the node's
+        /// loopback).
+        #[arg(long)]
+        health_addr: Option<SocketAddr>,
         /// Seconds between full resyncs, which re-read the kernel and repair drift (a map
         /// entry or WireGuard peer changed behind the agent's back).
         #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
@@ -230,6 +236,7 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             state,
             metrics_addr,
             no_metrics,
+            health_addr,
             resync,
             peer_metrics,
             datapath_debug,
@@ -241,6 +248,7 @@ fn dispatch(command: Command) -> Result<ExitCode> {
                 state,
                 bpffs,
                 metrics_addr: (!no_metrics).then_some(metrics_addr),
+                health_addr,
                 resync: Duration::from_secs(resync),
                 peer_metrics,
                 datapath_debug,
