@@ -159,6 +159,11 @@ struct DatapathArgs {
     /// Seconds an ICMP echo flow toward a peer lives without packets.
     #[arg(long, value_name = "SECS", default_value_t = DEFAULTS.icmp_timeout.as_secs(), value_parser = secs())]
     flow_timeout_icmp: u64,
+    /// Seconds a flow toward a peer lives without packets while the peer has not answered on
+    /// it (an unanswered SYN, say), when shorter than its protocol's timeout: a flood toward a
+    /// silent peer holds its flow quota only this long.
+    #[arg(long, value_name = "SECS", default_value_t = DEFAULTS.unanswered_timeout.as_secs(), value_parser = secs())]
+    flow_timeout_unanswered: u64,
     /// Drop events per second for `wgfence monitor`, node-wide (rate-limited in the kernel);
     /// 0 switches them off.
     #[arg(long, value_name = "N", default_value_t = DEFAULTS.events_per_second)]
@@ -184,6 +189,7 @@ impl DatapathArgs {
             tcp_closing_timeout: Duration::from_secs(self.flow_timeout_tcp_closing),
             udp_timeout: Duration::from_secs(self.flow_timeout_udp),
             icmp_timeout: Duration::from_secs(self.flow_timeout_icmp),
+            unanswered_timeout: Duration::from_secs(self.flow_timeout_unanswered),
             events_per_second: self.drop_events_per_second,
             flows_per_peer: self.flows_per_peer,
         }
