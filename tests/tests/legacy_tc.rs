@@ -415,9 +415,12 @@ fn detach_on_the_tc_hook_removes_exactly_what_the_agent_added() {
         PASS_ALL,
     ]);
     let before = tc_snapshot(&gw);
+    // Bounded: an agent that wrongly starts would otherwise run on.
     let out = gw
         .node
-        .command(binary())
+        .command("timeout")
+        .arg("10")
+        .arg(binary())
         .args(["run", "--no-metrics", "--attach", "tc", "--interface"])
         .arg(gw.interface())
         .arg("--state")
