@@ -228,6 +228,16 @@ pub struct PeerReport {
 pub enum ReportError {
     #[error("nothing is pinned for {interface} under {dir}: the datapath is not attached (is the agent running? is --bpffs right?)")]
     NotAttached { interface: String, dir: PathBuf },
+    #[error(
+        "the datapath attached to {interface} runs map layout {running}; this wgfence reads \
+         layout {this}. {hint}"
+    )]
+    OtherLayout {
+        interface: String,
+        running: u32,
+        this: u32,
+        hint: &'static str,
+    },
     #[error(transparent)]
     Dataplane(#[from] crate::dataplane::DataplaneError),
 }
@@ -260,6 +270,20 @@ pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Rep
         return Err(ReportError::NotAttached {
             interface: interface.to_owned(),
             dir,
+        });
+    }
+    // The layout the attached programs run, not the one this binary was built for.
+    let running = Dataplane::running_layout(bpffs, interface)?;
+    if let Some(layout) = running.filter(|l| *l != LAYOUT_VERSION) {
+        return Err(ReportError::OtherLayout {
+            interface: interface.to_owned(),
+            running: layout,
+            this: LAYOUT_VERSION,
+            hint: if layout < LAYOUT_VERSION {
+                "An agent of this version upgrades it when it starts (`wgfence run`)."
+            } else {
+                "Use the `wgfence` of the agent that runs it."
+            },
         });
     }
     let maps = Dataplane::open_maps(bpffs, interface)?;
@@ -335,7 +359,7 @@ pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Rep
     Ok(Report {
         schema_version: REPORT_SCHEMA_VERSION,
         interface: interface.to_owned(),
-        layout_version: LAYOUT_VERSION,
+        layout_version: running.unwrap_or(LAYOUT_VERSION),
         pin_dir: dir,
         attached: link.is_some() || tc_ingress.is_some(),
         hook: hook.map(|h| h.name().to_owned()),

@@ -78,8 +78,27 @@ pub enum Layout {
     ParentLink,
 }
 
+/// The `wgfence` of map layout 1 (commit 02c7ddc), which the upgrade test starts from:
+/// `WGFENCE_V1_BIN`, else where `cargo xtask v1-agent` (and `cargo xtask test`) builds it.
+pub fn v1_binary() -> PathBuf {
+    if let Some(bin) = std::env::var_os("WGFENCE_V1_BIN") {
+        return bin.into();
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let bin = root.join("target/v1-agent/02c7ddc/src/target/debug/wgfence");
+    assert!(
+        bin.is_file(),
+        "no layout-1 agent at {}: build it with `cargo xtask v1-agent` (cargo xtask test does) \
+         or set WGFENCE_V1_BIN",
+        bin.display()
+    );
+    bin
+}
+
 pub struct Agent {
     child: Option<Child>,
+    /// The binary `start` and `restart` run.
+    pub binary: PathBuf,
     pub dir: PathBuf,
     pub state: PathBuf,
     pub log: PathBuf,
@@ -96,7 +115,18 @@ pub struct Agent {
 impl Agent {
     /// Writes the state and starts `wgfence run` on the gateway's interface.
     pub fn start(gw: &Gateway, layout: Layout, state: &str, extra: &[&str]) -> Self {
-        Self::start_with(gw, layout, state, extra, METRICS, &[])
+        Self::start_with(binary(), gw, layout, state, extra, METRICS, &[])
+    }
+
+    /// [`Agent::start`] with another `wgfence` binary (e.g. [`v1_binary`]).
+    pub fn start_binary(
+        bin: PathBuf,
+        gw: &Gateway,
+        layout: Layout,
+        state: &str,
+        extra: &[&str],
+    ) -> Self {
+        Self::start_with(bin, gw, layout, state, extra, METRICS, &[])
     }
 
     /// As [`Agent::start`], serving its HTTP endpoint on `metrics` (an address of the node
@@ -108,7 +138,7 @@ impl Agent {
         extra: &[&str],
         metrics: &str,
     ) -> Self {
-        Self::start_with(gw, layout, state, extra, metrics, &[])
+        Self::start_with(binary(), gw, layout, state, extra, metrics, &[])
     }
 
     /// [`Agent::start`] through `wrapper` (e.g. `unshare ...`): the agent binary and its
@@ -120,10 +150,11 @@ impl Agent {
         extra: &[&str],
         wrapper: &[&str],
     ) -> Self {
-        Self::start_with(gw, layout, state, extra, METRICS, wrapper)
+        Self::start_with(binary(), gw, layout, state, extra, METRICS, wrapper)
     }
 
     fn start_with(
+        bin: PathBuf,
         gw: &Gateway,
         layout: Layout,
         state: &str,
@@ -139,6 +170,7 @@ impl Agent {
         };
         let agent = Self {
             child: None,
+            binary: bin,
             state: state_path,
             log: dir.join("agent.log"),
             dir,
@@ -177,10 +209,10 @@ impl Agent {
         let mut command = match self.wrapper.split_first() {
             Some((program, args)) => {
                 let mut command = gw.node.command(program);
-                command.args(args).arg(binary());
+                command.args(args).arg(&self.binary);
                 command
             }
-            None => gw.node.command(binary()),
+            None => gw.node.command(&self.binary),
         };
         let child = command
             .args([

@@ -10,6 +10,7 @@ mod linker;
 mod setup;
 mod test;
 mod util;
+mod v1agent;
 
 use std::{ffi::OsString, path::PathBuf, process::ExitCode};
 
@@ -64,6 +65,9 @@ enum Task {
     },
     /// Run a cargo-fuzz target (installs cargo-fuzz if missing): `fuzz state --seconds 600`.
     Fuzz(fuzz::Options),
+    /// Build the layout-1 agent (commit 02c7ddc) that the upgrade test starts from, and print
+    /// its path.
+    V1Agent,
     /// Show what the agent pinned for an interface: its maps' contents and its tcx link.
     Dump {
         /// The WireGuard interface.
@@ -95,6 +99,7 @@ fn run(cli: Cli) -> Result<()> {
         Task::Demo => demo::run(),
         Task::Bench { quick, only } => bench::run(quick, only),
         Task::Fuzz(options) => fuzz::run(&options),
+        Task::V1Agent => v1agent::run(),
         Task::Dump { interface, bpffs } => dump::run(&interface, &bpffs),
     }
 }

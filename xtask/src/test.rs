@@ -12,7 +12,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use crate::{fuzz, setup, util};
+use crate::{fuzz, setup, util, v1agent};
 
 /// Seconds each fuzz target runs in `cargo xtask test` (CI has 2 cores and 90 minutes).
 const FUZZ_SECONDS: u64 = 25;
@@ -117,8 +117,18 @@ pub fn run(options: Options) -> Result<()> {
                 "wgfence",
             ]))
         })?;
+        // The upgrade test starts from a datapath of the previous map layout, made by that
+        // version's own agent.
+        let v1 = std::cell::RefCell::new(None);
+        step("build the layout-1 agent (upgrade test)", || {
+            *v1.borrow_mut() = Some(v1agent::build(&root)?);
+            Ok(())
+        })?;
         step("integration tests", || {
             let mut cmd = util::cargo_command(&root);
+            if let Some(bin) = v1.borrow().as_ref() {
+                cmd.env(v1agent::ENV, bin);
+            }
             cmd.env("RUST_BACKTRACE", "1")
                 .args(["test", "--package", "wgfence-tests"]);
             if !options.test_args.is_empty() {

@@ -79,6 +79,19 @@ pub enum DataplaneError {
         expected: String,
         found: String,
     },
+    #[error(
+        "the datapath pinned for this interface runs map layout {running}, newer than this \
+         agent's ({this}): refusing to downgrade it. Run the newer agent, or remove the \
+         datapath with that version's `wgfence detach` first (this drops enforcement until \
+         the next start)"
+    )]
+    NewerLayout { running: u32, this: u32 },
+    #[error(
+        "the datapath runs map layout {layout} and its agent still runs (pid {pids:?} holds \
+         the link): stop it first, then start this agent, which upgrades the datapath \
+         without a gap"
+    )]
+    OldAgentRunning { layout: u32, pids: Vec<u32> },
     #[error("pinning {path}")]
     Pin {
         path: PathBuf,
@@ -126,6 +139,11 @@ pub enum DataplaneError {
         "--attach tcx: this kernel has no tcx (it came in Linux 6.6); use --attach tc or auto"
     )]
     NoTcx,
+    #[error(
+        "{interface} runs a layout-1 datapath on tcx: start this agent with --attach auto (or \
+         tcx) once to upgrade it in place; this one changed nothing"
+    )]
+    UpgradeOnTc { interface: String },
     #[error("BPF_PROG_TEST_RUN")]
     TestRun(#[source] io::Error),
 }

@@ -26,6 +26,7 @@ mod maps;
 mod sys;
 pub mod tc;
 mod test_run;
+mod upgrade;
 
 use std::{
     fs,
@@ -52,6 +53,7 @@ use lock::{Acquired, PinDirLock};
 pub use maps::{Counters, Flow, Maps, PolicyEntry};
 use sys::HeldLink;
 pub use test_run::{TestProgram, TestRun};
+pub use upgrade::UpgradeReport;
 
 /// The datapath object, built from `ebpf/` by `build.rs`.
 pub(crate) static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WGFENCE_BPF_OBJECT"));
@@ -255,6 +257,8 @@ pub struct Dataplane {
     l3_offset: u32,
     /// The maps, opened a second time to pin them again if their pins are removed.
     map_pins: Vec<(&'static str, MapData)>,
+    /// What this attach carried over from a datapath of an older layout, if it upgraded one.
+    upgraded: Option<UpgradeReport>,
 }
 
 impl Dataplane {
@@ -300,6 +304,15 @@ impl Dataplane {
         // agent's place: taken over below.
         let mut added_qdisc = remove_detaching(&options.bpffs, interface)?.added_qdisc
             || pin_dir.join(tc::QDISC_MARKER).is_dir();
+        // Links that run an older layout's programs: fill the new maps from the old ones
+        // before the switch (see `upgrade`). Decided before the loader creates anything.
+        let mut upgrade = upgrade::Upgrade::prepare(&pin_dir)?;
+        if upgrade.is_some() && kind == HookKind::Tc {
+            // Layout 1 only ever ran on tcx; its links are upgraded in place, on tcx.
+            return Err(DataplaneError::UpgradeOnTc {
+                interface: interface.to_owned(),
+            });
+        }
 
         let pins: Vec<(&'static str, PathBuf)> = map_names::ALL
             .iter()
@@ -330,6 +343,16 @@ impl Dataplane {
             })
             .collect::<Result<Vec<_>>>()?;
 
+        // Both programs are verified before either is switched: the two link updates (or
+        // filter replacements) follow each other without a verifier run between them.
+        for hook in &HOOKS {
+            let program = classifier(&mut ebpf, hook.program)?;
+            program.load().map_err(program_err(hook.program))?;
+        }
+        if let Some(upgrade) = upgrade.as_mut() {
+            upgrade.fill(&pin_dir)?;
+        }
+
         let mut attachment = Attachment::Created;
         let mut links = Vec::with_capacity(HOOKS.len());
         if kind == HookKind::Tc && tc::ensure_clsact(interface)? {
@@ -338,9 +361,9 @@ impl Dataplane {
         if added_qdisc {
             mark_added_qdisc(&pin_dir)?;
         }
+        let switch = std::time::Instant::now();
         for hook in &HOOKS {
             let program = classifier(&mut ebpf, hook.program)?;
-            program.load().map_err(program_err(hook.program))?;
             let (attached, link) = match kind {
                 HookKind::Tcx => {
                     let link_path = pin_dir.join(hook.link_pin);
@@ -368,6 +391,32 @@ impl Dataplane {
             }
             links.push(link);
         }
+        let switch = switch.elapsed();
+        // The new programs enforce the full translated state from here on: what is left (late
+        // flows, counter increments, the old pins) is no reason to stop the agent.
+        let upgraded = upgrade.and_then(|upgrade| match upgrade.finish(&pin_dir, switch) {
+            Ok(report) => Some(report),
+            Err(e) => {
+                tracing::error!(
+                    pin_dir = %pin_dir.display(),
+                    error = %crate::error_chain(&e),
+                    "the programs run layout 2 with the translated state, but finishing the \
+                     upgrade failed: flows recorded during the switch may be lost, the old \
+                     pins are removed at the next start"
+                );
+                None
+            }
+        });
+        // Pins of the old layout nothing runs any more, and the tombstone that makes an agent
+        // of the old layout stop before it attaches. A failure here costs no enforcement.
+        if let Err(e) = upgrade::tidy(&pin_dir) {
+            tracing::error!(
+                pin_dir = %pin_dir.display(),
+                error = %crate::error_chain(&e),
+                "could not tidy the pins of layout 1 or place the tombstone: an agent of \
+                 layout 1 started now could replace the programs"
+            );
+        }
         // The programs run on the chosen hook now: what the agent left on the other one (a
         // switch of --attach) goes, after, so no packet meets neither.
         remove_other_hook(kind, &pin_dir, interface, ifindex)?;
@@ -379,9 +428,11 @@ impl Dataplane {
             tc_priority = (kind == HookKind::Tc).then_some(tc::TC_PRIORITY),
             tc_handle = (kind == HookKind::Tc).then(|| format!("{:#x}", tc::TC_HANDLE)),
             ?attachment,
+            layout = wgfence_common::LAYOUT_VERSION,
             "datapath attached"
         );
         Ok(Self {
+            upgraded,
             interface: interface.to_owned(),
             bpffs: options.bpffs.clone(),
             pin_dir,
@@ -824,6 +875,18 @@ impl Dataplane {
     /// The hook the programs run on.
     pub fn hook(&self) -> HookKind {
         self.hook
+    }
+
+    /// What this attach carried over from a datapath of an older layout, if it upgraded one.
+    pub fn upgraded(&self) -> Option<&UpgradeReport> {
+        self.upgraded.as_ref()
+    }
+
+    /// The map layout the datapath pinned for an interface runs, from what its ingress link's
+    /// program uses (not from which pins exist); `None` when no link is pinned or it runs a
+    /// program that is not wgfence's.
+    pub fn running_layout(bpffs: &Path, interface: &str) -> Result<Option<u32>> {
+        upgrade::running_layout(&pin_dir(bpffs, interface))
     }
 
     pub fn maps(&self) -> &Maps {

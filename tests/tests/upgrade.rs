@@ -1,0 +1,690 @@
+//! Map layout upgrade: a datapath of layout 1, made and run by that version's own agent (the
+//! binary of commit 02c7ddc), is upgraded to layout 2 by this agent under 10 ms packet streams
+//! without losing an allowed packet or passing a denied one; a rollback to the layout-1 agent
+//! is refused before it attaches anything, and enforcement goes on unchanged.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs,
+    net::{IpAddr, UdpSocket},
+    process::{Child, Command, Output, Stdio},
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use serde_json::{json, Value};
+use wgfence::dataplane::Dataplane;
+use wgfence_tests::{
+    agent::{binary, v1_binary, Agent, Layout},
+    bench::gen,
+    map_mismatch,
+    net::Netns,
+    probe::{probe, Kind, Reach},
+    topology::Gateway,
+};
+
+/// Generated peers beside the gateway's real ones.
+const GENERATED: usize = 10_000;
+
+/// Peer 0: tcp/80 to 10.2.3.4 and ICMP to the node's tunnel address, nothing else.
+fn restricted() -> Value {
+    json!([
+        { "cidr": "10.2.3.4/32", "protocol": "tcp", "ports": [80] },
+        { "cidr": "10.8.0.1/32", "protocol": "icmp" },
+    ])
+}
+
+/// A `ping` every 10 ms from `ns` to `dst` (`-I src` when given), `count` times.
+fn ping_stream(ns: &Netns, dst: &str, src: Option<&str>, count: u32) -> Child {
+    let count = count.to_string();
+    let mut args = vec!["-n", "-q", "-i", "0.01", "-W", "1", "-c", &count];
+    if let Some(src) = src {
+        args.extend(["-I", src]);
+    }
+    args.push(dst);
+    ns.command("ping")
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("ping: {e}"))
+}
+
+/// (transmitted, received) from ping's summary line.
+fn ping_counts(name: &str, child: Child) -> (u64, u64) {
+    let out = child
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.contains("packets transmitted"))
+        .unwrap_or_else(|| panic!("{name}: no summary in {out:?}"));
+    let number = |what: &str| -> u64 {
+        line.split(',')
+            .find(|part| part.contains(what))
+            .and_then(|part| part.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{name}: no {what:?} in {line:?}"))
+    };
+    (number("transmitted"), number("received"))
+}
+
+/// Denied UDP datagrams from peer 0 to 10.2.3.4:9 every 10 ms, counted where they would
+/// arrive: a socket on the node. Stops when `stop` is set; returns (sent, arrived).
+struct DeniedUdp {
+    stop: Arc<AtomicBool>,
+    sent: Arc<AtomicU64>,
+    arrived: Arc<AtomicU64>,
+    threads: Vec<thread::JoinHandle<()>>,
+}
+
+impl DeniedUdp {
+    fn start(gw: &Gateway) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(AtomicU64::new(0));
+        let arrived = Arc::new(AtomicU64::new(0));
+        let listener = gw.node.enter(|| UdpSocket::bind("10.2.3.4:9"));
+        let listener = listener.unwrap_or_else(|e| panic!("bind 10.2.3.4:9 on the node: {e}"));
+        listener
+            .set_read_timeout(Some(Duration::from_millis(50)))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let sender = gw.peers[0].ns.enter(|| UdpSocket::bind("0.0.0.0:0"));
+        let sender = sender.unwrap_or_else(|e| panic!("bind on peer 0: {e}"));
+        let (s1, a1, s2, n2) = (stop.clone(), arrived.clone(), stop.clone(), sent.clone());
+        let threads = vec![
+            thread::spawn(move || {
+                let mut buf = [0u8; 64];
+                while !s1.load(Ordering::Relaxed) {
+                    if listener.recv(&mut buf).is_ok() {
+                        a1.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }),
+            thread::spawn(move || {
+                while !s2.load(Ordering::Relaxed) {
+                    if sender.send_to(b"denied", "10.2.3.4:9").is_ok() {
+                        n2.fetch_add(1, Ordering::Relaxed);
+                    }
+                    thread::sleep(Duration::from_millis(10));
+                }
+            }),
+        ];
+        Self {
+            stop,
+            sent,
+            arrived,
+            threads,
+        }
+    }
+
+    fn finish(self) -> (u64, u64) {
+        // Let the last datagrams arrive if they were going to.
+        thread::sleep(Duration::from_millis(300));
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads {
+            let _ = t.join();
+        }
+        (
+            self.sent.load(Ordering::Relaxed),
+            self.arrived.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Every stream of the test: allowed ones must lose nothing, denied ones pass nothing.
+struct Streams {
+    allowed: Vec<(&'static str, Child)>,
+    denied_ping: Child,
+    denied_udp: DeniedUdp,
+}
+
+impl Streams {
+    fn start(gw: &Gateway, count: u32) -> Self {
+        Self {
+            allowed: vec![
+                (
+                    "peer 0 (restricted) -> node, ICMP allowed",
+                    ping_stream(&gw.peers[0].ns, "10.8.0.1", None, count),
+                ),
+                (
+                    "peer 1 (unrestricted) -> 10.1.2.3",
+                    ping_stream(&gw.peers[1].ns, "10.1.2.3", None, count),
+                ),
+                (
+                    "node -> peer 0, replies pass as a flow",
+                    ping_stream(&gw.node, "10.8.0.2", Some("10.1.2.3"), count),
+                ),
+            ],
+            denied_ping: ping_stream(&gw.peers[0].ns, "10.2.3.4", None, count),
+            denied_udp: DeniedUdp::start(gw),
+        }
+    }
+
+    /// Waits for the streams and checks them; returns a line of counts for the log.
+    #[track_caller]
+    fn check(self, when: &str) -> String {
+        let mut report = Vec::new();
+        for (name, child) in self.allowed {
+            let (sent, received) = ping_counts(name, child);
+            assert!(sent > 0, "{when}: {name}: nothing sent");
+            assert_eq!(
+                received,
+                sent,
+                "{when}: {name}: {} of {sent} allowed packets lost",
+                sent - received
+            );
+            report.push(format!("{name}: {received}/{sent}"));
+        }
+        let (sent, received) = ping_counts("denied ping", self.denied_ping);
+        assert_eq!(
+            received, 0,
+            "{when}: peer 0 -> 10.2.3.4 ICMP is denied, {received} of {sent} passed"
+        );
+        report.push(format!("denied ping: {received}/{sent} passed"));
+        let (sent, arrived) = self.denied_udp.finish();
+        assert!(sent > 0);
+        assert_eq!(
+            arrived, 0,
+            "{when}: peer 0 -> 10.2.3.4 udp/9 is denied, {arrived} of {sent} arrived"
+        );
+        report.push(format!("denied udp: {arrived}/{sent} arrived"));
+        report.join("; ")
+    }
+}
+
+/// `wgfence status --json` with `bin`.
+fn status_json(bin: &std::path::Path, gw: &Gateway) -> Value {
+    let out = Command::new(bin)
+        .args(["status", "--interface", gw.interface(), "--json"])
+        .output()
+        .unwrap_or_else(|e| panic!("wgfence status: {e}"));
+    assert!(out.status.success(), "status failed: {out:?}");
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("status --json: {e}: {out:?}"))
+}
+
+/// Per-peer counters by the peer's IPv4 address.
+fn peer_counters(report: &Value) -> BTreeMap<String, Value> {
+    report["peerCounters"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| {
+            let v4 = p["addresses"]
+                .as_array()?
+                .iter()
+                .filter_map(Value::as_str)
+                .find(|a| !a.contains(':'))?
+                .to_owned();
+            Some((v4, p.clone()))
+        })
+        .collect()
+}
+
+/// The names of the pins of the interface's pin directory.
+fn pins(gw: &Gateway) -> BTreeSet<String> {
+    let dir = gw.bpffs.join("wgfence").join(gw.interface());
+    fs::read_dir(&dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn layout_1_pins(gw: &Gateway) -> Vec<String> {
+    pins(gw)
+        .into_iter()
+        .filter(|p| p.starts_with("wgf1_"))
+        .collect()
+}
+
+/// `bin` with only the capabilities the DaemonSet gives the agent (CAP_BPF, CAP_PERFMON,
+/// CAP_NET_ADMIN; no CAP_SYS_ADMIN, so no looking up programs or maps by id): a script in
+/// `dir` that drops the rest and runs it.
+fn with_daemonset_caps(dir: &std::path::Path, bin: &std::path::Path) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt as _;
+    let name = bin.file_name().map(|n| n.to_string_lossy().into_owned());
+    let script = dir.join(format!(
+        "{}-daemonset-caps-{}",
+        name.unwrap_or_default(),
+        fs::read_dir(dir).map(|d| d.count()).unwrap_or_default()
+    ));
+    let text = format!(
+        "#!/bin/sh\nexec setpriv --bounding-set=-all,+bpf,+perfmon,+net_admin {} \"$@\"\n",
+        bin.display()
+    );
+    fs::write(&script, text).unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    fs::set_permissions(&script, fs::Permissions::from_mode(0o755))
+        .unwrap_or_else(|e| panic!("{e}"));
+    script
+}
+
+/// Runs `wgfence run` with `bin` on the gateway; it must exit by itself within 20 s (it is
+/// killed and the test fails otherwise).
+fn run_refused(bin: &std::path::Path, gw: &Gateway, state: &std::path::Path) -> Output {
+    let mut child = gw
+        .node
+        .command(bin)
+        .args([
+            "run",
+            "--interface",
+            gw.interface(),
+            "--no-metrics",
+            "--state",
+        ])
+        .arg(state)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
+    let start = Instant::now();
+    while child.try_wait().ok().flatten().is_none() {
+        if start.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            let out = child.wait_with_output();
+            panic!(
+                "{} was not refused: it still ran after 20 s: {out:?}",
+                bin.display()
+            );
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    child
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("{}: {e}", bin.display()))
+}
+
+#[test]
+fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
+    let v1 = v1_binary();
+    let gw = Gateway::new(3);
+    // 10,000 generated peers (WireGuard peers without sessions, policies from a pool) beside
+    // the three real ones: the fill has real work to do, and an agent that attached empty maps
+    // would need a long first apply.
+    let mut generated = gen::state(GENERATED, 11);
+    let Some(peers) = generated["peers"].as_array_mut() else {
+        panic!("generated state without peers");
+    };
+    peers.extend([
+        gw.peer_json(0, Some(restricted())),
+        gw.peer_json(1, None),
+        gw.peer_json(2, None),
+    ]);
+    let s = generated.to_string();
+    let desired = wgfence::state::parse(&s).unwrap_or_else(|e| panic!("{e}"));
+
+    // The layout-1 datapath, made by the layout-1 agent.
+    // Both versions run with the DaemonSet's capabilities, as they would on a node.
+    let scripts = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-caps-"));
+    fs::create_dir_all(&scripts).unwrap_or_else(|e| panic!("{e}"));
+    let v1_caps = with_daemonset_caps(&scripts, &v1);
+    let v2 = with_daemonset_caps(&scripts, &binary());
+    let mut agent = Agent::start_binary(v1_caps.clone(), &gw, Layout::Plain, &s, &[]);
+    agent.wait_readyz_for(&gw, 200, Duration::from_secs(120));
+    let layout =
+        Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        layout,
+        Some(1),
+        "the layout-1 agent did not attach layout 1"
+    );
+    // This version's `status` names the layout the attached programs run.
+    let out = Command::new(binary())
+        .args(["status", "--interface", gw.interface()])
+        .output()
+        .unwrap_or_else(|e| panic!("wgfence status: {e}"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("runs map layout 1"),
+        "status on a layout-1 datapath: {out:?}"
+    );
+
+    // A flow the network started toward peer 0 under layout 1: node 10.1.2.3:4000 -> peer 0
+    // port 5000. Peer 0's answers to it pass only as replies (its policy denies them).
+    let node_sock = gw
+        .node
+        .enter(|| UdpSocket::bind("10.1.2.3:4000"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    node_sock
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let peer_sock = gw.peers[0]
+        .ns
+        .enter(|| UdpSocket::bind("10.8.0.2:5000"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let stranger = gw.peers[0]
+        .ns
+        .enter(|| UdpSocket::bind("10.8.0.2:5001"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let reply_arrives = |from: &UdpSocket| -> bool {
+        from.send_to(b"reply", "10.1.2.3:4000")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut buf = [0u8; 16];
+        node_sock.recv(&mut buf).is_ok()
+    };
+    node_sock
+        .send_to(b"start", "10.8.0.2:5000")
+        .unwrap_or_else(|e| panic!("{e}"));
+    thread::sleep(Duration::from_millis(200));
+    assert!(
+        reply_arrives(&peer_sock),
+        "layout 1: the reply to the flow did not pass"
+    );
+    assert!(
+        !reply_arrives(&stranger),
+        "layout 1: a packet of no flow passed"
+    );
+
+    // Peer 2 sends only now, under layout 1: its counters must come through unchanged.
+    let out = gw.peers[2]
+        .ns
+        .try_exec(&["ping", "-n", "-q", "-i", "0.002", "-c", "500", "10.1.2.3"]);
+    assert!(out.status.success(), "{out:?}");
+
+    // Not while the layout-1 agent still runs: it would attach its programs again.
+    let out = run_refused(&v2, &gw, &agent.state);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!(
+        "started next to the layout-1 agent: {:?}\n{stderr}",
+        out.status
+    );
+    let pid = agent.pid().unwrap_or_default();
+    assert!(
+        !out.status.success() && stderr.contains(&format!("pid [{pid}] holds the link")),
+        "started next to the running layout-1 agent: {out:?}"
+    );
+    assert_eq!(
+        Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+        Some(1)
+    );
+
+    // 10 ms streams across the upgrade.
+    let streams = Streams::start(&gw, 800);
+    thread::sleep(Duration::from_secs(1));
+    let v1_status = status_json(&v1, &gw);
+    let stopped = agent.stop();
+    assert!(
+        stopped.is_some_and(|s| s.success()),
+        "the layout-1 agent did not stop cleanly"
+    );
+    let v1_final = status_json(&v1, &gw);
+    assert!(v1_final["packets"]["pass"].as_u64() >= v1_status["packets"]["pass"].as_u64());
+    let (link_v1, prog_v1) = Dataplane::link_info(&gw.bpffs, gw.interface())
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| panic!("no pinned link under layout 1"));
+
+    agent.binary = v2.clone();
+    let t = Instant::now();
+    agent.restart(&gw, &[]);
+    agent.wait_readyz_for(&gw, 200, Duration::from_secs(120));
+    let ready = t.elapsed();
+    // Right after the upgrade, before the streams have added much: the counters are v1's plus.
+    let v2_status = status_json(&binary(), &gw);
+    let report = streams.check("across the upgrade");
+    eprintln!("upgrade (start to ready in {ready:?}): {report}");
+
+    let log = agent.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("upgraded the datapath from map layout 1 to 2"))
+        .unwrap_or_else(|| panic!("no upgrade line in the log:\n{log}"));
+    eprintln!("{line}");
+    assert!(line.contains("switch_us="), "{line}");
+
+    // The programs were replaced through the same links; the layout-1 maps are gone but for
+    // the tombstone.
+    let (link_v2, prog_v2) = Dataplane::link_info(&gw.bpffs, gw.interface())
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| panic!("no pinned link after the upgrade"));
+    assert_eq!(
+        link_v2, link_v1,
+        "the upgrade made a new link instead of updating the pinned one"
+    );
+    assert_ne!(prog_v2, prog_v1);
+    assert_eq!(
+        Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+        Some(2)
+    );
+    assert_eq!(
+        layout_1_pins(&gw),
+        ["wgf1_peers_v4"],
+        "pins: {:?}",
+        pins(&gw)
+    );
+    assert_eq!(v2_status["layoutVersion"], 2, "{v2_status:#}");
+    let text = Command::new(binary())
+        .args(["status", "--interface", gw.interface()])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        String::from_utf8_lossy(&text.stdout).contains("(layout v2,"),
+        "{text:?}"
+    );
+
+    // The layout-2 maps hold the state: every peer, its policy, one owner per peer.
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(map_mismatch(&maps, &desired), None);
+    let peers = maps.peers().unwrap_or_else(|e| panic!("{e}"));
+    let mut owners: BTreeMap<u32, BTreeSet<u64>> = BTreeMap::new();
+    for (_, entry) in &peers {
+        assert_ne!(entry.owner, 0, "{peers:?}");
+        owners.entry(entry.slot).or_default().insert(entry.owner);
+    }
+    assert!(
+        owners.values().all(|o| o.len() == 1),
+        "a peer's addresses have several owners: {owners:?}"
+    );
+    let distinct: BTreeSet<u64> = owners.values().flatten().copied().collect();
+    assert_eq!(
+        distinct.len(),
+        desired.peers.len(),
+        "owners are not one per peer"
+    );
+
+    // The flow came over, owned by peer 0's entry and counted against its quota; its reply
+    // still passes, a packet of no flow still does not.
+    let entry0 = peers
+        .iter()
+        .find(|(a, _)| *a == IpAddr::from([10, 8, 0, 2]))
+        .map(|(_, e)| *e)
+        .unwrap_or_else(|| panic!("no entry for peer 0: {peers:?}"));
+    let flows = maps.flows().unwrap_or_else(|e| panic!("{e}"));
+    let udp = flows
+        .iter()
+        .find(|f| f.protocol == 17 && f.peer_port == 5000 && f.remote_port == 4000)
+        .unwrap_or_else(|| panic!("the UDP flow was not carried over: {flows:?}"));
+    assert_eq!(udp.value.owner, entry0.owner);
+    assert_eq!(udp.value.slot, entry0.slot);
+    let (made, freed) = maps
+        .flow_quota(entry0.slot)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(made > freed, "flow_made {made}, flow_freed {freed}");
+    assert!(
+        reply_arrives(&peer_sock),
+        "layout 2: the reply to the carried flow did not pass"
+    );
+    assert!(
+        !reply_arrives(&stranger),
+        "layout 2: a packet of no flow passed"
+    );
+
+    // Counters carried: peer 2 sent nothing since, so its counters are exactly v1's; the
+    // totals are at least v1's final ones.
+    let c1 = peer_counters(&v1_final);
+    let c2 = peer_counters(&v2_status);
+    for field in ["passPackets", "passBytes", "dropPackets", "dropBytes"] {
+        assert_eq!(
+            c2["10.8.0.4"][field], c1["10.8.0.4"][field],
+            "peer 2's {field} was not carried over"
+        );
+    }
+    assert!(c1["10.8.0.4"]["passPackets"].as_u64() >= Some(500));
+    for (key, what) in [("packets", "pass"), ("dropped", "policy_denied")] {
+        let (before, after) = (v1_final[key][what].as_u64(), v2_status[key][what].as_u64());
+        assert!(
+            after >= before && before > Some(0),
+            "{key}.{what}: {before:?} under layout 1, {after:?} after the upgrade"
+        );
+    }
+    for (addr, v1c) in &c1 {
+        assert!(
+            c2[addr]["passPackets"].as_u64() >= v1c["passPackets"].as_u64(),
+            "{addr}: {} -> {}",
+            v1c,
+            c2[addr]
+        );
+    }
+
+    // Rollback: the layout-1 agent is refused before it attaches anything, naming the map,
+    // and the layout-2 datapath keeps enforcing throughout.
+    assert!(agent.stop().is_some_and(|s| s.success()));
+    let streams = Streams::start(&gw, 300);
+    thread::sleep(Duration::from_millis(500));
+    let out = run_refused(&v1_caps, &gw, &agent.state);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!(
+        "layout-1 agent on the layout-2 datapath: {:?}\n{stderr}",
+        out.status
+    );
+    assert!(
+        !out.status.success(),
+        "the layout-1 agent ran on a layout-2 datapath"
+    );
+    assert!(
+        stderr.contains("wgf1_peers_v4"),
+        "the refusal does not name the map: {stderr}"
+    );
+    let report = streams.check("during the refused rollback");
+    eprintln!("rollback: {report}");
+    assert_eq!(
+        Dataplane::link_info(&gw.bpffs, gw.interface())
+            .ok()
+            .flatten(),
+        Some((link_v2, prog_v2)),
+        "the refused agent changed the link"
+    );
+    assert!(
+        reply_arrives(&peer_sock),
+        "after the rollback: the flow's reply did not pass"
+    );
+    // What the refused agent left (maps it created before it checked) ...
+    let junk = layout_1_pins(&gw);
+    assert!(junk.len() > 1, "the refused agent left no pins? {junk:?}");
+
+    // ... goes at the next start of this version.
+    agent.restart(&gw, &[]);
+    agent.wait_readyz_for(&gw, 200, Duration::from_secs(120));
+    assert_eq!(
+        layout_1_pins(&gw),
+        ["wgf1_peers_v4"],
+        "pins: {:?}",
+        pins(&gw)
+    );
+    assert!(agent.log_text().contains("removed map pins of layout 1"));
+    assert_eq!(
+        Dataplane::link_info(&gw.bpffs, gw.interface())
+            .ok()
+            .flatten()
+            .map(|l| l.0),
+        Some(link_v2)
+    );
+
+    // `wgfence detach` removes the tombstone and such leftovers too.
+    assert!(agent.stop().is_some_and(|s| s.success()));
+    let out = run_refused(&v1_caps, &gw, &agent.state);
+    assert!(!out.status.success());
+    assert!(layout_1_pins(&gw).len() > 1);
+    let out = Command::new(binary())
+        .args(["detach", "--interface", gw.interface()])
+        .output()
+        .unwrap_or_else(|e| panic!("wgfence detach: {e}"));
+    assert!(out.status.success(), "{out:?}");
+    let dir = gw.bpffs.join("wgfence").join(gw.interface());
+    assert!(!dir.exists(), "detach left {:?}", pins(&gw));
+    let _ = fs::remove_dir_all(&scripts);
+}
+
+/// An upgrade interrupted before its switch left `wgf2_*` pins that nothing runs (here one
+/// planted by hand, holding an entry layout 1 never had), and the state file is invalid when
+/// the new agent starts: the upgrade still fills from the layout-1 maps alone, and the agent
+/// keeps enforcing exactly that (not ready, nothing applied).
+#[test]
+fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state() {
+    let gw = Gateway::new(1);
+    let s = serde_json::json!({ "version": 1, "peers": [gw.peer_json(0, Some(restricted()))] })
+        .to_string();
+    let desired = wgfence::state::parse(&s).unwrap_or_else(|e| panic!("{e}"));
+    let mut agent = Agent::start_binary(v1_binary(), &gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+    assert!(agent.stop().is_some_and(|s| s.success()));
+
+    let dir = gw.bpffs.join("wgfence").join(gw.interface());
+    let stale = dir.join("wgf2_peers_v4");
+    let stale = stale.to_string_lossy();
+    let bpftool = |args: &[&str]| {
+        let out = wgfence_tests::net::run(&[&["bpftool"][..], args].concat());
+        assert!(out.status.success(), "bpftool {args:?}: {out:?}");
+    };
+    bpftool(&[
+        "map",
+        "create",
+        &stale,
+        "type",
+        "hash",
+        "key",
+        "4",
+        "value",
+        "16",
+        "entries",
+        "131072",
+        "name",
+        "wgf2_peers_v4",
+    ]);
+    // 10.99.0.1: unrestricted, slot 7, owner 99.
+    bpftool(&[
+        "map", "update", "pinned", &stale, "key", "10", "99", "0", "1", "value", "0", "0", "0",
+        "0", "7", "0", "0", "0", "99", "0", "0", "0", "0", "0", "0", "0",
+    ]);
+
+    agent.write_state("{ not json");
+    agent.binary = with_daemonset_caps(&agent.dir, &binary());
+    agent.restart(&gw, &[]);
+    agent.wait_readyz(&gw, 503);
+    let log = agent.log_text();
+    assert!(
+        log.contains("upgraded the datapath from map layout 1 to 2"),
+        "{log}"
+    );
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    let peers = maps.peers().unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        peers
+            .iter()
+            .all(|(a, _)| *a != IpAddr::from([10, 99, 0, 1])),
+        "the stale entry survived: {peers:?}"
+    );
+    assert_eq!(map_mismatch(&maps, &desired), None);
+    assert_eq!(
+        layout_1_pins(&gw),
+        ["wgf1_peers_v4"],
+        "pins: {:?}",
+        pins(&gw)
+    );
+    for (kind, dst, expect) in [
+        (Kind::Tcp(80), "10.2.3.4", Reach::Reached),
+        (Kind::Tcp(22), "10.2.3.4", Reach::Blocked),
+    ] {
+        let dst: IpAddr = dst.parse().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(probe(&gw.peers[0].ns, kind, dst), expect, "{kind} to {dst}");
+    }
+}
