@@ -449,6 +449,32 @@ fn a_recreated_interface_and_removed_pins_are_repaired_on_the_tc_hook() {
     use Kind::{Ping, Tcp};
     use Reach::{Blocked, Reached};
 
+    // The agent's ingress filter deleted by hand: put back within a second or so.
+    gw.node.exec(&[
+        "tc",
+        "filter",
+        "del",
+        "dev",
+        gw.interface(),
+        "ingress",
+        "prio",
+        "1",
+        "handle",
+        "0x77670001",
+        "bpf",
+    ]);
+    assert!(
+        wait_for(Duration::from_secs(5), || tc_out(
+            &gw,
+            &["filter", "show", "dev", gw.interface(), "ingress"]
+        )
+        .contains("handle 0x77670001"))
+        .is_some(),
+        "the deleted filter was not put back:\n{}",
+        agent.log_text()
+    );
+    assert_our_filters_first(&gw, "after the filter was deleted by hand");
+
     // The pin directory removed by hand: restored, enforcement never stops.
     let dir = wgfence::dataplane::pin_dir(&gw.bpffs, gw.interface());
     std::fs::remove_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));

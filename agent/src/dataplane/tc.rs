@@ -42,7 +42,6 @@ pub const TC_HANDLE: u32 = 0x7767_0001;
 /// An empty directory in the pin directory: the agent added the clsact qdisc.
 pub const QDISC_MARKER: &str = "clsact_added";
 
-const RTM_NEWQDISC: u16 = 36;
 const RTM_DELQDISC: u16 = 37;
 const RTM_GETTFILTER: u16 = 46;
 const RTM_NEWTFILTER: u16 = 44;
@@ -291,22 +290,6 @@ pub fn remove_clsact_if_empty(interface: &str, ifindex: u32) -> Result<bool> {
         Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EINVAL)) => Ok(false),
         Err(e) => Err(err(e)),
     }
-}
-
-/// Whether the interface has a clsact qdisc.
-pub fn has_clsact(ifindex: u32) -> io::Result<bool> {
-    let socket = Socket::open()?;
-    let msg = tcmsg(ifindex, 0, 0, 0);
-    let replies = socket.request(
-        RTM_NEWQDISC + 2, // RTM_GETQDISC
-        (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16,
-        &msg,
-    )?;
-    Ok(replies.iter().any(|(kind, body)| {
-        *kind == RTM_NEWQDISC
-            && read_u32(body, 4) == Some(ifindex)
-            && read_u32(body, 12) == Some(TC_H_CLSACT)
-    }))
 }
 
 /// `struct tcmsg`: family, padding, ifindex, handle, parent, info.
