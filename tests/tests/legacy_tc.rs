@@ -56,15 +56,22 @@ fn tc_snapshot(gw: &Gateway) -> String {
 /// (This kernel has no cls_matchall; cls_bpf is what every kernel wgfence runs on has.)
 const PASS_ALL: &str = "1,6 0 0 4294967295";
 
+/// `tc filter ACTION dev IF SPEC... [LAST]` in the node's namespace (LAST: one argument with
+/// spaces).
+fn tc_filter(gw: &Gateway, action: &str, spec: &str, last: Option<&str>) {
+    let mut args = vec!["tc", "filter", action, "dev", gw.interface()];
+    args.extend(spec.split_whitespace());
+    args.extend(last);
+    gw.node.exec(&args);
+}
+
 /// A foreign filter on both hooks, passing everything, at priority 100.
 fn add_foreign_filters(gw: &Gateway) {
-    let dev = gw.interface();
-    gw.node.exec(&["tc", "qdisc", "add", "dev", dev, "clsact"]);
+    gw.node
+        .exec(&["tc", "qdisc", "add", "dev", gw.interface(), "clsact"]);
     for dir in ["ingress", "egress"] {
-        gw.node.exec(&[
-            "tc", "filter", "add", "dev", dev, dir, "prio", "100", "handle", "0x5", "bpf",
-            "bytecode", PASS_ALL,
-        ]);
+        let spec = format!("{dir} prio 100 handle 0x5 bpf bytecode");
+        tc_filter(gw, "add", &spec, Some(PASS_ALL));
     }
 }
 
@@ -97,6 +104,23 @@ fn assert_our_filters_first(gw: &Gateway, when: &str) {
             "{when}: {dir} does not start with wgfence's filter:\n{shown}"
         );
     }
+}
+
+/// Waits until the agent's ingress filter is (back) in place, then checks both.
+#[track_caller]
+fn wait_our_filters(gw: &Gateway, agent: &Agent, timeout: Duration, when: &str) {
+    let dev = gw.interface();
+    assert!(
+        wait_for(timeout, || tc_out(
+            gw,
+            &["filter", "show", "dev", dev, "ingress"]
+        )
+        .contains("handle 0x77670001"))
+        .is_some(),
+        "{when}: no filter of wgfence's came back:\n{}",
+        agent.log_text()
+    );
+    assert_our_filters_first(gw, when);
 }
 
 fn icmp_to_node() -> Value {
@@ -399,21 +423,12 @@ fn detach_on_the_tc_hook_removes_exactly_what_the_agent_added() {
     );
 
     // A foreign filter at the agent's own place: the agent refuses and changes nothing.
-    gw.node.exec(&[
-        "tc",
-        "filter",
+    tc_filter(
+        &gw,
         "add",
-        "dev",
-        gw.interface(),
-        "ingress",
-        "prio",
-        "1",
-        "handle",
-        "0x77670001",
-        "bpf",
-        "bytecode",
-        PASS_ALL,
-    ]);
+        "ingress prio 1 handle 0x77670001 bpf bytecode",
+        Some(PASS_ALL),
+    );
     let before = tc_snapshot(&gw);
     // Bounded: an agent that wrongly starts would otherwise run on.
     let out = gw
@@ -450,30 +465,13 @@ fn a_recreated_interface_and_removed_pins_are_repaired_on_the_tc_hook() {
     use Reach::{Blocked, Reached};
 
     // The agent's ingress filter deleted by hand: put back within a second or so.
-    gw.node.exec(&[
-        "tc",
-        "filter",
-        "del",
-        "dev",
-        gw.interface(),
-        "ingress",
-        "prio",
-        "1",
-        "handle",
-        "0x77670001",
-        "bpf",
-    ]);
-    assert!(
-        wait_for(Duration::from_secs(5), || tc_out(
-            &gw,
-            &["filter", "show", "dev", gw.interface(), "ingress"]
-        )
-        .contains("handle 0x77670001"))
-        .is_some(),
-        "the deleted filter was not put back:\n{}",
-        agent.log_text()
+    tc_filter(&gw, "del", "ingress prio 1 handle 0x77670001 bpf", None);
+    wait_our_filters(
+        &gw,
+        &agent,
+        Duration::from_secs(5),
+        "after the filter was deleted by hand",
     );
-    assert_our_filters_first(&gw, "after the filter was deleted by hand");
 
     // The pin directory removed by hand: restored, enforcement never stops.
     let dir = wgfence::dataplane::pin_dir(&gw.bpffs, gw.interface());
@@ -496,17 +494,12 @@ fn a_recreated_interface_and_removed_pins_are_repaired_on_the_tc_hook() {
 
     // The interface deleted and created again: a new qdisc and new filters.
     gw.recreate_interface();
-    assert!(
-        wait_for(Duration::from_secs(10), || tc_out(
-            &gw,
-            &["filter", "show", "dev", gw.interface(), "ingress"]
-        )
-        .contains("handle 0x77670001"))
-        .is_some(),
-        "no filter on the recreated interface:\n{}",
-        agent.log_text()
+    wait_our_filters(
+        &gw,
+        &agent,
+        Duration::from_secs(10),
+        "after the interface was recreated",
     );
-    assert_our_filters_first(&gw, "after the interface was recreated");
     assert!(
         wait_for(Duration::from_secs(10), || gw.wg_peers().len() == 1).is_some(),
         "the peer was not added back"

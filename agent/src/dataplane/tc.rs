@@ -190,17 +190,11 @@ pub fn attach_or_replace(
             })
         }
         Place::Ours { .. } => {
-            let link = SchedClassifierLink::attached(
-                interface,
-                attach_type,
-                TC_PRIORITY,
-                TcHandle::from(TC_HANDLE),
-                None,
-            )
-            .map_err(|source| DataplaneError::Interface {
-                interface: interface.to_owned(),
-                source,
-            })?;
+            let link =
+                our_link(interface, attach_type).map_err(|source| DataplaneError::Interface {
+                    interface: interface.to_owned(),
+                    source,
+                })?;
             let id = program.attach_to_link(link).map_err(program_err(name))?;
             keep(program.take_link(id).map_err(program_err(name))?);
             true
@@ -222,6 +216,17 @@ pub fn attach_or_replace(
         }
     };
     Ok(existed)
+}
+
+/// The agent's filter on the hook, as aya addresses it (no kernel call).
+fn our_link(interface: &str, attach_type: TcAttachType) -> io::Result<SchedClassifierLink> {
+    SchedClassifierLink::attached(
+        interface,
+        attach_type,
+        TC_PRIORITY,
+        TcHandle::from(TC_HANDLE),
+        None,
+    )
 }
 
 /// A netlink "link" is only the filter's address; dropping it would delete the filter. The
@@ -248,14 +253,7 @@ pub fn remove_ours(
     ) {
         return Ok(false);
     }
-    let link = SchedClassifierLink::attached(
-        interface,
-        attach_type,
-        TC_PRIORITY,
-        TcHandle::from(TC_HANDLE),
-        None,
-    )
-    .map_err(err)?;
+    let link = our_link(interface, attach_type).map_err(err)?;
     match link.detach() {
         Ok(()) => Ok(true),
         Err(aya::programs::ProgramError::NetlinkError(e))
