@@ -510,4 +510,17 @@ fn a_recreated_interface_and_removed_pins_are_repaired_on_the_tc_hook() {
         Expect::new("restricted", r, Ping, "10.8.0.1", Reached),
         Expect::new("restricted", r, Tcp(22), "10.8.0.1", Blocked),
     ]);
+
+    let mut agent = agent;
+    assert!(agent.stop().is_some());
+
+    // A detach from another network namespace cannot reach the filters: it says so (the
+    // filters keep enforcing there), rather than claiming the datapath is gone.
+    let out = std::process::Command::new(binary())
+        .args(["detach", "--interface", gw.interface()])
+        .output()
+        .unwrap_or_else(|e| panic!("wgfence detach: {e}"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("its filters still run there"), "{stderr}");
+    assert_our_filters_first(&gw, "after a detach from another namespace");
 }

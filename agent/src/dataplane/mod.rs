@@ -359,7 +359,12 @@ impl Dataplane {
             added_qdisc = true;
         }
         if added_qdisc {
-            mark_added_qdisc(&pin_dir)?;
+            mark(&pin_dir, tc::QDISC_MARKER)?;
+        }
+        if kind == HookKind::Tc {
+            mark(&pin_dir, tc::HOOK_MARKER)?;
+        } else {
+            remove_dir_if_exists(&pin_dir.join(tc::HOOK_MARKER))?;
         }
         let switch = std::time::Instant::now();
         for hook in &HOOKS {
@@ -468,8 +473,12 @@ impl Dataplane {
             Ok(PinDirState::Ours) => {}
             Ok(PinDirState::Restored) => {
                 repairs.push(Repair::PinDir);
-                if self.added_qdisc {
-                    if let Err(e) = mark_added_qdisc(&self.pin_dir) {
+                let marks = [
+                    (self.added_qdisc, tc::QDISC_MARKER),
+                    (self.hook == HookKind::Tc, tc::HOOK_MARKER),
+                ];
+                for (_, name) in marks.iter().filter(|(set, _)| *set) {
+                    if let Err(e) = mark(&self.pin_dir, name) {
                         unpinned = Some(e);
                     }
                 }
@@ -532,7 +541,7 @@ impl Dataplane {
                     // A new device has no qdisc and no filters: both again.
                     if tc::ensure_clsact(&self.interface)? {
                         self.added_qdisc = true;
-                        mark_added_qdisc(&self.pin_dir)?;
+                        mark(&self.pin_dir, tc::QDISC_MARKER)?;
                     }
                     let program = classifier(&mut self.ebpf, hook.program)?;
                     tc::attach_or_replace(
@@ -792,14 +801,25 @@ impl Dataplane {
                     tracing::info!(interface, "removed the clsact qdisc wgfence had added");
                 }
             }
-            // Gone with the interface.
+            // Gone with the interface, or in another network namespace.
             Err(DataplaneError::Interface { source, .. })
-                if source.raw_os_error() == Some(libc::ENODEV) => {}
+                if source.raw_os_error() == Some(libc::ENODEV) =>
+            {
+                if markers.iter().any(|m| m.join(tc::HOOK_MARKER).is_dir()) {
+                    tracing::warn!(
+                        interface,
+                        "the programs ran on the tc hook and there is no {interface} in this \
+                         network namespace: if it exists in another one, its filters still \
+                         run there (with the last state); run `wgfence detach` in that \
+                         namespace, or delete them with `tc filter del dev {interface} \
+                         ingress prio 1` (and egress)"
+                    );
+                }
+            }
             Err(e) => return Err(e),
         }
         for marker in &markers {
-            remove_dir_if_exists(&marker.join(tc::QDISC_MARKER))?;
-            remove_dir_if_exists(marker)?;
+            remove_marked_dir(marker)?;
         }
         // Leave <bpffs>/wgfence itself once no interface uses it.
         if let Some(parent) = own.parent() {
@@ -1129,25 +1149,29 @@ fn remove_detaching(bpffs: &Path, interface: &str) -> Result<Leftovers> {
         }
         added_qdisc |= marker.join(tc::QDISC_MARKER).is_dir();
         unpin_all(marker)?;
-        remove_dir_if_exists(&marker.join(tc::QDISC_MARKER))?;
-        remove_dir_if_exists(marker)?;
+        remove_marked_dir(marker)?;
     }
     Ok(Leftovers { added_qdisc })
 }
 
-/// Marks in the pin directory that the agent added the clsact qdisc (see [`tc`]).
-fn mark_added_qdisc(pin_dir: &Path) -> Result<()> {
-    match fs::DirBuilder::new()
-        .mode(0o700)
-        .create(pin_dir.join(tc::QDISC_MARKER))
-    {
+/// Puts one of [`tc::MARKERS`] (an empty directory) in the pin directory.
+fn mark(pin_dir: &Path, name: &str) -> Result<()> {
+    match fs::DirBuilder::new().mode(0o700).create(pin_dir.join(name)) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(()),
         Err(source) => Err(DataplaneError::Io {
-            path: pin_dir.join(tc::QDISC_MARKER),
+            path: pin_dir.join(name),
             source,
         }),
     }
+}
+
+/// Removes the marks and then the directory itself.
+fn remove_marked_dir(dir: &Path) -> Result<()> {
+    for name in tc::MARKERS {
+        remove_dir_if_exists(&dir.join(name))?;
+    }
+    remove_dir_if_exists(dir)
 }
 
 /// Removes what the agent left on the hook it does not use now (after a switch of
@@ -1199,7 +1223,12 @@ fn unpin_all(dir: &Path) -> Result<Vec<u32>> {
     paths.sort_by_key(|p| link_index(p).unwrap_or(usize::MAX));
     let mut links = Vec::new();
     for path in paths {
-        if path.file_name().and_then(|n| n.to_str()) == Some(tc::QDISC_MARKER) {
+        if tc::MARKERS.contains(
+            &path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default(),
+        ) {
             // Read and removed by the caller once the filters are gone.
             continue;
         }

@@ -41,6 +41,11 @@ pub const TC_PRIORITY: u16 = 1;
 pub const TC_HANDLE: u32 = 0x7767_0001;
 /// An empty directory in the pin directory: the agent added the clsact qdisc.
 pub const QDISC_MARKER: &str = "clsact_added";
+/// An empty directory in the pin directory: the programs run on the tc hook (for `detach`,
+/// which must then find the interface to delete the filters).
+pub const HOOK_MARKER: &str = "hook_tc";
+/// The marks the pin directory may hold besides pins.
+pub const MARKERS: [&str; 2] = [QDISC_MARKER, HOOK_MARKER];
 
 const RTM_DELQDISC: u16 = 37;
 const RTM_GETTFILTER: u16 = 46;
