@@ -524,3 +524,49 @@ fn a_recreated_interface_and_removed_pins_are_repaired_on_the_tc_hook() {
     assert!(stderr.contains("its filters still run there"), "{stderr}");
     assert_our_filters_first(&gw, "after a detach from another namespace");
 }
+
+#[test]
+fn switching_between_tc_and_tcx_hands_over_without_leaving_the_old_hook_behind() {
+    let gw = Gateway::new(1);
+    add_foreign_filters(&gw);
+    let s = state(vec![gw.peer_json(0, Some(icmp_to_node()))]);
+    let mut agent = Agent::start(&gw, Layout::Plain, &s, TC);
+    agent.wait_ready(&gw);
+    assert_our_filters_first(&gw, "on tc");
+    let ours = |dir: &str| {
+        tc_out(&gw, &["filter", "show", "dev", gw.interface(), dir]).contains("0x77670001")
+    };
+    let link = || Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(link(), None);
+    let enforced = |when: &str| {
+        let r = &gw.peers[0].ns;
+        check_all(&[
+            Expect::new(when, r, Kind::Ping, "10.8.0.1", Reach::Reached),
+            Expect::new(when, r, Kind::Tcp(22), "10.8.0.1", Reach::Blocked),
+        ]);
+    };
+    enforced("on tc");
+
+    // To tcx: the link is attached, then the agent's filters go; the foreign ones stay.
+    agent.kill();
+    agent.restart(&gw, &["--attach", "tcx"]);
+    agent.wait_ready(&gw);
+    assert!(link().is_some(), "no tcx link after --attach tcx");
+    assert!(
+        !ours("ingress") && !ours("egress"),
+        "tc filters left behind"
+    );
+    assert_foreign_filters(&gw, "after the switch to tcx");
+    assert_eq!(status_json(&gw)["hook"], "tcx");
+    enforced("on tcx");
+
+    // And back: the filters are added, then the links' pins go (and the links with them).
+    agent.kill();
+    agent.restart(&gw, TC);
+    agent.wait_ready(&gw);
+    assert_our_filters_first(&gw, "back on tc");
+    assert_eq!(link(), None, "the tcx link pin is left behind");
+    assert_foreign_filters(&gw, "back on tc");
+    assert_eq!(status_json(&gw)["hook"], "tc");
+    enforced("back on tc");
+}
