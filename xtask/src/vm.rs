@@ -105,6 +105,16 @@ impl Kernel {
         }
     }
 
+    /// The `--attach` values a guest runs with: the agent's default (`auto`: tcx where the
+    /// kernel has it, else tc) everywhere, and the legacy tc hook also on 6.12, the one kernel
+    /// here that has both.
+    fn attach_modes(self) -> &'static [Option<&'static str>] {
+        match self {
+            Kernel::V6_12 => &[None, Some("tc")],
+            Kernel::V5_10 | Kernel::V6_1 => &[None],
+        }
+    }
+
     /// Package names are `PREFIX<version>-cloud-amd64-unsigned`.
     fn package_prefix(self) -> &'static str {
         match self {
@@ -151,7 +161,10 @@ impl Options {
 /// One guest's outcome, parsed from its console.
 #[derive(Debug, Default)]
 struct Report {
-    series: &'static str,
+    /// The guest: kernel series and forced hook (`6.12-tc`).
+    name: String,
+    /// `--attach` as the agent was given it (`auto`: its default).
+    attach: String,
     release: String,
     hook: String,
     backend: String,
@@ -183,21 +196,23 @@ pub fn run(options: Options) -> Result<()> {
 
     let mut reports = Vec::new();
     for kernel in kernels {
-        eprintln!("==> vm-test {}", kernel.series());
         let unpacked = fetch_kernel(&work, kernel, options.refresh)
             .with_context(|| format!("fetching the {} kernel", kernel.series()))?;
         let image = build_image(&work, kernel, &unpacked, &agent, &differential)
             .with_context(|| format!("building the {} guest image", kernel.series()))?;
-        let report = boot(&work, kernel, &unpacked, &image, options.timeout)
-            .with_context(|| format!("booting {}", kernel.series()))?;
-        eprintln!(
-            "==> vm-test {}: {} in {:.1}s (console: {})",
-            kernel.series(),
-            if report.passed { "PASS" } else { "FAIL" },
-            report.wall_seconds,
-            report.log.display()
-        );
-        reports.push(report);
+        for &attach in kernel.attach_modes() {
+            let name = guest_name(kernel, attach);
+            eprintln!("==> vm-test {name}");
+            let report = boot(&work, kernel, attach, &unpacked, &image, options.timeout)
+                .with_context(|| format!("booting {name}"))?;
+            eprintln!(
+                "==> vm-test {name}: {} in {:.1}s (console: {})",
+                if report.passed { "PASS" } else { "FAIL" },
+                report.wall_seconds,
+                report.log.display()
+            );
+            reports.push(report);
+        }
     }
     let table = table(&reports);
     println!("{table}");
@@ -207,7 +222,7 @@ pub fn run(options: Options) -> Result<()> {
     let failed: Vec<&str> = reports
         .iter()
         .filter(|r| !r.passed)
-        .map(|r| r.series)
+        .map(|r| r.name.as_str())
         .collect();
     if !failed.is_empty() {
         bail!("vm-test failed on {}", failed.join(", "));
@@ -715,14 +730,29 @@ impl Drop for Guest {
     }
 }
 
+/// `6.12`, or `6.12-tc` for a guest told `--attach tc`.
+fn guest_name(kernel: Kernel, attach: Option<&str>) -> String {
+    match attach {
+        Some(attach) => format!("{}-{attach}", kernel.series()),
+        None => kernel.series().to_owned(),
+    }
+}
+
 fn boot(
     work: &Path,
     kernel: Kernel,
+    attach: Option<&str>,
     unpacked: &Unpacked,
     image: &Path,
     timeout: u64,
 ) -> Result<Report> {
-    let log_path = work.join(format!("console-{}.log", kernel.series()));
+    let name = guest_name(kernel, attach);
+    let log_path = work.join(format!("console-{name}.log"));
+    let mut append = String::from("console=ttyS0 quiet panic=-1 rdinit=/init");
+    if let Some(attach) = attach {
+        // Read by conformance.sh, which passes it to `wgfence run --attach`.
+        let _ = write!(append, " wgfence.attach={attach}");
+    }
     let mut log = fs::File::create(&log_path)
         .with_context(|| format!("cannot create {}", log_path.display()))?;
     let qemu = util::find_program("qemu-system-x86_64")
@@ -738,7 +768,8 @@ fn boot(
         .arg(&unpacked.vmlinuz)
         .arg("-initrd")
         .arg(image)
-        .args(["-append", "console=ttyS0 quiet panic=-1 rdinit=/init"])
+        .arg("-append")
+        .arg(&append)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -757,7 +788,8 @@ fn boot(
 
     let deadline = start + Duration::from_secs(timeout);
     let mut report = Report {
-        series: kernel.series(),
+        name: name.clone(),
+        attach: attach.unwrap_or("auto").to_owned(),
         release: unpacked.release.clone(),
         log: log_path.clone(),
         ..Report::default()
@@ -782,10 +814,7 @@ fn boot(
         }
     }
     if timed_out {
-        eprintln!(
-            "vm-test {}: no verdict within {timeout}s, killing qemu",
-            kernel.series()
-        );
+        eprintln!("vm-test {name}: no verdict within {timeout}s, killing qemu");
         let _ = guest.0.kill();
     }
     let status = guest.0.wait().context("waiting for qemu")?;
@@ -830,8 +859,12 @@ impl Report {
             self.passed = result.trim() == "PASS";
         } else if rest.starts_with("info ") {
             self.release = fields.get("kernel").unwrap_or(&"").to_string();
-            self.hook = fields.get("hook").unwrap_or(&"").to_string();
             self.backend = fields.get("backend").unwrap_or(&"").to_string();
+            // Last on the line, and may hold spaces: `tc (clsact)`.
+            self.hook = rest
+                .split_once(" hook=")
+                .map_or("", |(_, h)| h.trim())
+                .to_owned();
         } else if rest.starts_with("boot ") {
             self.boot_seconds = fields.get("uptime").and_then(|s| s.parse().ok());
         } else if let (Some(check), Some(result)) = (fields.get("check"), fields.get("result")) {
@@ -849,11 +882,11 @@ impl Report {
 
 /// The markdown table of docs/operations.md ("Supported kernels").
 fn table(reports: &[Report]) -> String {
-    let mut out = String::from("| kernel | hook | WireGuard | boot | wall |");
+    let mut out = String::from("| kernel | `--attach` | hook | WireGuard | boot | wall |");
     for (_, header) in CHECKS {
         let _ = write!(out, " {header} |");
     }
-    out.push_str("\n|---|---|---|---|---|");
+    out.push_str("\n|---|---|---|---|---|---|");
     for _ in CHECKS {
         out.push_str("---|");
     }
@@ -861,8 +894,9 @@ fn table(reports: &[Report]) -> String {
     for r in reports {
         let _ = write!(
             out,
-            "| {} | {} | {} | {} | {:.0} s |",
+            "| {} | {} | {} | {} | {} | {:.0} s |",
             r.release,
+            r.attach,
             or_dash(&r.hook),
             or_dash(&r.backend),
             r.boot_seconds
@@ -968,11 +1002,14 @@ mod tests {
     #[test]
     fn parses_the_guest_lines() {
         let mut r = Report::default();
-        r.parse("VMTEST info kernel=6.12.95+deb12-cloud-amd64 hook=tcx backend=kernel");
+        r.parse("VMTEST info kernel=6.12.95+deb12-cloud-amd64 backend=kernel hook=tc (clsact)");
         r.parse("VMTEST check=revocation result=pass ms=42 detail=x y");
         r.parse("VMTEST check=detach result=fail ms=0 detail=");
         r.parse("VMTEST RESULT PASS");
-        assert_eq!((r.hook.as_str(), r.backend.as_str()), ("tcx", "kernel"));
+        assert_eq!(
+            (r.hook.as_str(), r.backend.as_str()),
+            ("tc (clsact)", "kernel")
+        );
         assert_eq!(
             r.checks.get("revocation").map(|c| (c.0, c.1)),
             Some((true, 42))

@@ -13,6 +13,9 @@ STATE_DIR=/etc/wgfence
 STATE=$STATE_DIR/state.json
 FAILED=0
 AGENT_PID=
+# The hook the agent is told to use (`--attach`), from the kernel command line
+# (`wgfence.attach=tc`); the agent's default (auto) otherwise.
+ATTACH=$(sed -n 's/.*wgfence\.attach=\([a-z]*\).*/\1/p' /proc/cmdline)
 
 # Debian's busybox runs its own applets before anything in PATH (also through nsenter and
 # timeout): the full iproute2, iputils and coreutils programs are called by their paths.
@@ -49,7 +52,7 @@ write_state() { # writes the state file atomically (rename), as an operator's to
 start_agent() {
     # Not through in_ns: $! must be the agent itself (nsenter execs it), not a subshell.
     nsenter --net=/run/netns/gw wgfence --log wgfence=debug run --interface wg0 --state "$STATE" --no-metrics \
-        >>"$AGENT_LOG" 2>&1 &
+        ${ATTACH:+--attach "$ATTACH"} >>"$AGENT_LOG" 2>&1 &
     AGENT_PID=$!
 }
 agent_ready() { # waits until `wgfence status` reports this agent ($AGENT_PID) ready, 60 s
@@ -165,13 +168,12 @@ fi
 backend=$(sed -n 's/.*wireguard_backend="*\([a-z]*\).*/\1/p' "$AGENT_LOG" | head -n 1)
 status=$(in_ns gw wgfence status --interface wg0 2>&1)
 echo "$status"
-case "$status" in
-    *clsact*) hook=clsact ;;
-    *tcx*) hook=tcx ;;
-    *"link "*) hook=tcx ;;
-    *) hook=unknown ;;
+hook=$(echo "$status" | sed -n 's/^hook  *\([a-z]*\).*/\1/p' | head -n 1)
+case "$hook" in
+    tc) hook="tc (clsact)" ;;
+    "") hook=unknown ;;
 esac
-echo "VMTEST info kernel=$(uname -r) hook=$hook backend=${backend:-unknown}"
+echo "VMTEST info kernel=$(uname -r) backend=${backend:-unknown} attach=${ATTACH:-auto} hook=$hook"
 
 # The agent added both peers to wg0 through netlink, with their addresses as allowed IPs.
 peers=$(in_ns gw wg show wg0 allowed-ips)
@@ -266,7 +268,7 @@ fi
 status=$(in_ns gw wgfence status --interface wg0 2>&1)
 if echo "$status" | grep -q '^datapath *attached' && [ "$hook" != unknown ] &&
     echo "$status" | grep -q '^a  '; then
-    result status pass 0 "hook=$hook"
+    result status pass 0 "$hook"
 else
     echo "$status"
     result status fail 0 "hook=$hook"
