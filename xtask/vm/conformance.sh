@@ -44,6 +44,17 @@ reaches() { in_ns "$1" ping -c 1 -W 5 "$2" >/dev/null 2>&1; }
 # No reply to 3 probes. Only meaningful once `reaches` has shown the tunnel is up.
 blocked() { ! in_ns "$1" ping -c 3 -i 0.2 -W 1 "$2" >/dev/null 2>&1; }
 
+# A 10 ms ping with timestamps (-D) in the background: NS DST COUNT FILE; sets $ping_pid.
+ping_in_background() {
+    in_ns "$1" ping -D -i 0.01 -c "$3" -W 1 "$2" >"$4" 2>&1 &
+    ping_pid=$!
+}
+# The time in ms of the first (head) or last (tail) reply in a ping -D output: FILE head|tail.
+# Lines read "[1796087398.123456] 64 bytes from ...".
+reply_ms() {
+    grep 'bytes from' "$1" | "$2" -n 1 | sed 's/^\[\([0-9]*\)\.\([0-9][0-9][0-9]\).*/\1\2/'
+}
+
 write_state() { # writes the state file atomically (rename), as an operator's tooling would
     cat > "$STATE.tmp"
     mv "$STATE.tmp" "$STATE"
@@ -137,6 +148,10 @@ for peer in a b; do
 done
 # shellcheck disable=SC2154 # set by eval above
 PA=$PUB_a PB=$PUB_b
+# b once restricted: 10.99.0.1 and fd99::1, with an IPv6 address.
+B_RESTRICTED='{"name": "b", "publicKey": "'"$PB"'", "address": "10.8.0.3", "addressV6": "fd00:8::3",
+   "endpoint": "192.168.2.2:51821",
+   "egress": [{"cidr": "10.99.0.1/32", "protocol": "any"}, {"cidr": "fd99::1/128", "protocol": "any"}]}'
 mkdir -p "$STATE_DIR"
 chmod 755 "$STATE_DIR"
 
@@ -202,8 +217,7 @@ fi
 # --- a policy change: a flips to .2, gains a keepalive (a peer update); b becomes restricted
 # and gains an IPv6 address (an allowed IP added to a live peer). Timed under a 10 ms ping to
 # the newly allowed destination: from the write to the first reply. ----------------------
-in_ns a ping -D -i 0.01 -c 300 -W 1 10.99.0.2 >/tmp/change.ping 2>&1 &
-ping_pid=$!
+ping_in_background a 10.99.0.2 300 /tmp/change.ping
 sleep 0.5
 t0=$(now_ms)
 write_state <<EOF
@@ -211,13 +225,11 @@ write_state <<EOF
   {"name": "a", "publicKey": "$PA", "address": "10.8.0.2", "addressV6": "fd00:8::2",
    "endpoint": "192.168.1.2:51821", "persistentKeepalive": 25,
    "egress": [{"cidr": "10.99.0.2/32", "protocol": "any"}, {"cidr": "fd99::2/128", "protocol": "any"}]},
-  {"name": "b", "publicKey": "$PB", "address": "10.8.0.3", "addressV6": "fd00:8::3",
-   "endpoint": "192.168.2.2:51821",
-   "egress": [{"cidr": "10.99.0.1/32", "protocol": "any"}, {"cidr": "fd99::1/128", "protocol": "any"}]}
+  $B_RESTRICTED
 ]}
 EOF
 wait "$ping_pid"
-first=$(grep 'bytes from' /tmp/change.ping | head -n 1 | sed 's/^\[\([0-9]*\)\.\([0-9][0-9][0-9]\).*/\1\2/')
+first=$(reply_ms /tmp/change.ping head)
 applied=$((${first:-0} - t0))
 [ $applied -lt 0 ] && applied=0
 if [ -n "$first" ] && reaches a 10.99.0.2 && blocked a 10.99.0.1 && reaches a fd99::2 && blocked a fd99::1 &&
@@ -295,20 +307,16 @@ fi
 
 # --- revocation, timed: a under a 10 ms ping to its allowed destination; the state drops a;
 # the time from the write to the first probe without a reply -------------------------------
-in_ns a ping -D -i 0.01 -c 400 -W 1 10.99.0.2 >/tmp/revoke.ping 2>&1 &
-ping_pid=$!
+ping_in_background a 10.99.0.2 400 /tmp/revoke.ping
 sleep 1.5
 t_write=$(now_ms)
 write_state <<EOF
 {"version": 1, "peers": [
-  {"name": "b", "publicKey": "$PB", "address": "10.8.0.3", "addressV6": "fd00:8::3",
-   "endpoint": "192.168.2.2:51821",
-   "egress": [{"cidr": "10.99.0.1/32", "protocol": "any"}, {"cidr": "fd99::1/128", "protocol": "any"}]}
+  $B_RESTRICTED
 ]}
 EOF
 wait "$ping_pid"
-# ping -D: "[1796087398.123456] 64 bytes from ...": the last reply's time, in ms.
-last=$(grep 'bytes from' /tmp/revoke.ping | tail -n 1 | sed 's/^\[\([0-9]*\)\.\([0-9][0-9][0-9]\).*/\1\2/')
+last=$(reply_ms /tmp/revoke.ping tail)
 revoke_ms=$((last - t_write))
 [ $revoke_ms -lt 0 ] && revoke_ms=0
 gone=$(in_ns gw wg show wg0 peers | grep -c "^$PA" || true)
