@@ -40,10 +40,14 @@ pub const PACKAGES: &[&str] = &[
     "iputils-ping",
     "wireguard-tools",
     "coreutils",
+    "bpftool",
+    "llvm",
 ];
 
 const INIT: &str = include_str!("../vm/init.sh");
 const CONFORMANCE: &str = include_str!("../vm/conformance.sh");
+/// The empty program the per-packet cost is a ratio to (LLVM IR; `llc` builds it).
+const EMPTY_PROGRAM: &str = include_str!("../vm/empty.ll");
 
 /// Kernel modules the guest loads (with their dependencies): kernel WireGuard, the underlay,
 /// the destinations, and the legacy TC hook (clsact qdisc, cls_bpf).
@@ -56,7 +60,7 @@ const MODULES: &[&str] = &["wireguard", "veth", "dummy", "sch_ingress", "cls_bpf
 const CPU: &str = "max,-cx16";
 
 /// Host programs copied into the guest with their shared libraries.
-const GUEST_PROGRAMS: &[&str] = &["ip", "tc", "wg", "ping", "date"];
+const GUEST_PROGRAMS: &[&str] = &["ip", "tc", "wg", "ping", "date", "bpftool"];
 
 /// The checks of conformance.sh, in the table's column order, with their headers.
 const CHECKS: &[(&str, &str)] = &[
@@ -73,6 +77,7 @@ const CHECKS: &[(&str, &str)] = &[
     ("revocation", "revocation"),
     ("detach", "detach"),
     ("differential", "differential (BPF_PROG_TEST_RUN)"),
+    ("cost", "per-packet cost, ratio to an empty program"),
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, ValueEnum)]
@@ -500,6 +505,14 @@ fn build_image(
     copy(busybox, &root.join("bin/busybox"))?;
     write_executable(&root.join("init"), INIT)?;
     write_executable(&root.join("conformance.sh"), CONFORMANCE)?;
+    let empty = root.join("empty.ll");
+    fs::write(&empty, EMPTY_PROGRAM)?;
+    util::run(
+        Command::new(util::find_program("llc").context("llc not found: install llvm")?)
+            .args(["-march=bpfel", "-filetype=obj", "-o"])
+            .arg(root.join("empty.o"))
+            .arg(&empty),
+    )?;
 
     let mut programs = vec![(agent.to_path_buf(), "wgfence".to_owned())];
     for name in GUEST_PROGRAMS {
@@ -557,7 +570,7 @@ fn build_image(
 /// What the image depends on: the kernel, the binaries, the scripts.
 fn image_key(unpacked: &Unpacked, binaries: &[&Path]) -> Result<String> {
     let mut hasher = DefaultHasher::new();
-    (INIT, CONFORMANCE, MODULES, GUEST_PROGRAMS).hash(&mut hasher);
+    (INIT, CONFORMANCE, EMPTY_PROGRAM, MODULES, GUEST_PROGRAMS).hash(&mut hasher);
     for binary in binaries {
         let meta = fs::metadata(binary).with_context(|| format!("{}", binary.display()))?;
         binary.hash(&mut hasher);
@@ -905,6 +918,8 @@ fn table(reports: &[Report]) -> String {
         );
         for (check, _) in CHECKS {
             let cell = match r.checks.get(*check) {
+                // The cost's figures are its detail.
+                Some((true, _, detail)) if *check == "cost" => detail.clone(),
                 Some((true, ms, _)) if *ms > 0 => format!("pass, {ms} ms"),
                 Some((true, _, _)) => "pass".to_owned(),
                 Some((false, _, detail)) if !detail.is_empty() => {

@@ -305,6 +305,39 @@ else
     result monitor fail $(($(now_ms) - t0)) "rc=$mon_rc"
 fi
 
+# --- per-packet cost: the agent's ingress program (peers and policies in its maps) against an
+# empty program, both under BPF_PROG_TEST_RUN in this guest; raw IPv4 ICMP echo packets, as
+# the program sees them on wg0 (no link-layer header). ---------------------------------
+ipv4_echo() { # FILE SRC_OCTETS DST_OCTETS, octets as octal escapes
+    printf "\105\000\000\034\000\000\000\000\100\001\000\000$2$3\010\000\367\377\000\000\000\000" >"$1"
+}
+ipv4_echo /tmp/allowed.pkt '\012\010\000\002' '\012\143\000\002'  # a -> 10.99.0.2 (allowed)
+ipv4_echo /tmp/denied.pkt '\012\010\000\002' '\012\143\000\001'   # a -> 10.99.0.1 (denied)
+ipv4_echo /tmp/unknown.pkt '\012\010\000\011' '\012\143\000\001'  # 10.8.0.9: no peer
+ns_per_run() { # PROGRAM-SPEC... FILE: the average duration of 50,000 runs, in ns
+    file=$1
+    shift
+    bpftool prog run "$@" data_in "$file" repeat 50000 2>/dev/null |
+        sed -n 's/.*duration (average): \([0-9]*\)ns.*/\1/p'
+}
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.1f", a / b; else print "?" }'; }
+prog=$(in_ns gw wgfence status --interface wg0 2>/dev/null | sed -n \
+    -e 's/^link .*program id \([0-9]*\).*/\1/p' -e 's/^ingress filter .*program id \([0-9]*\).*/\1/p')
+if bpftool prog load /empty.o /sys/fs/bpf/vmtest_empty type classifier 2>/dev/null && [ -n "$prog" ]; then
+    empty=$(ns_per_run /tmp/unknown.pkt pinned /sys/fs/bpf/vmtest_empty)
+    unknown=$(ns_per_run /tmp/unknown.pkt id "$prog")
+    allowed=$(ns_per_run /tmp/allowed.pkt id "$prog")
+    denied=$(ns_per_run /tmp/denied.pkt id "$prog")
+    rm -f /sys/fs/bpf/vmtest_empty
+    if [ -n "$empty" ] && [ -n "$unknown" ] && [ -n "$allowed" ] && [ -n "$denied" ]; then
+        result cost pass 0 "unknown source $(ratio "$unknown" "$empty")x, allowed $(ratio "$allowed" "$empty")x, denied $(ratio "$denied" "$empty")x (empty: $empty ns)"
+    else
+        result cost fail 0 "empty=$empty unknown=$unknown allowed=$allowed denied=$denied"
+    fi
+else
+    result cost fail 0 "no program to measure (id '$prog') or the empty program did not load"
+fi
+
 # --- revocation, timed: a under a 10 ms ping to its allowed destination; the state drops a;
 # the time from the write to the first probe without a reply -------------------------------
 ping_in_background a 10.99.0.2 400 /tmp/revoke.ping
