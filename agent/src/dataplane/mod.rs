@@ -10,7 +10,11 @@
 //! While it runs, the agent holds the links and every map open itself, and an exclusive lock on
 //! its pin directory (one agent per interface, see [`lock`]), so [`Dataplane::check`] can repair
 //! what happens behind its back: a WireGuard interface deleted and created again (the old tcx
-//! links died with the old device: attach new ones), and pins, the pin directory, `<bpffs>/wgfence`
+//! links died with the old device: attach new ones), one link detached (that hook only gets a
+//! new link; the other is never touched), the interface renamed and a new one created under
+//! its name (the new device gets new links; the renamed one keeps the agent's old links, and
+//! its enforcement, until it goes; a new link is always in place before an old one is let go),
+//! and pins, the pin directory, `<bpffs>/wgfence`
 //! or the whole bpffs removed (create the directory again, lock it, pin everything again from
 //! the agent's own descriptors). Only `wgfence detach` releases enforcement: it renames the
 //! directory to its marker (`detaching-<interface>-<pid>`), where the agent finds the very
@@ -213,6 +217,13 @@ enum PinDirState {
     Detaching(PathBuf),
 }
 
+/// A link the agent holds on a device that no longer has the interface's name.
+struct Retired {
+    ifindex: u32,
+    hook: usize,
+    _link: HeldLink,
+}
+
 /// The attached datapath of one interface and its maps.
 pub struct Dataplane {
     interface: String,
@@ -226,6 +237,10 @@ pub struct Dataplane {
     /// The tcx links, one per [`HOOKS`] entry, held open: pins removed by hand do not detach
     /// the programs while the agent runs, and can be pinned again from here.
     links: Vec<Option<HeldLink>>,
+    /// Links on a device this agent attached to before, which is no longer the one named
+    /// `interface` but still runs the programs through them (renamed while its peers stay
+    /// connected): held, so it stays enforced until it goes, and never pinned.
+    retired: Vec<Retired>,
     /// The exclusive lock on the pin directory; `None` once detached.
     lock: Option<PinDirLock>,
     /// `wgfence detach` took the pin directory: the links are let go and never attached again.
@@ -357,6 +372,7 @@ impl Dataplane {
             attachment,
             ebpf,
             links,
+            retired: Vec::new(),
             lock: Some(lock),
             detached: false,
             unpinned: None,
@@ -414,13 +430,18 @@ impl Dataplane {
             Err(DataplaneError::Interface { source, .. })
                 if source.raw_os_error() == Some(libc::ENODEV) =>
             {
-                return Ok(Check::InterfaceGone)
+                self.prune_retired();
+                return Ok(Check::InterfaceGone);
             }
             Err(e) => return Err(e),
         };
         // A new index means a new device; so does the same index with our programs missing
-        // from its hooks (recreated with `index N`, or the index reused).
-        let reattached = ifindex != self.ifindex || !self.programs_attached()?;
+        // from its hooks (recreated with `index N`, or the index reused). A hook whose program
+        // is missing on an unchanged device lost its link (e.g. `bpftool link detach`): only
+        // that hook is attached again.
+        let moved = ifindex != self.ifindex;
+        let missing = self.missing_hooks(ifindex)?;
+        let reattached = missing.iter().any(|m| *m);
         if reattached {
             let l3_offset = iface::l3_offset(&self.interface)?;
             if l3_offset != self.l3_offset {
@@ -431,17 +452,54 @@ impl Dataplane {
         }
         for (i, hook) in HOOKS.iter().enumerate() {
             let link_path = self.pin_dir.join(hook.link_pin);
+            if missing.get(i).copied().unwrap_or(true) {
+                // The new link first (pinned over the old pin), then the old one goes: no
+                // instant without a link on any device that still runs the program.
+                let program = classifier(&mut self.ebpf, hook.program)?;
+                let new = attach_new(program, hook, &self.interface, &link_path)?;
+                let slot = self
+                    .links
+                    .get_mut(i)
+                    .ok_or(DataplaneError::MissingMap(hook.link_pin))?;
+                if let Some(old) = slot.replace(new) {
+                    if moved {
+                        // The old device may still exist under another name, its peers still
+                        // connected: it keeps its link until it goes (see `prune_retired`).
+                        self.retired.push(Retired {
+                            ifindex: self.ifindex,
+                            hook: i,
+                            _link: old,
+                        });
+                    }
+                }
+                continue;
+            }
             let slot = self
                 .links
                 .get_mut(i)
                 .ok_or(DataplaneError::MissingMap(hook.link_pin))?;
-            if reattached {
-                // The old link died with its device: a new one, and the old pin replaced.
-                remove_if_exists(&link_path)?;
-                *slot = None;
-                let program = classifier(&mut self.ebpf, hook.program)?;
-                *slot = Some(attach_new(program, hook, &self.interface, &link_path)?);
-            } else if unpinned.is_none() && !link_path.exists() {
+            if moved {
+                // The programs run on the device now named `interface` through links held as
+                // retired (it was renamed away and back): they become the pinned ones again.
+                if let Some(at) = self
+                    .retired
+                    .iter()
+                    .position(|r| r.ifindex == ifindex && r.hook == i)
+                {
+                    let back = self.retired.swap_remove(at)._link;
+                    pin_over(&back, &link_path)?;
+                    if let Some(old) = slot.replace(back) {
+                        self.retired.push(Retired {
+                            ifindex: self.ifindex,
+                            hook: i,
+                            _link: old,
+                        });
+                    }
+                    repairs.push(Repair::LinkPin(hook.link_pin));
+                    continue;
+                }
+            }
+            if unpinned.is_none() && !link_path.exists() {
                 // The link is alive (this agent holds it): pin it again. The descriptor stays
                 // open whatever happens, so a failure detaches nothing.
                 let pinned = match slot {
@@ -454,10 +512,13 @@ impl Dataplane {
                 }
             }
         }
-        if reattached {
+        if reattached || moved {
             self.ifindex = ifindex;
+        }
+        if reattached {
             repairs.push(Repair::Reattached { ifindex });
         }
+        self.prune_retired();
         let described = || repairs.iter().map(ToString::to_string).collect::<Vec<_>>();
         if let Some(error) = unpinned {
             let error = crate::error_chain(&error);
@@ -538,6 +599,7 @@ impl Dataplane {
     /// lock's release as the sign that the links are gone.
     fn let_go(&mut self) {
         self.links.iter_mut().for_each(|l| *l = None);
+        self.retired.clear();
         self.lock = None;
         self.detached = true;
     }
@@ -546,22 +608,56 @@ impl Dataplane {
     /// queries). Must run in the interface's network namespace.
     pub fn programs_attached(&mut self) -> Result<bool> {
         let ifindex = iface::index(&self.interface)?;
+        Ok(!self.missing_hooks(ifindex)?.contains(&true))
+    }
+
+    /// For each of [`HOOKS`], whether its program is missing from that hook of the device.
+    fn missing_hooks(&mut self, ifindex: u32) -> Result<Vec<bool>> {
+        let mut missing = Vec::with_capacity(HOOKS.len());
         for hook in &HOOKS {
-            let program = classifier(&mut self.ebpf, hook.program)?;
-            let id = program.info().map_err(program_err(hook.program))?.id();
-            // Ids only: aya's query_tcx opens every program by id, which needs CAP_SYS_ADMIN.
             let attached =
-                sys::tcx_program_ids(ifindex, hook.bpf_attach_type).map_err(|source| {
-                    DataplaneError::Interface {
+                self.runs(ifindex, hook)
+                    .map_err(|source| DataplaneError::Interface {
                         interface: self.interface.clone(),
                         source,
-                    }
-                })?;
-            if !attached.contains(&id) {
-                return Ok(false);
-            }
+                    })?;
+            missing.push(!attached);
         }
-        Ok(true)
+        Ok(missing)
+    }
+
+    /// Whether the hook's program runs on that hook of the device with this index.
+    fn runs(&mut self, ifindex: u32, hook: &Hook) -> io::Result<bool> {
+        let program = classifier(&mut self.ebpf, hook.program).map_err(io::Error::other)?;
+        let id = program.info().map_err(io::Error::other)?.id();
+        // Ids only: aya's query_tcx opens every program by id, which needs CAP_SYS_ADMIN.
+        Ok(sys::tcx_program_ids(ifindex, hook.bpf_attach_type)?.contains(&id))
+    }
+
+    /// Lets go of the retired links whose device is gone or no longer runs the program
+    /// through them (their link was detached); keeps them on any other answer.
+    fn prune_retired(&mut self) {
+        let retired = std::mem::take(&mut self.retired);
+        for r in retired {
+            let Some(hook) = HOOKS.get(r.hook) else {
+                continue;
+            };
+            match self.runs(r.ifindex, hook) {
+                Ok(false) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
+                Ok(true) | Err(_) => {
+                    self.retired.push(r);
+                    continue;
+                }
+            }
+            tracing::info!(
+                interface = %self.interface,
+                ifindex = r.ifindex,
+                hook = hook.link_pin,
+                "the device this agent attached to before, under another name, is gone: \
+                 released its link"
+            );
+        }
     }
 
     /// Opens the maps pinned for an interface without loading or attaching anything (for
@@ -807,14 +903,42 @@ fn attach_new(
         path: link_path.to_owned(),
         source,
     })?;
-    let pinned = link.pin(link_path).map_err(|source| DataplaneError::Pin {
-        path: link_path.to_owned(),
+    // Pinned beside the old pin, which it then replaces atomically: the old link (pinned,
+    // possibly still running on a device) goes only once the new one is in place.
+    let fresh = fresh_pin(link_path);
+    remove_if_exists(&fresh)?;
+    let pinned = link.pin(&fresh).map_err(|source| DataplaneError::Pin {
+        path: fresh.clone(),
         source,
     })?;
     // Opened before aya's descriptor closes with `pinned`: the link never has only its pin.
-    let held = HeldLink::open(link_path)?;
+    let held = HeldLink::open(&fresh)?;
     drop(pinned);
+    rename_pin(&fresh, link_path)?;
     Ok(held)
+}
+
+/// Where a new link is pinned before it replaces the pin at `link_path` (no dot: bpffs
+/// refuses them).
+fn fresh_pin(link_path: &Path) -> PathBuf {
+    let mut name = link_path.file_name().unwrap_or_default().to_owned();
+    name.push("_new");
+    link_path.with_file_name(name)
+}
+
+fn rename_pin(from: &Path, to: &Path) -> Result<()> {
+    fs::rename(from, to).map_err(|source| DataplaneError::Io {
+        path: to.to_owned(),
+        source,
+    })
+}
+
+/// Pins a held link at `link_path`, replacing whatever is pinned there in one step.
+fn pin_over(link: &HeldLink, link_path: &Path) -> Result<()> {
+    let fresh = fresh_pin(link_path);
+    remove_if_exists(&fresh)?;
+    link.pin(&fresh)?;
+    rename_pin(&fresh, link_path)
 }
 
 fn ensure_bpffs(path: &Path) -> Result<()> {
