@@ -315,6 +315,12 @@ impl Dataplane {
         }
         if let Some(upgrade) = upgrade.as_mut() {
             upgrade.fill(&pin_dir)?;
+            let mut ids = Vec::with_capacity(HOOKS.len());
+            for hook in &HOOKS {
+                let program = classifier(&mut ebpf, hook.program)?;
+                ids.push(program.info().map_err(program_err(hook.program))?.id());
+            }
+            upgrade.mark_switch(&pin_dir, &ids)?;
         }
 
         let mut attachment = Attachment::Created;
@@ -328,6 +334,9 @@ impl Dataplane {
                 attachment = attached;
             }
             links.push(Some(link));
+            if upgrade.is_some() {
+                upgrade::failpoint(&format!("upgrade-switched-{}", hook.link_pin));
+            }
         }
         let switch = switch.elapsed();
         // The new programs enforce the full translated state from here on: what is left (late
@@ -354,6 +363,21 @@ impl Dataplane {
                 "could not tidy the pins of layout 1 or place the tombstone: an agent of \
                  layout 1 started now could replace the programs"
             );
+        }
+        // The quota counts as the tables are now (nothing else reconciles them).
+        let mut maps = maps;
+        match maps.recount_flow_quota() {
+            Ok(slots) if slots.is_empty() => {}
+            Ok(slots) => tracing::warn!(
+                interface,
+                ?slots,
+                "the flow quota of these slots did not match their flows: recounted"
+            ),
+            Err(e) => tracing::error!(
+                interface,
+                error = %crate::error_chain(&e),
+                "could not recount the flow quota; it is recounted at the next start"
+            ),
         }
         tracing::info!(
             interface,
