@@ -1252,3 +1252,66 @@ fn a_renamed_interface_keeps_enforcing_beside_its_successor() {
     assert!(released.is_some(), "log:\n{}", agent.log_text());
     drop(successor);
 }
+
+/// `wgfence detach` immediately followed by a new agent (a rollout): the detach renames the
+/// pin directory to its marker and the new agent creates and locks a new pin directory before
+/// the running agent's next check. The running agent finds the directory it locked under the
+/// detach marker and lets go (links and lock), whatever now exists at the pin path: it never
+/// keeps its links beside the new agent's. (Done here by hand, in the order the race has: the
+/// rename, then a new directory locked by someone else, within microseconds.)
+#[test]
+fn an_agent_lets_go_for_a_detach_even_if_a_new_agent_took_the_pin_path() {
+    use std::os::fd::AsRawFd as _;
+
+    let gw = Gateway::new(1);
+    let s = state(vec![gw.peer_json(0, Some(web_only()))]);
+    let agent = Agent::start(&gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+    let (link, _) = Dataplane::link_info(&gw.bpffs, gw.interface())
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| panic!("no pinned link"));
+    let dir = pin_dir(&gw.bpffs, gw.interface());
+    let marker = dir.with_file_name(format!(
+        "detaching-{}-{:010}",
+        gw.interface(),
+        std::process::id()
+    ));
+    fs::rename(&dir, &marker).unwrap_or_else(|e| panic!("{e}"));
+    fs::create_dir(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let newcomer = fs::File::open(&dir).unwrap_or_else(|e| panic!("{e}"));
+    // SAFETY: flock on a descriptor this test holds.
+    let locked = unsafe { libc::flock(newcomer.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    assert_eq!(locked, 0, "{}", std::io::Error::last_os_error());
+
+    // The agent lets go of its lock on the marker (after its links): what `detach` waits for.
+    let let_go = wait_for(Duration::from_secs(3), || {
+        fs::File::open(&marker).is_ok_and(|f| {
+            // SAFETY: flock on a descriptor this closure holds; closing it releases the lock.
+            unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+        })
+    });
+    let log = agent.log_text();
+    drop(newcomer);
+    let _ = fs::remove_dir(&dir);
+    // What `wgfence detach` does once the agent let go: the pins go, and with them the links.
+    for name in all_pins(&marker) {
+        let _ = fs::remove_file(name);
+    }
+    let _ = fs::remove_dir(&marker);
+    assert!(
+        let_go.is_some(),
+        "the agent kept its links and lock beside the new pin directory; log:\n{log}"
+    );
+    let link_show = Command::new("bpftool")
+        .args(["link", "show", "id", &link.to_string()])
+        .output()
+        .unwrap_or_else(|e| panic!("bpftool: {e}"));
+    assert!(
+        !link_show.status.success(),
+        "link {link} still exists once its pins are gone: the agent holds it"
+    );
+    agent.wait_readyz(&gw, 503);
+    let (_, body) = agent.get(&gw, "/readyz").unwrap_or_default();
+    assert!(body.contains("detached"), "{body}");
+}

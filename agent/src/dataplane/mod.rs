@@ -592,24 +592,23 @@ impl Dataplane {
         };
         match fs::symlink_metadata(&self.pin_dir) {
             Ok(meta) if ours(&self.lock, &meta) => return Ok(PinDirState::Ours),
-            // Another directory (or anything else) in its place: damage too.
+            // Gone, or another directory (or anything else) in its place: a detach that
+            // renamed ours away (a new agent may have made and locked a new one since), else
+            // damage.
             Ok(_) => {}
-            Err(e) if e.kind() == ErrorKind::NotFound => {
-                for marker in detaching_dirs(&self.bpffs, &self.interface)? {
-                    match fs::symlink_metadata(&marker) {
-                        Ok(meta) if ours(&self.lock, &meta) => {
-                            return Ok(PinDirState::Detaching(marker))
-                        }
-                        _ => {}
-                    }
-                }
-            }
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
             // Not an answer (EACCES, EIO, ...): an error to retry, never a reason to let go.
             Err(source) => {
                 return Err(DataplaneError::Io {
                     path: self.pin_dir.clone(),
                     source,
                 })
+            }
+        }
+        for marker in detaching_dirs(&self.bpffs, &self.interface)? {
+            match fs::symlink_metadata(&marker) {
+                Ok(meta) if ours(&self.lock, &meta) => return Ok(PinDirState::Detaching(marker)),
+                _ => {}
             }
         }
         // Never on a plain directory where bpffs used to be: pins need bpffs.
