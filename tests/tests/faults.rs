@@ -1113,6 +1113,25 @@ fn runs_on(gw: &Gateway, device: &str, direction: &str, prog: u32) -> bool {
         .is_ok_and(|(_, programs)| programs.iter().any(|p| p.id() == prog))
 }
 
+/// `bpftool link detach` on `link` (link id, program id), then waits until the program runs on
+/// that hook of the interface again (the agent checks once a second).
+#[track_caller]
+fn detach_and_wait_back(gw: &Gateway, agent: &Agent, direction: &str, link: (u32, u32)) {
+    let out = Command::new("bpftool")
+        .args(["link", "detach", "id", &link.0.to_string()])
+        .output()
+        .unwrap_or_else(|e| panic!("bpftool: {e}"));
+    assert!(out.status.success(), "{out:?}");
+    let back = wait_for(Duration::from_millis(1500), || {
+        runs_on(gw, gw.interface(), direction, link.1)
+    });
+    assert!(
+        back.is_some(),
+        "the {direction} program did not come back; log:\n{}",
+        agent.log_text()
+    );
+}
+
 /// One of the two tcx links detached behind the agent's back (`bpftool link detach`), the
 /// device unchanged: the agent attaches a new link for that hook only, before it lets go of
 /// the dead one, and never touches the link that still works. Denied traffic never passes
@@ -1131,19 +1150,7 @@ fn a_link_detached_behind_the_agents_back_comes_back_alone() {
             assert_denied_throughout(&gw, Duration::from_secs(3), "egress link detached")
         });
         thread::sleep(Duration::from_millis(300));
-        let out = Command::new("bpftool")
-            .args(["link", "detach", "id", &egress.0.to_string()])
-            .output()
-            .unwrap_or_else(|e| panic!("bpftool: {e}"));
-        assert!(out.status.success(), "{out:?}");
-        let back = wait_for(Duration::from_millis(1500), || {
-            runs_on(&gw, gw.interface(), "egress", egress.1)
-        });
-        assert!(
-            back.is_some(),
-            "the egress program did not come back; log:\n{}",
-            agent.log_text()
-        );
+        detach_and_wait_back(&gw, &agent, "egress", egress);
         if let Err(panic) = stream.join() {
             std::panic::resume_unwind(panic);
         }
@@ -1163,19 +1170,7 @@ fn a_link_detached_behind_the_agents_back_comes_back_alone() {
     assert_enforced(&gw, "after the egress link came back");
 
     // Now the ingress link: enforcement is gone until the agent's next check, then back.
-    let out = Command::new("bpftool")
-        .args(["link", "detach", "id", &ingress.0.to_string()])
-        .output()
-        .unwrap_or_else(|e| panic!("bpftool: {e}"));
-    assert!(out.status.success(), "{out:?}");
-    let back = wait_for(Duration::from_millis(1500), || {
-        runs_on(&gw, gw.interface(), "ingress", ingress.1)
-    });
-    assert!(
-        back.is_some(),
-        "the ingress program did not come back; log:\n{}",
-        agent.log_text()
-    );
+    detach_and_wait_back(&gw, &agent, "ingress", ingress);
     let (ingress_now, egress_again) = links(&gw);
     assert_eq!(egress_again, egress_now, "the egress link was replaced");
     assert_ne!(

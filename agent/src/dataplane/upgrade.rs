@@ -388,22 +388,34 @@ fn switched_to(pin_dir: &Path) -> Vec<u32> {
 
 /// Pins the switch marker naming `program_ids` (replacing any in one rename).
 fn mark_switch(pin_dir: &Path, program_ids: &[u32]) -> Result<()> {
-    let tmp = pin_dir.join(SWITCH_TMP);
+    pin_u32_array(pin_dir, SWITCH_PIN, SWITCH_PIN, SWITCH_TMP, program_ids)
+}
+
+/// A new array of `values` named `name` in the kernel, pinned at `pin` in `pin_dir` by way of
+/// `tmp` (one rename replaces whatever was pinned at `pin`).
+fn pin_u32_array(
+    pin_dir: &Path,
+    name: &'static str,
+    pin: &str,
+    tmp: &str,
+    values: &[u32],
+) -> Result<()> {
+    let tmp = pin_dir.join(tmp);
     remove_pin(&tmp)?;
-    let len = u32::try_from(program_ids.len()).unwrap_or(u32::MAX);
+    let len = u32::try_from(values.len()).unwrap_or(u32::MAX);
     let obj = aya_obj::Map::new_from_params(MAP_TYPE_ARRAY, 4, 4, len, 0);
-    let data = MapData::create(obj, SWITCH_PIN, None).map_err(map_err(SWITCH_PIN))?;
+    let data = MapData::create(obj, name, None).map_err(map_err(name))?;
     data.pin(&tmp).map_err(|source| DataplaneError::Pin {
         path: tmp.clone(),
         source,
     })?;
     let mut array: Array<MapData, u32> = Map::from_map_data(data)
         .and_then(Array::try_from)
-        .map_err(map_err(SWITCH_PIN))?;
-    for (index, id) in (0u32..).zip(program_ids) {
-        array.set(index, id, 0).map_err(map_err(SWITCH_PIN))?;
+        .map_err(map_err(name))?;
+    for (index, value) in (0u32..).zip(values) {
+        array.set(index, value, 0).map_err(map_err(name))?;
     }
-    let dst = pin_dir.join(SWITCH_PIN);
+    let dst = pin_dir.join(pin);
     fs::rename(&tmp, &dst).map_err(io_err(&dst))
 }
 
@@ -1175,22 +1187,13 @@ fn insert_flow<K: aya::Pod>(
 /// Pins the tombstone at [`TOMBSTONE_PIN`] (replacing whatever is there in one rename): a
 /// one-entry array holding this agent's layout version, which a layout-1 agent refuses.
 fn place_tombstone(pin_dir: &Path) -> Result<()> {
-    let tmp = pin_dir.join(TOMBSTONE_TMP);
-    remove_pin(&tmp)?;
-    let obj = aya_obj::Map::new_from_params(MAP_TYPE_ARRAY, 4, 4, 1, 0);
-    let data = MapData::create(obj, TOMBSTONE_NAME, None).map_err(map_err(TOMBSTONE_NAME))?;
-    data.pin(&tmp).map_err(|source| DataplaneError::Pin {
-        path: tmp.clone(),
-        source,
-    })?;
-    let mut array: Array<MapData, u32> = Map::from_map_data(data)
-        .and_then(Array::try_from)
-        .map_err(map_err(TOMBSTONE_NAME))?;
-    array
-        .set(0, LAYOUT_VERSION, 0)
-        .map_err(map_err(TOMBSTONE_NAME))?;
-    let dst = pin_dir.join(TOMBSTONE_PIN);
-    fs::rename(&tmp, &dst).map_err(io_err(&dst))
+    pin_u32_array(
+        pin_dir,
+        TOMBSTONE_NAME,
+        TOMBSTONE_PIN,
+        TOMBSTONE_TMP,
+        &[LAYOUT_VERSION],
+    )
 }
 
 /// Whether the pin at `path` is this agent's tombstone.
