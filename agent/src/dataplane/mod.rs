@@ -158,8 +158,9 @@ pub enum Check {
     /// Something was repaired.
     Repaired {
         repairs: Vec<Repair>,
-        /// The programs were attached to a new device (the interface was recreated): its
-        /// WireGuard peers are gone too, so the caller must read the kernel again.
+        /// A program was attached again: to a new device (the interface was recreated or
+        /// renamed away: its WireGuard peers are gone too), or to a hook of the same device
+        /// that lost its link or filter. The caller reads the kernel again.
         reattached: bool,
     },
     /// The programs are attached and enforcing (the agent holds the links and maps), but pins
