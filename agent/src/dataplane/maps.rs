@@ -395,6 +395,57 @@ impl Maps {
         Ok((made, freed))
     }
 
+    /// Sets each slot's freed count so that `made - freed` is the number of flows its tables
+    /// hold now: what an agent stopped between deleting flows and counting them, or an
+    /// upgrade that counted a flow twice, left off. For the slots of peer entries and of
+    /// flows. Each slot's `made` is read before the tables are counted, so a flow the
+    /// datapath adds meanwhile can only make the slot look fuller (fewer replies, never
+    /// more); a slot with more flows than `made` says is left alone. Returns the slots changed.
+    pub fn recount_flow_quota(&mut self) -> Result<Vec<u32>> {
+        let mut slots: BTreeMap<u32, u64> = BTreeMap::new();
+        for (_, entry) in self.peers()? {
+            if let std::collections::btree_map::Entry::Vacant(e) = slots.entry(entry.slot) {
+                let made = self
+                    .flow_made
+                    .get(&entry.slot, 0)
+                    .map_err(map_err(map_names::FLOW_MADE))?;
+                e.insert(made);
+            }
+        }
+        let mut live: BTreeMap<u32, u64> = BTreeMap::new();
+        for flow in self.flows()? {
+            *live.entry(flow.value.slot).or_default() += 1;
+        }
+        for slot in live.keys() {
+            if let std::collections::btree_map::Entry::Vacant(e) = slots.entry(*slot) {
+                let made = self
+                    .flow_made
+                    .get(slot, 0)
+                    .map_err(map_err(map_names::FLOW_MADE))?;
+                e.insert(made);
+            }
+        }
+        let mut changed = Vec::new();
+        for (slot, made) in slots {
+            let live = live.get(&slot).copied().unwrap_or_default();
+            let Some(freed) = made.checked_sub(live) else {
+                continue;
+            };
+            let was = self
+                .flow_freed
+                .get(&slot, 0)
+                .map_err(map_err(map_names::FLOW_FREED))?;
+            if was != freed {
+                self.writes += 1;
+                self.flow_freed
+                    .set(slot, freed, 0)
+                    .map_err(map_err(map_names::FLOW_FREED))?;
+                changed.push(slot);
+            }
+        }
+        Ok(changed)
+    }
+
     /// Inserts a reply flow as the egress program would (for tests and benchmarks), counting
     /// it against its slot's quota. Flows of mixed address families are an error.
     pub fn insert_flow(&mut self, flow: &Flow) -> Result<()> {
