@@ -359,18 +359,28 @@ else
     result revocation fail $revoke_ms "last=$last gone=$gone"
 fi
 
-# --- detach: the programs leave the interface (a denied destination passes again) and the
-# pins are gone ----------------------------------------------------------------------------
+# --- detach: the programs leave the interface (a denied destination passes again), the
+# pins are gone, and so are the programs themselves (nothing holds them any more) ----------
+programs=$(in_ns gw wgfence status --interface wg0 2>/dev/null | sed -n 's/.*program id \([0-9]*\).*/\1/p')
 kill -TERM "$AGENT_PID"
 wait "$AGENT_PID" 2>/dev/null
 t0=$(now_ms)
 if in_ns gw wgfence detach --interface wg0; then
     detached=$(($(now_ms) - t0))
     filters=$(in_ns gw tc filter show dev wg0 ingress 2>/dev/null)
-    if [ ! -e /sys/fs/bpf/wgfence/wg0 ] && [ -z "$filters" ] && reaches b 10.99.0.2; then
-        result detach pass $detached pins_gone_traffic_unfiltered
+    # The kernel frees a program after an RCU grace period: allow it 2 s.
+    left=$programs
+    i=0
+    while [ -n "$left" ] && [ $i -lt 20 ]; do
+        sleep 0.1
+        left=$(for id in $programs; do bpftool prog show id "$id" >/dev/null 2>&1 && echo "$id"; done)
+        i=$((i + 1))
+    done
+    if [ ! -e /sys/fs/bpf/wgfence/wg0 ] && [ -z "$filters" ] && [ -n "$programs" ] &&
+        [ -z "$left" ] && reaches b 10.99.0.2; then
+        result detach pass $detached "pins, filters and programs $(echo $programs) gone; traffic unfiltered"
     else
-        result detach fail $detached "filters=$filters"
+        result detach fail $detached "filters=$filters programs=$(echo $programs) left=$(echo $left)"
     fi
 else
     result detach fail $(($(now_ms) - t0)) detach_failed
