@@ -417,6 +417,15 @@ impl Op {
     pub fn is_map_write(&self) -> bool {
         !matches!(self, Op::WgPeer(_) | Op::RemoveWgPeer { .. })
     }
+
+    /// Whether this only takes something away (an address entry, a WireGuard peer, a policy
+    /// entry): what a plan's lead is made of.
+    pub fn is_deletion(&self) -> bool {
+        matches!(
+            self,
+            Op::DeletePeerEntry { .. } | Op::RemoveWgPeer { .. } | Op::DeletePolicyEntry { .. }
+        )
+    }
 }
 
 impl fmt::Display for Op {
@@ -495,6 +504,21 @@ impl Plan {
     pub fn wg_changes(&self) -> usize {
         self.ops.len() - self.map_writes()
     }
+
+    /// The plan's lead: its operations before the first that is not a deletion (the
+    /// revocations, and the room a full map or trie needs). Nothing that can fail for want of
+    /// room comes before them; apply them before anything else.
+    pub fn lead(&self) -> &[Op] {
+        lead(&self.ops)
+    }
+}
+
+/// The lead of a list of operations (see [`Plan::lead`]).
+pub fn lead(ops: &[Op]) -> &[Op] {
+    &ops[..ops
+        .iter()
+        .position(|op| !op.is_deletion())
+        .unwrap_or(ops.len())]
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -1625,23 +1649,6 @@ mod tests {
             s.peers[0].policy.as_ref().unwrap_or(&Arc::default()),
             s.peers[1].policy.as_ref().unwrap_or(&Arc::default())
         ));
-    }
-
-    /// The operations before the plan's first write that is not a deletion: what runs even
-    /// when every put fails.
-    fn lead(ops: &[Op]) -> &[Op] {
-        let end = ops
-            .iter()
-            .position(|op| {
-                !matches!(
-                    op,
-                    Op::DeletePeerEntry { .. }
-                        | Op::RemoveWgPeer { .. }
-                        | Op::DeletePolicyEntry { .. }
-                )
-            })
-            .unwrap_or(ops.len());
-        &ops[..end]
     }
 
     /// Review of issue 11, finding 1: "rotate alice K1 -> K2 (K1 leaked), same rules", pushed

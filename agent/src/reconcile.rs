@@ -222,11 +222,15 @@ impl Reconciler {
         let wg_before = self.wg.peer_updates();
         let moved = moved_addresses(&plan, &desired, &self.actual);
         let mut config_ops = 0;
-        let applied = self.apply_config(&desired).and_then(|wrote| {
-            config_ops = usize::from(wrote);
-            // Before and after: the old holder's traffic may record flows meanwhile.
+        // The lead (revocations, moving addresses, room in a full map) before anything else:
+        // the settings write and the flow work (replies off deletes every flow) can take long
+        // or fail, and a revocation waits for neither.
+        let lead = plan.lead();
+        let applied = self.apply(lead).and_then(|()| {
+            config_ops = usize::from(self.apply_config(&desired)?);
+            // Before and after the rest: the entries of moved addresses are written there.
             self.forget_flows(&moved)?;
-            self.apply(&plan)
+            self.apply(&plan.ops[lead.len()..])
         });
         // The flows of the addresses the plan deleted go also when a later operation failed:
         // the revocations lead the plan, and what ran of it stays (the retry plans from there).
@@ -313,8 +317,7 @@ impl Reconciler {
         Ok(true)
     }
 
-    fn apply(&mut self, plan: &Plan) -> Result<(), ReconcileError> {
-        let ops = &plan.ops;
+    fn apply(&mut self, ops: &[Op]) -> Result<(), ReconcileError> {
         let mut i = 0;
         while i < ops.len() {
             self.check_open()?;

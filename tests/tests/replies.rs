@@ -517,3 +517,81 @@ fn the_agent_collects_flows_that_lost_their_owner_or_expired() {
     );
     assert!(agent.metric(&gw, "wgfence_reply_flows_freed_total") >= 1.0);
 }
+
+/// Review of issue 11, finding 4: a push that revokes a peer and switches replies off must
+/// revoke first. Switching replies off deletes every recorded flow (up to 262,144, a long
+/// loop of map deletes): the revocation may neither wait behind it nor fail because of it.
+/// Observed through the stayer's quota: the flows it deletes are counted into `freed` after
+/// they are gone, so at the instant the revoked entry disappears `freed` must be unchanged.
+#[test]
+fn a_revocation_does_not_wait_behind_switching_replies_off() {
+    let gw = Gateway::new(2);
+    let mut agent = Agent::start(&gw, Layout::Plain, &state(&gw, None), &[]);
+    agent.wait_ready(&gw);
+    let maps = || {
+        Dataplane::open_maps(&gw.bpffs, gw.interface())
+            .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)))
+    };
+    let (revoked, stayer): (std::net::IpAddr, std::net::IpAddr) =
+        (gw.peers[0].v4.into(), gw.peers[1].v4.into());
+    let entry = maps()
+        .peers()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_iter()
+        .find_map(|(a, e)| (a == stayer).then_some(e))
+        .unwrap_or_else(|| panic!("no entry for {stayer}"));
+    // Live flows of the stayer's current owner: no sweep touches them, only replies off.
+    let mut m = maps();
+    let n = 60_000u32;
+    for i in 0..n {
+        let flow = Flow {
+            peer: stayer,
+            remote: std::net::Ipv4Addr::from(0x0a64_0000 + i).into(),
+            protocol: 17,
+            peer_port: 1,
+            remote_port: 1,
+            value: FlowValue {
+                last_seen_ns: u64::MAX / 2,
+                owner: entry.owner,
+                slot: entry.slot,
+                ..FlowValue::default()
+            },
+        };
+        m.insert_flow(&flow).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let (_, freed) = m.flow_quota(entry.slot).unwrap_or_else(|e| panic!("{e}"));
+    agent.write_state(
+        &json!({ "version": 1, "replies": false, "peers": [gw.peer_json(1, None)] }).to_string(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let revoked_at = loop {
+        let present = m
+            .peers()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .iter()
+            .any(|(a, _)| *a == revoked);
+        if !present {
+            break m.flow_quota(entry.slot).unwrap_or_else(|e| panic!("{e}")).1;
+        }
+        assert!(Instant::now() < deadline, "{revoked} was never revoked");
+        thread::sleep(Duration::from_micros(200));
+    };
+    assert_eq!(
+        revoked_at - freed,
+        0,
+        "the revocation waited until the agent had deleted the flows of replies off"
+    );
+    // And the flows go after it.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while flows_toward(&gw, stayer).len() > 0 && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(flows_toward(&gw, stayer).len(), 0, "replies off kept flows");
+    assert_eq!(
+        maps()
+            .flow_quota(entry.slot)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .1,
+        freed + u64::from(n)
+    );
+}

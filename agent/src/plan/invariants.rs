@@ -198,16 +198,7 @@ pub fn check_revocations_lead(
 ) -> Result<(), String> {
     let addrs: BTreeSet<IpAddr> = desired.peers.iter().flat_map(PeerSpec::addrs).collect();
     let keys: BTreeSet<WgKey> = desired.peers.iter().map(|p| p.public_key).collect();
-    let is_deletion = |op: &Op| {
-        matches!(
-            op,
-            Op::DeletePeerEntry { .. } | Op::RemoveWgPeer { .. } | Op::DeletePolicyEntry { .. }
-        )
-    };
-    let lead = &ops[..ops
-        .iter()
-        .position(|op| !is_deletion(op))
-        .unwrap_or(ops.len())];
+    let lead = super::lead(ops);
     for addr in before.maps().peers.keys().filter(|a| !addrs.contains(a)) {
         if !lead.contains(&Op::DeletePeerEntry { addr: *addr }) {
             return Err(format!(
