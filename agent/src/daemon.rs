@@ -31,6 +31,7 @@ use crate::{
     source::{SourceError, StateSource},
     state::{self, DesiredState},
     status::{LastReconcile, StatusFile},
+    sweeper::{Sweeper, FLOW_SWEEP},
     trust::{self, TrustError},
     wg::{WgError, WireGuard},
 };
@@ -39,9 +40,6 @@ use crate::{
 const MAX_RETRY: Duration = Duration::from_secs(30);
 /// How often the attachment and the pins are checked (a name lookup and a few `stat`s).
 const DATAPLANE_CHECK: Duration = Duration::from_secs(1);
-/// How often expired and orphaned reply flows are deleted (one pass over the flow tables),
-/// giving their peers' quota back.
-const FLOW_SWEEP: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -149,6 +147,8 @@ enum Next {
 
 impl Core {
     fn load(&mut self, force: bool) -> Next {
+        // A state change goes first: the flow sweeper waits until it is applied.
+        let _pause = self.reconciler.pause_flow_work();
         if self.dataplane_fault {
             // Nothing is applied while the datapath is not attached as it should be: WireGuard
             // peers added to a device without the program would pass unfiltered, and ready
@@ -404,22 +404,8 @@ impl Core {
         }
     }
 
-    /// Deletes expired and orphaned reply flows. A failure is logged and left to the next
-    /// sweep or resync: it stops nothing (a flow that stays only holds its peer's quota).
-    fn sweep_flows(&mut self) -> Next {
-        if self.dataplane_fault {
-            return Next::Idle;
-        }
-        if let Err(e) = self.reconciler.collect_flows() {
-            if !matches!(e, ReconcileError::Closed) {
-                tracing::warn!(error = %crate::error_chain(&e), "sweeping reply flows failed; will retry");
-            }
-        }
-        self.account(None);
-        Next::Idle
-    }
-
     fn resync(&mut self) -> Next {
+        let _pause = self.reconciler.pause_flow_work();
         if let Err(e) = self.reconciler.refresh() {
             if !matches!(e, ReconcileError::Closed) {
                 tracing::error!(error = %crate::error_chain(&e), "resync: reading the kernel failed; will retry");
@@ -471,6 +457,22 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     let wg = WireGuard::open(&options.interface)?;
     let backend = wg.backend_name();
     let reconciler = Reconciler::new(dataplane, wg)?.with_settings(options.settings);
+    // The reconciler collected dead flows (nothing else deletes any yet); now every slot's
+    // freed count is recounted from its flows, repairing one an agent stopped mid-deletion left
+    // short, and from here on the sweeper is the one writer of the counts.
+    let mut sweeper_maps = Dataplane::open_maps(&options.bpffs, &options.interface)?;
+    let recounted = sweeper_maps.recount_flow_quota()?;
+    if recounted > 0 {
+        tracing::info!(
+            slots = recounted,
+            "recounted the reply flow quota of slots an earlier agent left short"
+        );
+    }
+    let freed_metric = metrics.reply_flows_freed.clone();
+    let sweeper = Sweeper::spawn(sweeper_maps, FLOW_SWEEP, move |n| {
+        freed_metric.inc_by(n);
+    })?;
+    let reconciler = reconciler.with_sweeper(sweeper);
     let adopted = reconciler.actual();
     tracing::info!(
         interface = %options.interface,
@@ -514,8 +516,6 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     let mut resync = tokio::time::interval_at(Instant::now() + options.resync, options.resync);
     let mut check = tokio::time::interval_at(Instant::now() + DATAPLANE_CHECK, DATAPLANE_CHECK);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut sweep = tokio::time::interval_at(Instant::now() + FLOW_SWEEP, FLOW_SWEEP);
-    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stop = shutdown.clone();
     loop {
         let retry_at = (next == Next::Retry).then(|| Instant::now() + retry_delay);
@@ -533,9 +533,6 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
                 if checked == Next::Retry {
                     next = Next::Retry;
                 }
-            }
-            _ = sweep.tick() => {
-                step(&mut core, Core::sweep_flows).await?;
             }
             () = sleep_until(retry_at) => {
                 next = step(&mut core, |c| c.load(true)).await?;
