@@ -50,6 +50,8 @@ pub struct RunOptions {
     pub resync: Duration,
     pub peer_metrics: bool,
     pub datapath_debug: bool,
+    /// Which hook to attach with (`--attach`).
+    pub hook: crate::dataplane::HookMode,
     /// Reply flow timeouts and the drop event rate.
     pub settings: crate::settings::DatapathSettings,
     /// Read a state file that users other than root can change (see [`crate::trust`]).
@@ -449,6 +451,7 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         interface: options.interface.clone(),
         bpffs: options.bpffs.clone(),
         datapath_debug: options.datapath_debug,
+        hook: options.hook,
     };
     let mut dataplane = Dataplane::attach(&attach)?;
     if options.datapath_debug {

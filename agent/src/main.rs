@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tracing_subscriber::{fmt, EnvFilter};
 use wgfence::{
     daemon::{self, RunOptions},
-    dataplane::{pin_dir, Dataplane, DEFAULT_BPFFS, DETACH_TIMEOUT},
+    dataplane::{pin_dir, Dataplane, HookMode, DEFAULT_BPFFS, DETACH_TIMEOUT},
     monitor::{Clock, EventView, Monitor},
     plan::{plan, Actual, ActualMaps},
     reconcile::read_maps,
@@ -38,6 +38,24 @@ struct Cli {
     log: String,
     #[command(subcommand)]
     command: Command,
+}
+
+/// `--attach`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum AttachHook {
+    Auto,
+    Tcx,
+    Tc,
+}
+
+impl From<AttachHook> for HookMode {
+    fn from(hook: AttachHook) -> Self {
+        match hook {
+            AttachHook::Auto => HookMode::Auto,
+            AttachHook::Tcx => HookMode::Tcx,
+            AttachHook::Tc => HookMode::Tc,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -76,6 +94,11 @@ enum Command {
         datapath_debug: bool,
         #[command(flatten)]
         datapath: DatapathArgs,
+        /// The hook: `tcx` (Linux 6.6+), `tc` (a clsact qdisc with direct-action filters at
+        /// priority 1, handle 0x77670001; any supported kernel), or `auto`: tcx where the
+        /// kernel has it, else tc.
+        #[arg(long, value_enum, default_value_t = AttachHook::Auto)]
+        attach: AttachHook,
         /// Read the state file even if users other than root can change it (it, a directory
         /// on its path or a symlink's target is group/world-writable or another user's). By
         /// default the agent refuses to start, and refuses such a file while it runs.
@@ -234,6 +257,7 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             peer_metrics,
             datapath_debug,
             datapath,
+            attach,
             allow_insecure_state,
         } => {
             daemon::run(RunOptions {
@@ -245,6 +269,7 @@ fn dispatch(command: Command) -> Result<ExitCode> {
                 peer_metrics,
                 datapath_debug,
                 settings: datapath.settings(),
+                hook: attach.into(),
                 allow_insecure_state,
             })
             .with_context(|| format!("wgfence run on {interface}"))?;
@@ -393,18 +418,29 @@ fn print_status(r: &Report) {
         if r.attached {
             "attached"
         } else {
-            "NOT attached (no pinned link)"
+            "NOT attached (no pinned link, no filter)"
         },
         r.layout_version,
         r.pin_dir.display()
     );
+    match (&r.hook, r.tc_priority, &r.tc_handle) {
+        (Some(hook), Some(prio), Some(handle)) => println!(
+            "hook             {hook} (clsact, direct-action filters at priority {prio}, handle {handle})"
+        ),
+        (Some(hook), _, _) => println!("hook             {hook}"),
+        (None, _, _) => {}
+    }
     if let (Some(link), Some(prog)) = (r.link_id, r.program_id) {
         println!("link             id {link}, program id {prog} (bpftool link show id {link})");
+    }
+    if let (None, Some(prog)) = (r.link_id, r.program_id) {
+        println!("ingress filter   program id {prog} (bpftool prog show id {prog})");
     }
     match (r.egress_link_id, r.egress_program_id) {
         (Some(link), Some(prog)) => {
             println!("egress link      id {link}, program id {prog} (reply flows)")
         }
+        (None, Some(prog)) => println!("egress filter    program id {prog} (reply flows)"),
         _ if r.attached => {
             println!("egress link      NOT pinned: replies to network-started flows do not pass")
         }
