@@ -520,8 +520,14 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     let mut check = tokio::time::interval_at(Instant::now() + DATAPLANE_CHECK, DATAPLANE_CHECK);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stop = shutdown.clone();
+    // When the pending retry is due: set once, when a load asks for it, and kept until it runs,
+    // so that other events (the datapath check every second) never push it back.
+    let mut retry_at: Option<Instant> = None;
     loop {
-        let retry_at = (next == Next::Retry).then(|| Instant::now() + retry_delay);
+        retry_at = match next {
+            Next::Retry => retry_at.or_else(|| Some(Instant::now() + retry_delay)),
+            Next::Idle => None,
+        };
         tokio::select! {
             _ = stop.changed() => break,
             () = source.changed() => {
@@ -538,6 +544,7 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
                 }
             }
             () = sleep_until(retry_at) => {
+                retry_at = None;
                 next = step(&mut core, |c| c.load(true)).await?;
                 retry_delay = (retry_delay * 2).min(MAX_RETRY);
             }
