@@ -306,6 +306,21 @@ fn plan_shows_the_replies_switch_it_would_write() {
 }
 
 /// The flows recorded toward `addr`.
+fn open_maps(gw: &Gateway) -> wgfence::dataplane::Maps {
+    Dataplane::open_maps(&gw.bpffs, gw.interface())
+        .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)))
+}
+
+/// The address entry of `addr` as the kernel holds it.
+fn entry_of(gw: &Gateway, addr: std::net::IpAddr) -> wgfence_common::PeerEntry {
+    open_maps(gw)
+        .peers()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_iter()
+        .find_map(|(a, e)| (a == addr).then_some(e))
+        .unwrap_or_else(|| panic!("no entry for {addr}"))
+}
+
 fn flows_toward(gw: &Gateway, addr: std::net::IpAddr) -> Vec<Flow> {
     Dataplane::open_maps(&gw.bpffs, gw.interface())
         .and_then(|m| m.flows())
@@ -447,16 +462,8 @@ fn the_agent_collects_flows_that_lost_their_owner_or_expired() {
     let mut agent = Agent::start(&gw, Layout::Plain, &state(&gw, None), &[]);
     agent.wait_ready(&gw);
     let addr: std::net::IpAddr = gw.peers[0].v4.into();
-    let maps = || {
-        Dataplane::open_maps(&gw.bpffs, gw.interface())
-            .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)))
-    };
-    let entry = maps()
-        .peers()
-        .unwrap_or_else(|e| panic!("{e}"))
-        .into_iter()
-        .find_map(|(a, e)| (a == addr).then_some(e))
-        .unwrap_or_else(|| panic!("no entry for {addr}"));
+    let maps = || open_maps(&gw);
+    let entry = entry_of(&gw, addr);
     agent.stop();
     let flow = |remote: u32, owner: u64, last_seen_ns: u64| Flow {
         peer: addr,
@@ -528,18 +535,10 @@ fn a_revocation_does_not_wait_behind_switching_replies_off() {
     let gw = Gateway::new(2);
     let agent = Agent::start(&gw, Layout::Plain, &state(&gw, None), &[]);
     agent.wait_ready(&gw);
-    let maps = || {
-        Dataplane::open_maps(&gw.bpffs, gw.interface())
-            .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)))
-    };
+    let maps = || open_maps(&gw);
     let (revoked, stayer): (std::net::IpAddr, std::net::IpAddr) =
         (gw.peers[0].v4.into(), gw.peers[1].v4.into());
-    let entry = maps()
-        .peers()
-        .unwrap_or_else(|e| panic!("{e}"))
-        .into_iter()
-        .find_map(|(a, e)| (a == stayer).then_some(e))
-        .unwrap_or_else(|| panic!("no entry for {stayer}"));
+    let entry = entry_of(&gw, stayer);
     // Live flows of the stayer's current owner: no sweep touches them, only replies off.
     let mut m = maps();
     let n = 60_000u32;
@@ -586,7 +585,10 @@ fn a_revocation_does_not_wait_behind_switching_replies_off() {
     while !flows_toward(&gw, stayer).is_empty() && Instant::now() < deadline {
         thread::sleep(Duration::from_millis(100));
     }
-    assert!(flows_toward(&gw, stayer).is_empty(), "replies off kept flows");
+    assert!(
+        flows_toward(&gw, stayer).is_empty(),
+        "replies off kept flows"
+    );
     assert_eq!(
         maps()
             .flow_quota(entry.slot)
@@ -605,17 +607,9 @@ fn a_restart_recounts_the_flow_quota() {
     let gw = Gateway::new(2);
     let mut agent = Agent::start(&gw, Layout::Plain, &state(&gw, None), &[]);
     agent.wait_ready(&gw);
-    let maps = || {
-        Dataplane::open_maps(&gw.bpffs, gw.interface())
-            .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)))
-    };
+    let maps = || open_maps(&gw);
     let addr: std::net::IpAddr = gw.peers[1].v4.into();
-    let entry = maps()
-        .peers()
-        .unwrap_or_else(|e| panic!("{e}"))
-        .into_iter()
-        .find_map(|(a, e)| (a == addr).then_some(e))
-        .unwrap_or_else(|| panic!("no entry for {addr}"));
+    let entry = entry_of(&gw, addr);
     let remote = |i: u8| std::net::Ipv4Addr::new(10, 101, 0, i);
     let mut m = maps();
     for i in 1..=5 {
@@ -691,18 +685,10 @@ fn a_revocation_does_not_wait_behind_a_flow_sweep() {
     let gw = Gateway::new(2);
     let agent = Agent::start(&gw, Layout::Plain, &state(&gw, None), &[]);
     agent.wait_ready(&gw);
-    let maps = || {
-        Dataplane::open_maps(&gw.bpffs, gw.interface())
-            .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)))
-    };
+    let maps = || open_maps(&gw);
     let revoked: std::net::IpAddr = gw.peers[0].v4.into();
     let mut m = maps();
-    let entry = m
-        .peers()
-        .unwrap_or_else(|e| panic!("{e}"))
-        .into_iter()
-        .find_map(|(a, e)| (a == std::net::IpAddr::from(gw.peers[1].v4)).then_some(e))
-        .unwrap_or_else(|| panic!("no entry for peer 1"));
+    let entry = entry_of(&gw, std::net::IpAddr::from(gw.peers[1].v4));
     let timeout = m
         .config()
         .unwrap_or_else(|e| panic!("{e}"))
