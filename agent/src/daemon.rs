@@ -26,7 +26,7 @@ use tokio::{
 
 use crate::{
     dataplane::{AttachOptions, Check, Dataplane, DataplaneError, Repair},
-    metrics::{self, Health, Metrics},
+    metrics::{self, Endpoints, Health, Metrics},
     reconcile::{ReconcileError, Reconciler},
     source::{SourceError, StateSource},
     state::{self, DesiredState},
@@ -47,6 +47,8 @@ pub struct RunOptions {
     pub state: PathBuf,
     pub bpffs: PathBuf,
     pub metrics_addr: Option<SocketAddr>,
+    /// Also serve the probes (`/healthz`, `/readyz`) here, on a listener of their own.
+    pub health_addr: Option<SocketAddr>,
     pub resync: Duration,
     pub peer_metrics: bool,
     pub datapath_debug: bool,
@@ -74,7 +76,7 @@ pub enum DaemonError {
         #[source]
         source: TrustError,
     },
-    #[error("metrics address {addr}")]
+    #[error("metrics or health address {addr}")]
     MetricsBind {
         addr: SocketAddr,
         #[source]
@@ -438,14 +440,21 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     health.set_not_ready("no valid state loaded yet");
     // Bind before touching the kernel: a second agent started by mistake on the same node
     // fails here, before it could replace the running one's program.
-    let listener = match options.metrics_addr {
-        Some(addr) => Some(
-            tokio::net::TcpListener::bind(addr)
+    let mut listeners = Vec::new();
+    for (addr, endpoints) in [
+        (options.metrics_addr, Endpoints::All),
+        (options.health_addr, Endpoints::Probes),
+    ] {
+        if let Some(addr) = addr {
+            // Tokio's bind sets SO_REUSEADDR: a restart binds again despite connections of
+            // the previous agent in TIME_WAIT.
+            let listener = tokio::net::TcpListener::bind(addr)
                 .await
-                .map_err(|source| DaemonError::MetricsBind { addr, source })?,
-        ),
-        None => None,
-    };
+                .and_then(|listener| listener.into_std())
+                .map_err(|source| DaemonError::MetricsBind { addr, source })?;
+            listeners.push((listener, endpoints));
+        }
+    }
 
     let attach = AttachOptions {
         interface: options.interface.clone(),
@@ -460,17 +469,10 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     let wg = WireGuard::open(&options.interface)?;
     let backend = wg.backend_name();
     let reconciler = Reconciler::new(dataplane, wg)?.with_settings(options.settings);
-    // The reconciler collected dead flows (nothing else deletes any yet); now every slot's
-    // freed count is recounted from its flows, repairing one an agent stopped mid-deletion left
-    // short, and from here on the sweeper is the one writer of the counts.
-    let mut sweeper_maps = Dataplane::open_maps(&options.bpffs, &options.interface)?;
-    let recounted = sweeper_maps.recount_flow_quota()?;
-    if recounted > 0 {
-        tracing::info!(
-            slots = recounted,
-            "recounted the reply flow quota of slots an earlier agent left short"
-        );
-    }
+    // Attaching recounted every slot's quota from its flows and the reconciler collected the
+    // dead ones (nothing else deletes any yet): from here on the sweeper, with map handles of
+    // its own, is the one writer of the freed counts.
+    let sweeper_maps = Dataplane::open_maps(&options.bpffs, &options.interface)?;
     let freed_metric = metrics.reply_flows_freed.clone();
     let sweeper = Sweeper::spawn(sweeper_maps, FLOW_SWEEP, move |n| {
         freed_metric.inc_by(n);
@@ -486,14 +488,16 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         "kernel state read; nothing is removed before a valid state is loaded"
     );
     let closed = reconciler.shutdown_handle();
-    if let Some(listener) = listener {
-        // On its own thread: nothing a client of the endpoint does can delay this loop.
-        listener
-            .into_std()
-            .and_then(|listener| {
-                metrics::spawn(listener, Arc::clone(&metrics), Arc::clone(&health))
-            })
-            .map_err(DaemonError::MetricsServer)?;
+    for (listener, endpoints) in listeners {
+        // Each on its own thread: nothing a client of one endpoint does can delay this loop
+        // or the other endpoint.
+        metrics::spawn(
+            listener,
+            endpoints,
+            Arc::clone(&metrics),
+            Arc::clone(&health),
+        )
+        .map_err(DaemonError::MetricsServer)?;
     }
 
     let mut source = StateSource::watch(&options.state)?;

@@ -81,6 +81,12 @@ enum Command {
         /// Don't serve metrics at all.
         #[arg(long, conflicts_with = "metrics_addr")]
         no_metrics: bool,
+        /// Also serve /healthz and /readyz here, on a listener of their own with its own small
+        /// connection limit, for the kubelet's probes: clients of the metrics port cannot
+        /// starve them. The DaemonSet uses 127.0.0.1:9587 (pods cannot reach the node's
+        /// loopback).
+        #[arg(long)]
+        health_addr: Option<SocketAddr>,
         /// Seconds between full resyncs, which re-read the kernel and repair drift (a map
         /// entry or WireGuard peer changed behind the agent's back).
         #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
@@ -176,6 +182,11 @@ struct DatapathArgs {
     /// Seconds an ICMP echo flow toward a peer lives without packets.
     #[arg(long, value_name = "SECS", default_value_t = DEFAULTS.icmp_timeout.as_secs(), value_parser = secs())]
     flow_timeout_icmp: u64,
+    /// Seconds a flow toward a peer lives without packets while the peer has not answered on
+    /// it (an unanswered SYN, say), when shorter than its protocol's timeout: a flood toward a
+    /// silent peer holds its flow quota only this long.
+    #[arg(long, value_name = "SECS", default_value_t = DEFAULTS.unanswered_timeout.as_secs(), value_parser = secs())]
+    flow_timeout_unanswered: u64,
     /// Drop events per second for `wgfence monitor`, node-wide (rate-limited in the kernel);
     /// 0 switches them off.
     #[arg(long, value_name = "N", default_value_t = DEFAULTS.events_per_second)]
@@ -201,6 +212,7 @@ impl DatapathArgs {
             tcp_closing_timeout: Duration::from_secs(self.flow_timeout_tcp_closing),
             udp_timeout: Duration::from_secs(self.flow_timeout_udp),
             icmp_timeout: Duration::from_secs(self.flow_timeout_icmp),
+            unanswered_timeout: Duration::from_secs(self.flow_timeout_unanswered),
             events_per_second: self.drop_events_per_second,
             flows_per_peer: self.flows_per_peer,
         }
@@ -253,6 +265,7 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             state,
             metrics_addr,
             no_metrics,
+            health_addr,
             resync,
             peer_metrics,
             datapath_debug,
@@ -265,6 +278,7 @@ fn dispatch(command: Command) -> Result<ExitCode> {
                 state,
                 bpffs,
                 metrics_addr: (!no_metrics).then_some(metrics_addr),
+                health_addr,
                 resync: Duration::from_secs(resync),
                 peer_metrics,
                 datapath_debug,

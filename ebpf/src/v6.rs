@@ -160,7 +160,7 @@ fn on_flow(
     peer_port: u16,
     remote_port: u16,
     protocol: u8,
-    close: bool,
+    close: flow::Seen,
     config: &wgfence_common::Config,
     peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
@@ -206,7 +206,7 @@ fn related(
         peer_port,
         remote_port,
         protocol,
-        false,
+        flow::Seen::Related,
         config,
         peer,
     )

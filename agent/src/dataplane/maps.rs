@@ -352,7 +352,7 @@ impl Maps {
     ///
     /// A flow is counted after it is deleted: if the agent stops in between, the slot's quota
     /// stays short by those flows (fewer replies, never more) until the next start recounts it
-    /// ([`Maps::recount_flow_quota`]).
+    /// ([`Maps::recount_flow_quota`], run by [`super::Dataplane::attach`]).
     pub fn remove_flow_list(&mut self, flows: &[Flow]) -> Result<u64> {
         let mut freed: BTreeMap<u32, u64> = BTreeMap::new();
         for flow in flows {
@@ -381,39 +381,6 @@ impl Maps {
         Ok(count)
     }
 
-    /// Sets every slot's freed count to what its flows say: `freed = made - live`, with `made`
-    /// read before the flows are counted, so a flow the datapath records meanwhile only makes
-    /// the count conservative (one flow less of quota until it goes). Repairs a count an agent
-    /// stopped between deleting flows and counting them left too high. Run it only while no
-    /// other writer of `freed` runs (at start). Returns how many slots it corrected.
-    pub fn recount_flow_quota(&mut self) -> Result<u64> {
-        let made: Vec<u64> = self
-            .flow_made
-            .iter()
-            .collect::<std::result::Result<_, _>>()
-            .map_err(map_err(map_names::FLOW_MADE))?;
-        let mut live: BTreeMap<u32, u64> = BTreeMap::new();
-        for flow in self.flows_unsorted()? {
-            *live.entry(flow.value.slot).or_default() += 1;
-        }
-        let mut corrected = 0;
-        for (slot, made) in (0u32..).zip(made) {
-            let want = made.wrapping_sub(live.get(&slot).copied().unwrap_or(0));
-            let have = self
-                .flow_freed
-                .get(&slot, 0)
-                .map_err(map_err(map_names::FLOW_FREED))?;
-            if have != want {
-                self.writes += 1;
-                self.flow_freed
-                    .set(slot, want, 0)
-                    .map_err(map_err(map_names::FLOW_FREED))?;
-                corrected += 1;
-            }
-        }
-        Ok(corrected)
-    }
-
     /// Flows recorded for `slot` by the datapath, and deleted by the agent: the slot holds
     /// `made - freed` flows.
     pub fn flow_quota(&self, slot: u32) -> Result<(u64, u64)> {
@@ -426,6 +393,57 @@ impl Maps {
             .get(&slot, 0)
             .map_err(map_err(map_names::FLOW_FREED))?;
         Ok((made, freed))
+    }
+
+    /// Sets each slot's freed count so that `made - freed` is the number of flows its tables
+    /// hold now: what an agent stopped between deleting flows and counting them, or an
+    /// upgrade that counted a flow twice, left off. For the slots of peer entries and of
+    /// flows. Each slot's `made` is read before the tables are counted, so a flow the
+    /// datapath adds meanwhile can only make the slot look fuller (fewer replies, never
+    /// more); a slot with more flows than `made` says is left alone. Returns the slots changed.
+    pub fn recount_flow_quota(&mut self) -> Result<Vec<u32>> {
+        let mut slots: BTreeMap<u32, u64> = BTreeMap::new();
+        for (_, entry) in self.peers()? {
+            if let std::collections::btree_map::Entry::Vacant(e) = slots.entry(entry.slot) {
+                let made = self
+                    .flow_made
+                    .get(&entry.slot, 0)
+                    .map_err(map_err(map_names::FLOW_MADE))?;
+                e.insert(made);
+            }
+        }
+        let mut live: BTreeMap<u32, u64> = BTreeMap::new();
+        for flow in self.flows()? {
+            *live.entry(flow.value.slot).or_default() += 1;
+        }
+        for slot in live.keys() {
+            if let std::collections::btree_map::Entry::Vacant(e) = slots.entry(*slot) {
+                let made = self
+                    .flow_made
+                    .get(slot, 0)
+                    .map_err(map_err(map_names::FLOW_MADE))?;
+                e.insert(made);
+            }
+        }
+        let mut changed = Vec::new();
+        for (slot, made) in slots {
+            let live = live.get(&slot).copied().unwrap_or_default();
+            let Some(freed) = made.checked_sub(live) else {
+                continue;
+            };
+            let was = self
+                .flow_freed
+                .get(&slot, 0)
+                .map_err(map_err(map_names::FLOW_FREED))?;
+            if was != freed {
+                self.writes += 1;
+                self.flow_freed
+                    .set(slot, freed, 0)
+                    .map_err(map_err(map_names::FLOW_FREED))?;
+                changed.push(slot);
+            }
+        }
+        Ok(changed)
     }
 
     /// Inserts a reply flow as the egress program would (for tests and benchmarks), counting
