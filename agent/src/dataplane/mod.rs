@@ -43,17 +43,21 @@ use aya::{
     },
     Ebpf, EbpfLoader,
 };
-use wgfence_common::{map_names, EGRESS_PROGRAM, INGRESS_PROGRAM, L3_OFFSET_GLOBAL};
+use wgfence_common::{map_names, Variant};
 
 pub use error::{DataplaneError, Result};
 use lock::{Acquired, PinDirLock};
 pub use maps::{Counters, Flow, Maps, PolicyEntry};
 use sys::HeldLink;
-pub use test_run::{TestProgram, TestRun};
+pub use test_run::{test_run, TestProgram, TestRun, ETH_HLEN, MIN_TEST_INPUT};
 pub use upgrade::UpgradeReport;
 
 /// The datapath object, built from `ebpf/` by `build.rs`.
 pub(crate) static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WGFENCE_BPF_OBJECT"));
+
+/// Where the build left the benchmark's floor programs (`ebpf/src/floor.rs`): a path, read
+/// by `cargo xtask bench` on the machine that built it. The agent never loads them.
+pub const FLOOR_OBJECT_PATH: &str = env!("WGFENCE_FLOOR_OBJECT");
 
 /// Where bpffs is normally mounted.
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
@@ -69,23 +73,29 @@ struct Hook {
     /// The same, as `enum bpf_attach_type`.
     bpf_attach_type: u32,
     link_pin: &'static str,
+    ingress: bool,
 }
 
-/// Egress first: on a first start, flows are recorded before the ingress side judges replies.
-const HOOKS: [Hook; 2] = [
-    Hook {
-        program: EGRESS_PROGRAM,
-        attach_type: TcAttachType::Egress,
-        bpf_attach_type: sys::BPF_TCX_EGRESS,
-        link_pin: LINK_PIN_EGRESS,
-    },
-    Hook {
-        program: INGRESS_PROGRAM,
-        attach_type: TcAttachType::Ingress,
-        bpf_attach_type: sys::BPF_TCX_INGRESS,
-        link_pin: LINK_PIN,
-    },
-];
+/// The programs of `variant` and their hooks. Egress first: on a first start, flows are
+/// recorded before the ingress side judges replies.
+const fn hooks(variant: &Variant) -> [Hook; 2] {
+    [
+        Hook {
+            program: variant.egress,
+            attach_type: TcAttachType::Egress,
+            bpf_attach_type: sys::BPF_TCX_EGRESS,
+            link_pin: LINK_PIN_EGRESS,
+            ingress: false,
+        },
+        Hook {
+            program: variant.ingress,
+            attach_type: TcAttachType::Ingress,
+            bpf_attach_type: sys::BPF_TCX_INGRESS,
+            link_pin: LINK_PIN,
+            ingress: true,
+        },
+    ]
+}
 /// aya-log's global log level: 0 switches datapath logging off.
 const AYA_LOG_LEVEL: &str = "AYA_LOG_LEVEL";
 /// aya-log's `Level::Debug`.
@@ -223,7 +233,7 @@ pub struct Dataplane {
     /// The loaded object; kept so the datapath's log ring buffer stays readable and the
     /// programs can be attached again.
     ebpf: Ebpf,
-    /// The tcx links, one per [`HOOKS`] entry, held open: pins removed by hand do not detach
+    /// The tcx links, one per [`hooks`] entry, held open: pins removed by hand do not detach
     /// the programs while the agent runs, and can be pinned again from here.
     links: Vec<Option<HeldLink>>,
     /// The exclusive lock on the pin directory; `None` once detached.
@@ -234,8 +244,8 @@ pub struct Dataplane {
     unpinned: Option<String>,
     /// The interface index the links were made for.
     ifindex: u32,
-    /// Where the IP header starts on that interface: a load-time constant of the programs.
-    l3_offset: u32,
+    /// The program variant loaded for that interface (where the IP header starts).
+    variant: Variant,
     /// The maps, opened a second time to pin them again if their pins are removed.
     map_pins: Vec<(&'static str, MapData)>,
     /// What this attach carried over from a datapath of an older layout, if it upgraded one.
@@ -250,7 +260,7 @@ impl Dataplane {
     /// Must run in the interface's network namespace.
     pub fn attach(options: &AttachOptions) -> Result<Self> {
         let interface = options.interface.as_str();
-        let l3_offset = iface::l3_offset(interface)?;
+        let variant = iface::variant(interface)?;
         ensure_bpffs(&options.bpffs)?;
         let pin_dir = pin_dir(&options.bpffs, interface);
         // Before anything in the kernel changes: another agent on this interface is an error.
@@ -273,9 +283,7 @@ impl Dataplane {
             0
         };
         let mut loader = EbpfLoader::new();
-        loader
-            .override_global(L3_OFFSET_GLOBAL, &l3_offset, true)
-            .override_global(AYA_LOG_LEVEL, &log_level, false);
+        loader.override_global(AYA_LOG_LEVEL, &log_level, false);
         for (name, path) in &pins {
             // Reuses the pinned map if there is one, else creates and pins it.
             loader.map_pin_path(name, path.as_path());
@@ -294,7 +302,9 @@ impl Dataplane {
 
         // Both programs are verified before either is switched: the two link updates follow
         // each other without a verifier run between them.
-        for hook in &HOOKS {
+        // Only the variant's two programs are loaded; the other variant's stay in the object.
+        let hooks = hooks(&variant);
+        for hook in &hooks {
             let program = classifier(&mut ebpf, hook.program)?;
             program.load().map_err(program_err(hook.program))?;
         }
@@ -303,13 +313,13 @@ impl Dataplane {
         }
 
         let mut attachment = Attachment::Created;
-        let mut links = Vec::with_capacity(HOOKS.len());
+        let mut links = Vec::with_capacity(hooks.len());
         let switch = std::time::Instant::now();
-        for hook in &HOOKS {
+        for hook in &hooks {
             let program = classifier(&mut ebpf, hook.program)?;
             let link_path = pin_dir.join(hook.link_pin);
             let (attached, link) = attach_or_replace(program, hook, interface, &link_path)?;
-            if hook.program == INGRESS_PROGRAM {
+            if hook.ingress {
                 attachment = attached;
             }
             links.push(Some(link));
@@ -343,7 +353,7 @@ impl Dataplane {
         tracing::info!(
             interface,
             pin_dir = %pin_dir.display(),
-            l3_offset,
+            variant = variant.name,
             ?attachment,
             layout = wgfence_common::LAYOUT_VERSION,
             "datapath attached"
@@ -361,7 +371,7 @@ impl Dataplane {
             detached: false,
             unpinned: None,
             ifindex,
-            l3_offset,
+            variant,
             map_pins,
         })
     }
@@ -421,15 +431,13 @@ impl Dataplane {
         // A new index means a new device; so does the same index with our programs missing
         // from its hooks (recreated with `index N`, or the index reused).
         let reattached = ifindex != self.ifindex || !self.programs_attached()?;
-        if reattached {
-            let l3_offset = iface::l3_offset(&self.interface)?;
-            if l3_offset != self.l3_offset {
-                return Err(DataplaneError::InterfaceChanged {
-                    interface: self.interface.clone(),
-                });
-            }
+        // The device came back as another kind (L3 or Ethernet): this variant does not fit it.
+        if reattached && iface::variant(&self.interface)? != self.variant {
+            return Err(DataplaneError::InterfaceChanged {
+                interface: self.interface.clone(),
+            });
         }
-        for (i, hook) in HOOKS.iter().enumerate() {
+        for (i, hook) in hooks(&self.variant).iter().enumerate() {
             let link_path = self.pin_dir.join(hook.link_pin);
             let slot = self
                 .links
@@ -546,7 +554,7 @@ impl Dataplane {
     /// queries). Must run in the interface's network namespace.
     pub fn programs_attached(&mut self) -> Result<bool> {
         let ifindex = iface::index(&self.interface)?;
-        for hook in &HOOKS {
+        for hook in &hooks(&self.variant) {
             let program = classifier(&mut self.ebpf, hook.program)?;
             let id = program.info().map_err(program_err(hook.program))?.id();
             // Ids only: aya's query_tcx opens every program by id, which needs CAP_SYS_ADMIN.
@@ -706,6 +714,11 @@ impl Dataplane {
         self.upgraded.as_ref()
     }
 
+    /// The program variant this dataplane loaded for its interface.
+    pub fn variant(&self) -> Variant {
+        self.variant
+    }
+
     /// The map layout the datapath pinned for an interface runs, from what its ingress link's
     /// program uses (not from which pins exist); `None` when no link is pinned or it runs a
     /// program that is not wgfence's.
@@ -731,7 +744,7 @@ fn program_err(program: &'static str) -> impl Fn(aya::programs::ProgramError) ->
     move |source| DataplaneError::Program { program, source }
 }
 
-/// One of the datapath's classifiers ([`INGRESS_PROGRAM`], [`EGRESS_PROGRAM`]).
+/// One of the datapath's classifiers (a [`Variant`]'s `ingress` or `egress`).
 pub(crate) fn classifier<'a>(
     ebpf: &'a mut Ebpf,
     program: &'static str,
