@@ -1,5 +1,9 @@
 //! Drop events for `wgfence monitor`: a per-CPU token bucket (counted in nanoseconds of credit,
-//! so no division runs here) decides, then the event goes to the ring buffer. With nobody
+//! so no division runs here) decides, then the event goes to the ring buffer. The bucket runs
+//! on the coarse monotonic clock (a tick's resolution, read without touching the clock
+//! source): credit arrives a tick at a time, which changes neither the rate nor the burst, and
+//! a held-back drop costs no precise clock read. Only an admitted event reads the precise clock
+//! for its timestamp. With nobody
 //! reading, the ring fills and each admitted event costs one failed write: a flood of dropped
 //! packets costs at most the configured event rate.
 
@@ -23,13 +27,12 @@ pub(crate) fn report(
     if config.event_interval_ns == 0 {
         return;
     }
-    let now = now_ns();
-    if !admit(config, now) {
+    if !admit(config, coarse_now_ns()) {
         count(Counter::EventRateLimited);
         return;
     }
     let mut event = DropEvent {
-        timestamp_ns: now,
+        timestamp_ns: now_ns(),
         reason: why as u32,
         slot: slot.unwrap_or(NO_SLOT),
         len: ctx.len(),
@@ -46,6 +49,13 @@ pub(crate) fn report(
         Ok(()) => count(Counter::EventSent),
         Err(_) => count(Counter::EventRingFull),
     }
+}
+
+/// CLOCK_MONOTONIC_COARSE in nanoseconds.
+#[inline(always)]
+fn coarse_now_ns() -> u64 {
+    // SAFETY: a helper without arguments or side effects.
+    unsafe { aya_ebpf::helpers::bpf_ktime_get_coarse_ns() }
 }
 
 /// Takes one event's credit from this CPU's bucket, if it has it.
