@@ -726,6 +726,20 @@ impl Dataplane {
         upgrade::running_layout(&pin_dir(bpffs, interface))
     }
 
+    /// The program variant the pinned ingress link runs, from its program's name; when the
+    /// program cannot be looked up (no CAP_SYS_ADMIN), the variant the interface's type calls
+    /// for (what an agent loads for it), if the interface is in this network namespace. `None`
+    /// when no link is pinned or it runs a program of neither variant.
+    pub fn running_variant(bpffs: &Path, interface: &str) -> Result<Option<Variant>> {
+        let Some(running) = upgrade::running(&pin_dir(bpffs, interface).join(LINK_PIN))? else {
+            return Ok(None);
+        };
+        Ok(match running.program {
+            Some(name) => Variant::of_program(&name),
+            None => iface::variant(interface).ok(),
+        })
+    }
+
     pub fn maps(&self) -> &Maps {
         &self.maps
     }

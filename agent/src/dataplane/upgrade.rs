@@ -250,6 +250,8 @@ pub(crate) struct Running {
     /// `None`: the program uses no `wgf<N>_` map, or maps of several layouts (not ours).
     pub layout: Option<u32>,
     pub maps: BTreeMap<String, u32>,
+    /// The program's name as the kernel has it; `None` when it cannot be looked up.
+    pub program: Option<String>,
 }
 
 /// What the link pinned at `link_path` runs; `None` if nothing is pinned there.
@@ -295,6 +297,7 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
             program_id,
             layout,
             maps: BTreeMap::new(),
+            program: None,
         }));
     };
     let mut maps = BTreeMap::new();
@@ -317,6 +320,7 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
         program_id,
         layout,
         maps,
+        program: info.name_as_str().map(str::to_owned),
     }))
 }
 
