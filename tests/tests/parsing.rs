@@ -330,3 +330,71 @@ fn per_peer_counters_count_packets_and_bytes() {
     assert_eq!(c.drop_packets, 1);
     assert_eq!(c.drop_bytes, drop.len() as u64);
 }
+
+/// Pins the calling thread to `cpu`.
+fn pin_to(cpu: usize) {
+    // SAFETY: cpu_set_t is plain data; CPU_SET writes a bit inside it; sched_setaffinity reads
+    // it for the calling thread (pid 0).
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    assert_eq!(
+        rc,
+        0,
+        "sched_setaffinity({cpu}): {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+#[test]
+fn per_peer_counters_are_summed_over_cpus_and_reset_on_every_cpu() {
+    if wgfence::settings::online_cpus() < 2 {
+        eprintln!("skipped: needs two CPUs");
+        return;
+    }
+    let mut p = program();
+    let pass = Packet::new(RESTRICTED_V4, "10.2.3.4", TCP, 443).frame();
+    // One peer's packets on two CPUs: each CPU counts in its own copy.
+    for (cpu, n) in [(0, 2u64), (1, 3)] {
+        pin_to(cpu);
+        for _ in 0..n {
+            expect(&mut p, &pass, Counter::PassPolicy);
+        }
+    }
+    let c = p
+        .maps()
+        .peer_counters(RESTRICTED_SLOT)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c.pass_packets, 5);
+    assert_eq!(c.pass_bytes, 5 * pass.len() as u64);
+    // A slot given to a new peer starts from zero on every CPU.
+    p.maps_mut()
+        .reset_peer_counters(RESTRICTED_SLOT)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let c = p
+        .maps()
+        .peer_counters(RESTRICTED_SLOT)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c, wgfence_common::PeerCounters::default());
+    pin_to(1);
+    expect(&mut p, &pass, Counter::PassPolicy);
+    let c = p
+        .maps()
+        .peer_counters(RESTRICTED_SLOT)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((c.pass_packets, c.pass_bytes), (1, pass.len() as u64));
+}
+
+#[test]
+fn the_l3_variant_has_no_arp_check() {
+    // On a device without a link layer, bytes 12-13 are the middle of the IPv4 header (here
+    // the first half of the source address, 8.6.x.x): an unknown source, never ARP.
+    require_root();
+    let mut p = TestProgram::load_variant(wgfence_common::VARIANT_L3)
+        .unwrap_or_else(|e| panic!("loading the L3 variant: {e}"));
+    let ip = Packet::new("8.6.0.1", "10.2.3.4", TCP, 443).ip();
+    assert_eq!(&ip[12..14], &[8, 6]);
+    expect(&mut p, &ip, Counter::DropUnknownSource);
+}
