@@ -26,7 +26,7 @@ use tokio::{
 
 use crate::{
     dataplane::{AttachOptions, Check, Dataplane, DataplaneError, Repair},
-    metrics::{self, Health, Metrics},
+    metrics::{self, Endpoints, Health, Metrics},
     reconcile::{ReconcileError, Reconciler},
     source::{SourceError, StateSource},
     state::{self, DesiredState},
@@ -49,9 +49,13 @@ pub struct RunOptions {
     pub state: PathBuf,
     pub bpffs: PathBuf,
     pub metrics_addr: Option<SocketAddr>,
+    /// Also serve the probes (`/healthz`, `/readyz`) here, on a listener of their own.
+    pub health_addr: Option<SocketAddr>,
     pub resync: Duration,
     pub peer_metrics: bool,
     pub datapath_debug: bool,
+    /// Which hook to attach with (`--attach`).
+    pub hook: crate::dataplane::HookMode,
     /// Reply flow timeouts and the drop event rate.
     pub settings: crate::settings::DatapathSettings,
     /// Read a state file that users other than root can change (see [`crate::trust`]).
@@ -74,7 +78,7 @@ pub enum DaemonError {
         #[source]
         source: TrustError,
     },
-    #[error("metrics address {addr}")]
+    #[error("metrics or health address {addr}")]
     MetricsBind {
         addr: SocketAddr,
         #[source]
@@ -450,19 +454,27 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     health.set_not_ready("no valid state loaded yet");
     // Bind before touching the kernel: a second agent started by mistake on the same node
     // fails here, before it could replace the running one's program.
-    let listener = match options.metrics_addr {
-        Some(addr) => Some(
-            tokio::net::TcpListener::bind(addr)
+    let mut listeners = Vec::new();
+    for (addr, endpoints) in [
+        (options.metrics_addr, Endpoints::All),
+        (options.health_addr, Endpoints::Probes),
+    ] {
+        if let Some(addr) = addr {
+            // Tokio's bind sets SO_REUSEADDR: a restart binds again despite connections of
+            // the previous agent in TIME_WAIT.
+            let listener = tokio::net::TcpListener::bind(addr)
                 .await
-                .map_err(|source| DaemonError::MetricsBind { addr, source })?,
-        ),
-        None => None,
-    };
+                .and_then(|listener| listener.into_std())
+                .map_err(|source| DaemonError::MetricsBind { addr, source })?;
+            listeners.push((listener, endpoints));
+        }
+    }
 
     let attach = AttachOptions {
         interface: options.interface.clone(),
         bpffs: options.bpffs.clone(),
         datapath_debug: options.datapath_debug,
+        hook: options.hook,
     };
     let mut dataplane = Dataplane::attach(&attach)?;
     if options.datapath_debug {
@@ -481,14 +493,16 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         "kernel state read; nothing is removed before a valid state is loaded"
     );
     let closed = reconciler.shutdown_handle();
-    if let Some(listener) = listener {
-        // On its own thread: nothing a client of the endpoint does can delay this loop.
-        listener
-            .into_std()
-            .and_then(|listener| {
-                metrics::spawn(listener, Arc::clone(&metrics), Arc::clone(&health))
-            })
-            .map_err(DaemonError::MetricsServer)?;
+    for (listener, endpoints) in listeners {
+        // Each on its own thread: nothing a client of one endpoint does can delay this loop
+        // or the other endpoint.
+        metrics::spawn(
+            listener,
+            endpoints,
+            Arc::clone(&metrics),
+            Arc::clone(&health),
+        )
+        .map_err(DaemonError::MetricsServer)?;
     }
 
     let mut source = StateSource::watch(&options.state)?;

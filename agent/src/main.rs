@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tracing_subscriber::{fmt, EnvFilter};
 use wgfence::{
     daemon::{self, RunOptions},
-    dataplane::{pin_dir, Dataplane, DEFAULT_BPFFS, DETACH_TIMEOUT},
+    dataplane::{pin_dir, Dataplane, HookMode, DEFAULT_BPFFS, DETACH_TIMEOUT},
     monitor::{Clock, EventView, Monitor},
     plan::{plan, Actual, ActualMaps},
     reconcile::read_maps,
@@ -40,6 +40,24 @@ struct Cli {
     command: Command,
 }
 
+/// `--attach`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum AttachHook {
+    Auto,
+    Tcx,
+    Tc,
+}
+
+impl From<AttachHook> for HookMode {
+    fn from(hook: AttachHook) -> Self {
+        match hook {
+            AttachHook::Auto => HookMode::Auto,
+            AttachHook::Tcx => HookMode::Tcx,
+            AttachHook::Tc => HookMode::Tc,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum LogFormat {
     Text,
@@ -63,6 +81,12 @@ enum Command {
         /// Don't serve metrics at all.
         #[arg(long, conflicts_with = "metrics_addr")]
         no_metrics: bool,
+        /// Also serve /healthz and /readyz here, on a listener of their own with its own small
+        /// connection limit, for the kubelet's probes: clients of the metrics port cannot
+        /// starve them. The DaemonSet uses 127.0.0.1:9587 (pods cannot reach the node's
+        /// loopback).
+        #[arg(long)]
+        health_addr: Option<SocketAddr>,
         /// Seconds between full resyncs, which re-read the kernel and repair drift (a map
         /// entry or WireGuard peer changed behind the agent's back).
         #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
@@ -76,6 +100,11 @@ enum Command {
         datapath_debug: bool,
         #[command(flatten)]
         datapath: DatapathArgs,
+        /// The hook: `tcx` (Linux 6.6+), `tc` (a clsact qdisc with direct-action filters at
+        /// priority 1, handle 0x77670001; any supported kernel), or `auto`: tcx where the
+        /// kernel has it, else tc.
+        #[arg(long, value_enum, default_value_t = AttachHook::Auto)]
+        attach: AttachHook,
         /// Read the state file even if users other than root can change it (it, a directory
         /// on its path or a symlink's target is group/world-writable or another user's). By
         /// default the agent refuses to start, and refuses such a file while it runs.
@@ -153,6 +182,11 @@ struct DatapathArgs {
     /// Seconds an ICMP echo flow toward a peer lives without packets.
     #[arg(long, value_name = "SECS", default_value_t = DEFAULTS.icmp_timeout.as_secs(), value_parser = secs())]
     flow_timeout_icmp: u64,
+    /// Seconds a flow toward a peer lives without packets while the peer has not answered on
+    /// it (an unanswered SYN, say), when shorter than its protocol's timeout: a flood toward a
+    /// silent peer holds its flow quota only this long.
+    #[arg(long, value_name = "SECS", default_value_t = DEFAULTS.unanswered_timeout.as_secs(), value_parser = secs())]
+    flow_timeout_unanswered: u64,
     /// Drop events per second for `wgfence monitor`, node-wide (rate-limited in the kernel);
     /// 0 switches them off.
     #[arg(long, value_name = "N", default_value_t = DEFAULTS.events_per_second)]
@@ -178,6 +212,7 @@ impl DatapathArgs {
             tcp_closing_timeout: Duration::from_secs(self.flow_timeout_tcp_closing),
             udp_timeout: Duration::from_secs(self.flow_timeout_udp),
             icmp_timeout: Duration::from_secs(self.flow_timeout_icmp),
+            unanswered_timeout: Duration::from_secs(self.flow_timeout_unanswered),
             events_per_second: self.drop_events_per_second,
             flows_per_peer: self.flows_per_peer,
         }
@@ -230,10 +265,12 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             state,
             metrics_addr,
             no_metrics,
+            health_addr,
             resync,
             peer_metrics,
             datapath_debug,
             datapath,
+            attach,
             allow_insecure_state,
         } => {
             daemon::run(RunOptions {
@@ -241,10 +278,12 @@ fn dispatch(command: Command) -> Result<ExitCode> {
                 state,
                 bpffs,
                 metrics_addr: (!no_metrics).then_some(metrics_addr),
+                health_addr,
                 resync: Duration::from_secs(resync),
                 peer_metrics,
                 datapath_debug,
                 settings: datapath.settings(),
+                hook: attach.into(),
                 allow_insecure_state,
             })
             .with_context(|| format!("wgfence run on {interface}"))?;
@@ -393,7 +432,7 @@ fn print_status(r: &Report) {
         if r.attached {
             "attached"
         } else {
-            "NOT attached (no pinned link)"
+            "NOT attached (no pinned link, no filter)"
         },
         r.layout_version,
         r.program_variant
@@ -401,13 +440,24 @@ fn print_status(r: &Report) {
             .unwrap_or_default(),
         r.pin_dir.display()
     );
+    match (&r.hook, r.tc_priority, &r.tc_handle) {
+        (Some(hook), Some(prio), Some(handle)) => println!(
+            "hook             {hook} (clsact, direct-action filters at priority {prio}, handle {handle})"
+        ),
+        (Some(hook), _, _) => println!("hook             {hook}"),
+        (None, _, _) => {}
+    }
     if let (Some(link), Some(prog)) = (r.link_id, r.program_id) {
         println!("link             id {link}, program id {prog} (bpftool link show id {link})");
+    }
+    if let (None, Some(prog)) = (r.link_id, r.program_id) {
+        println!("ingress filter   program id {prog} (bpftool prog show id {prog})");
     }
     match (r.egress_link_id, r.egress_program_id) {
         (Some(link), Some(prog)) => {
             println!("egress link      id {link}, program id {prog} (reply flows)")
         }
+        (None, Some(prog)) => println!("egress filter    program id {prog} (reply flows)"),
         _ if r.attached => {
             println!("egress link      NOT pinned: replies to network-started flows do not pass")
         }

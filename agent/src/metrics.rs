@@ -1,4 +1,5 @@
-//! Prometheus metrics (OpenMetrics text at `/metrics`), `/healthz` and `/readyz`.
+//! Prometheus metrics (OpenMetrics text at `/metrics`), `/healthz` and `/readyz`; the probes
+//! also on a listener of their own (`--health-addr`, [`Endpoints::Probes`]).
 //!
 //! The agent's own counters are kept in a `prometheus-client` registry; the datapath's packet
 //! counters are read from the pinned maps on each scrape, so they count what the kernel counted
@@ -321,8 +322,8 @@ fn counter_family<L: prometheus_client::encoding::EncodeLabelSet>(
     Ok(())
 }
 
-/// Connections served at once. More are closed (reset) as soon as they are accepted: never
-/// queued, never holding a descriptor. A scraper and the kubelet's probes need a handful.
+/// Connections the metrics listener serves at once. More are closed (reset) as soon as they
+/// are accepted: never queued, never holding a descriptor. A scraper needs a handful.
 pub const MAX_CONNECTIONS: usize = 64;
 /// A connection closes when it has not sent a whole request head within this time: before
 /// its first request (a client that connects and sends nothing, or sends it a byte at a
@@ -336,11 +337,53 @@ const MAX_BUF: usize = 16 * 1024;
 /// Pause after a failed accept (out of descriptors, say) before trying again, not to spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
-/// Serves `/metrics`, `/healthz` and `/readyz` on a thread of its own, with its own runtime:
-/// nothing the HTTP side does (many or slow clients, scrapes that read the pinned maps) can
-/// delay the reconcile loop. The thread runs until the process ends.
+/// What one listener serves, and how many clients at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoints {
+    /// `/metrics`, `/healthz` and `/readyz` (`--metrics-addr`), at most [`MAX_CONNECTIONS`].
+    All,
+    /// `/healthz` and `/readyz` only (`--health-addr`), for the kubelet's probes: a listener
+    /// of its own, so clients of the metrics port can never take its connections, at most
+    /// [`PROBE_CONNECTIONS`], each closed sooner.
+    Probes,
+}
+
+/// Connections the probe listener serves at once (the kubelet opens one per probe).
+pub const PROBE_CONNECTIONS: usize = 8;
+/// The probe listener's [`HEADER_TIMEOUT`] and [`CONNECTION_LIFETIME`]: a probe sends its
+/// request at once and reads a few bytes.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl Endpoints {
+    fn max_connections(self) -> usize {
+        match self {
+            Self::All => MAX_CONNECTIONS,
+            Self::Probes => PROBE_CONNECTIONS,
+        }
+    }
+
+    fn timeouts(self) -> (Duration, Duration) {
+        match self {
+            Self::All => (HEADER_TIMEOUT, CONNECTION_LIFETIME),
+            Self::Probes => (PROBE_TIMEOUT, PROBE_TIMEOUT),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::All => "metrics",
+            Self::Probes => "health",
+        }
+    }
+}
+
+/// Serves `endpoints` on a thread of its own, with its own runtime: nothing the HTTP side
+/// does (many or slow clients, scrapes that read the pinned maps) can delay the reconcile
+/// loop, nor (one thread per listener) the other listener. The thread runs until the process
+/// ends.
 pub fn spawn(
     listener: std::net::TcpListener,
+    endpoints: Endpoints,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
 ) -> io::Result<()> {
@@ -349,31 +392,42 @@ pub fn spawn(
         .enable_all()
         .build()?;
     std::thread::Builder::new()
-        .name("metrics".to_owned())
+        .name(endpoints.name().to_owned())
         .spawn(move || {
             runtime.block_on(async move {
                 match TcpListener::from_std(listener) {
-                    Ok(listener) => serve(listener, metrics, health).await,
-                    Err(e) => tracing::error!(error = %e, "metrics listener"),
+                    Ok(listener) => serve(listener, endpoints, metrics, health).await,
+                    Err(e) => tracing::error!(error = %e, listener = endpoints.name(), "listener"),
                 }
             });
         })
         .map(drop)
 }
 
-/// Accepts connections forever, at most [`MAX_CONNECTIONS`] at once.
-pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, health: Arc<Health>) {
+/// Accepts connections forever, at most [`Endpoints::max_connections`] at once.
+pub async fn serve(
+    listener: TcpListener,
+    endpoints: Endpoints,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+) {
+    let name = endpoints.name();
     if let Ok(addr) = listener.local_addr() {
-        tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+        match endpoints {
+            Endpoints::All => tracing::info!(%addr, "serving /metrics, /healthz, /readyz"),
+            Endpoints::Probes => tracing::info!(%addr, "serving /healthz, /readyz"),
+        }
     }
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let max = endpoints.max_connections();
+    let (header_timeout, lifetime) = endpoints.timeouts();
+    let slots = Arc::new(Semaphore::new(max));
     // Connections refused since the limit was reached, for one log line per episode.
     let mut refused: Option<u64> = None;
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(conn) => conn,
             Err(e) => {
-                tracing::warn!(error = %e, "accepting a metrics connection");
+                tracing::warn!(error = %e, listener = name, "accepting a connection");
                 tokio::time::sleep(ACCEPT_BACKOFF).await;
                 continue;
             }
@@ -384,9 +438,10 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, health: Arc<Hea
             drop(stream);
             if refused.is_none() {
                 tracing::warn!(
-                    max = MAX_CONNECTIONS,
-                    "metrics endpoint: connection limit reached; closing new connections \
-                     until some end (is the port reachable from peers? see docs/security.md)"
+                    max,
+                    listener = name,
+                    "connection limit reached; closing new connections until some end (is \
+                     the port reachable from peers or pods? see docs/security.md)"
                 );
             }
             *refused.get_or_insert(0) += 1;
@@ -395,7 +450,8 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, health: Arc<Hea
         if let Some(n) = refused.take() {
             tracing::info!(
                 refused = n,
-                "metrics endpoint: below the connection limit again"
+                listener = name,
+                "below the connection limit again"
             );
         }
         let metrics = Arc::clone(&metrics);
@@ -403,26 +459,31 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, health: Arc<Hea
         tokio::spawn(async move {
             let _slot = slot;
             let service = service_fn(move |req: Request<hyper::body::Incoming>| {
-                let response = respond(&req, &metrics, &health);
+                let response = respond(&req, endpoints, &metrics, &health);
                 async move { Ok::<_, Infallible>(response) }
             });
             let connection = http1::Builder::new()
                 .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
+                .header_read_timeout(header_timeout)
                 .max_buf_size(MAX_BUF)
                 .serve_connection(TokioIo::new(stream), service);
-            match tokio::time::timeout(CONNECTION_LIFETIME, connection).await {
+            match tokio::time::timeout(lifetime, connection).await {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::debug!(error = %e, "metrics connection"),
-                Err(_) => tracing::debug!("metrics connection closed at its lifetime"),
+                Ok(Err(e)) => tracing::debug!(error = %e, listener = name, "connection"),
+                Err(_) => tracing::debug!(listener = name, "connection closed at its lifetime"),
             }
         });
     }
 }
 
-fn respond<B>(req: &Request<B>, metrics: &Metrics, health: &Health) -> Response<Full<Bytes>> {
+fn respond<B>(
+    req: &Request<B>,
+    endpoints: Endpoints,
+    metrics: &Metrics,
+    health: &Health,
+) -> Response<Full<Bytes>> {
     let (status, content_type, body) = match (req.method(), req.uri().path()) {
-        (&Method::GET, "/metrics") => (
+        (&Method::GET, "/metrics") if endpoints == Endpoints::All => (
             200,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
             metrics.encode(),

@@ -17,6 +17,8 @@ pub struct DatapathSettings {
     pub udp_timeout: Duration,
     /// Idle timeout of ICMP echo flows.
     pub icmp_timeout: Duration,
+    /// Idle timeout of a flow the peer has not answered yet, when shorter than its protocol's.
+    pub unanswered_timeout: Duration,
     /// Drop events per second, node-wide; 0 switches drop events off.
     pub events_per_second: u32,
     /// Live reply flows one peer may hold (both address families together).
@@ -24,13 +26,15 @@ pub struct DatapathSettings {
 }
 
 impl DatapathSettings {
-    /// The timeouts of Cilium's connection tracking (TCP 6 h, closing 10 s, UDP 60 s) and of
-    /// Linux conntrack for ICMP (30 s); 1,000 drop events per second; 1,024 flows per peer.
+    /// The timeouts of Cilium's connection tracking (TCP 6 h, closing 10 s, UDP 60 s, a TCP
+    /// flow not answered yet 60 s) and of Linux conntrack for ICMP (30 s); 1,000 drop events
+    /// per second; 1,024 flows per peer.
     pub const DEFAULT: Self = Self {
         tcp_timeout: Duration::from_secs(6 * 3600),
         tcp_closing_timeout: Duration::from_secs(10),
         udp_timeout: Duration::from_secs(60),
         icmp_timeout: Duration::from_secs(30),
+        unanswered_timeout: Duration::from_secs(60),
         events_per_second: 1000,
         flows_per_peer: DEFAULT_FLOWS_PER_PEER,
     };
@@ -69,6 +73,7 @@ impl DatapathSettings {
             tcp_closing_timeout_ns: nanos(self.tcp_closing_timeout),
             udp_timeout_ns: nanos(self.udp_timeout),
             other_timeout_ns: nanos(self.icmp_timeout),
+            unanswered_timeout_ns: nanos(self.unanswered_timeout),
             event_interval_ns,
             event_burst_ns,
             owner_high: 0,
@@ -98,6 +103,7 @@ mod tests {
         assert_eq!(on.tcp_closing_timeout_ns, 10 * NANOS_PER_SECOND);
         assert_eq!(on.udp_timeout_ns, 60 * NANOS_PER_SECOND);
         assert_eq!(on.other_timeout_ns, 30 * NANOS_PER_SECOND);
+        assert_eq!(on.unanswered_timeout_ns, 60 * NANOS_PER_SECOND);
         assert_eq!(on.flows_per_peer, 1024);
     }
 

@@ -168,8 +168,17 @@ pub struct Report {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub program_variant: Option<&'static str>,
     pub pin_dir: PathBuf,
-    /// The tcx link is pinned (the program is attached while it is).
+    /// The ingress program is attached: its tcx link is pinned, or its tc filter is in place.
     pub attached: bool,
+    /// The hook the programs run on: "tcx" or "tc" (a clsact qdisc with direct-action
+    /// filters); absent when not attached.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hook: Option<String>,
+    /// On the tc hook: the priority and handle of the agent's filters (both directions).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tc_priority: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tc_handle: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub link_id: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -284,6 +293,18 @@ pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Rep
     let maps = Dataplane::open_maps(bpffs, interface)?;
     let link = Dataplane::link_info(bpffs, interface)?;
     let egress = Dataplane::egress_link_info(bpffs, interface)?;
+    // No tcx link pinned: the programs may run as tc filters (looked up on the interface).
+    let filters = match link {
+        Some(_) => None,
+        None => Dataplane::tc_filters(interface)?,
+    };
+    let hook = match (link, filters) {
+        (Some(_), _) => Some(crate::dataplane::HookKind::Tcx),
+        (None, Some(_)) => Some(crate::dataplane::HookKind::Tc),
+        (None, None) => None,
+    };
+    let tc = hook == Some(crate::dataplane::HookKind::Tc);
+    let (tc_ingress, tc_egress) = filters.unwrap_or_default();
     let agent = AgentStatus::read(interface).ok();
 
     let entries = maps.peers()?;
@@ -345,11 +366,14 @@ pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Rep
         layout_version: running.unwrap_or(LAYOUT_VERSION),
         program_variant: variant.map(|v| v.name),
         pin_dir: dir,
-        attached: link.is_some(),
+        attached: link.is_some() || tc_ingress.is_some(),
+        hook: hook.map(|h| h.name().to_owned()),
+        tc_priority: tc.then_some(crate::dataplane::tc::TC_PRIORITY),
+        tc_handle: tc.then(|| format!("{:#x}", crate::dataplane::tc::TC_HANDLE)),
         link_id: link.map(|l| l.0),
-        program_id: link.map(|l| l.1),
+        program_id: link.map(|l| l.1).or(tc_ingress),
         egress_link_id: egress.map(|l| l.0),
-        egress_program_id: egress.map(|l| l.1),
+        egress_program_id: egress.map(|l| l.1).or(tc_egress),
         peers,
         policies: policies.len(),
         policy_entries: policy_entries.len(),

@@ -286,10 +286,14 @@ pub struct FlowKeyV6 {
     pub _pad: [u8; 3],
 }
 
-/// [`FlowValue::state`]: the flow is open.
+/// [`FlowValue::state`]: the flow is open and the peer has answered on it.
 pub const FLOW_OPEN: u32 = 0;
 /// [`FlowValue::state`]: a TCP flow saw a FIN or an RST; it times out after the closing timeout.
 pub const FLOW_CLOSING: u32 = 1;
+/// [`FlowValue::state`]: the network started the flow and the peer has not answered on it yet
+/// (an ICMP error is no answer); it times out after [`Config::unanswered_timeout_ns`], so
+/// packets toward a silent peer hold its quota only briefly.
+pub const FLOW_UNANSWERED: u32 = 2;
 
 /// Value of the flow tables: when the flow last carried a packet (either way), in
 /// `bpf_ktime_get_ns` time (CLOCK_MONOTONIC), the [`PeerEntry::owner`] of the address when the
@@ -324,6 +328,9 @@ pub struct Config {
     pub udp_timeout_ns: u64,
     /// Idle timeout of ICMP echo and of every other protocol.
     pub other_timeout_ns: u64,
+    /// Idle timeout of a flow the peer has not answered yet ([`FLOW_UNANSWERED`]), any
+    /// protocol, when shorter than the protocol's.
+    pub unanswered_timeout_ns: u64,
     /// Drop events: nanoseconds of credit one event costs on one CPU; 0 disables events.
     pub event_interval_ns: u64,
     /// Drop events: the most credit one CPU can save up (the burst).
@@ -342,11 +349,16 @@ impl Config {
     /// The idle timeout of a flow of `protocol` in `state` ([`FlowValue::state`]).
     #[inline(always)]
     pub const fn timeout_ns(&self, protocol: u8, state: u32) -> u64 {
-        match protocol {
+        let timeout = match protocol {
             PROTO_TCP if state == FLOW_CLOSING => self.tcp_closing_timeout_ns,
             PROTO_TCP => self.tcp_timeout_ns,
             PROTO_UDP => self.udp_timeout_ns,
             _ => self.other_timeout_ns,
+        };
+        if state == FLOW_UNANSWERED && self.unanswered_timeout_ns < timeout {
+            self.unanswered_timeout_ns
+        } else {
+            timeout
         }
     }
 }
@@ -584,8 +596,26 @@ mod tests {
         assert_eq!(core::mem::size_of::<FlowKeyV4>(), 16);
         assert_eq!(core::mem::size_of::<FlowKeyV6>(), 40);
         assert_eq!(core::mem::size_of::<FlowValue>(), 24);
-        assert_eq!(core::mem::size_of::<Config>(), 64);
+        assert_eq!(core::mem::size_of::<Config>(), 72);
         assert_eq!(core::mem::size_of::<DropEvent>(), 64);
+    }
+
+    #[test]
+    fn an_unanswered_flow_times_out_at_the_shorter_of_its_two_timeouts() {
+        let c = Config {
+            tcp_timeout_ns: 100,
+            tcp_closing_timeout_ns: 10,
+            udp_timeout_ns: 60,
+            other_timeout_ns: 30,
+            unanswered_timeout_ns: 40,
+            ..Config::default()
+        };
+        assert_eq!(c.timeout_ns(PROTO_TCP, FLOW_UNANSWERED), 40);
+        assert_eq!(c.timeout_ns(PROTO_TCP, FLOW_OPEN), 100);
+        assert_eq!(c.timeout_ns(PROTO_TCP, FLOW_CLOSING), 10);
+        assert_eq!(c.timeout_ns(PROTO_UDP, FLOW_UNANSWERED), 40);
+        assert_eq!(c.timeout_ns(PROTO_UDP, FLOW_OPEN), 60);
+        assert_eq!(c.timeout_ns(PROTO_ICMP, FLOW_UNANSWERED), 30);
     }
 
     #[test]

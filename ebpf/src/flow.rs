@@ -5,7 +5,10 @@
 //! A flow is keyed as the peer's reply looks (peer address and port first), so the ingress
 //! lookup needs no swapping. Only the egress program creates entries: a peer cannot make one
 //! from its side. Idle timeouts are the agent's ([`Config`]), checked against the entry's
-//! timestamp at lookup; the agent deletes expired flows. Nothing is evicted: a flow counts
+//! timestamp at lookup; the agent deletes expired flows. A flow starts unanswered
+//! ([`FLOW_UNANSWERED`], the short [`Config::unanswered_timeout_ns`]) and opens when the peer
+//! answers on it, so what the network sends a silent peer holds its quota only briefly.
+//! Nothing is evicted: a flow counts
 //! against its peer's quota ([`Config::flows_per_peer`]) until the agent deletes it, and a full
 //! quota or a full table refuses new flows (which only stops replies).
 //!
@@ -14,8 +17,8 @@
 
 use aya_ebpf::{bindings::BPF_NOEXIST, btf_maps::HashMap, programs::TcContext};
 use wgfence_common::{
-    Config, Counter, FlowValue, PeerEntry, FLOW_CLOSING, FLOW_OPEN, MAX_FLOWS, PROTO_ICMP,
-    PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    Config, Counter, FlowValue, PeerEntry, FLOW_CLOSING, FLOW_OPEN, FLOW_UNANSWERED, MAX_FLOWS,
+    PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
 };
 
 use crate::{count, count_made, load, now_ns, under_quota, Drop, Pass};
@@ -96,12 +99,14 @@ pub(crate) fn on_egress<K>(
             && now.saturating_sub(last_seen) <= timeout(config, packet.protocol, state);
         if live {
             // SAFETY: as above.
+            // A new connection on a closing flow's ports waits for the peer's answer again;
+            // otherwise the network's packets (a retransmitted SYN too) answer nothing.
             unsafe {
                 (*flow).last_seen_ns = now;
                 if packet.close {
                     (*flow).state = FLOW_CLOSING;
-                } else if packet.start {
-                    (*flow).state = FLOW_OPEN;
+                } else if packet.start && state == FLOW_CLOSING {
+                    (*flow).state = FLOW_UNANSWERED;
                 }
             }
             return;
@@ -119,7 +124,7 @@ pub(crate) fn on_egress<K>(
         // SAFETY: as above.
         unsafe {
             (*flow).owner = peer.owner;
-            (*flow).state = FLOW_OPEN;
+            (*flow).state = FLOW_UNANSWERED;
             (*flow).last_seen_ns = now;
         }
         count(Counter::FlowRecorded);
@@ -135,7 +140,7 @@ pub(crate) fn on_egress<K>(
     let flow = FlowValue {
         last_seen_ns: now,
         owner: peer.owner,
-        state: FLOW_OPEN,
+        state: FLOW_UNANSWERED,
         slot: peer.slot,
     };
     // Never replaces an entry (a racing CPU's): a full table refuses.
@@ -147,6 +152,17 @@ pub(crate) fn on_egress<K>(
     }
 }
 
+/// What a peer's packet on a flow does to it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Seen {
+    /// A packet of the flow: the peer answers, the flow is open.
+    Answer,
+    /// A TCP FIN or RST: the flow is closing.
+    Close,
+    /// An ICMP error about the flow (conntrack's RELATED): it passes, but answers nothing.
+    Related,
+}
+
 /// Ingress: the peer's packet `key`, which its policy denies, passes if it answers a live flow
 /// of the address's current owner.
 #[inline(always)]
@@ -154,7 +170,7 @@ pub(crate) fn reply<K>(
     flows: &Flows<K>,
     key: &K,
     protocol: u8,
-    close: bool,
+    seen: Seen,
     config: &Config,
     peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
@@ -172,8 +188,10 @@ pub(crate) fn reply<K>(
     // SAFETY: as in `on_egress`.
     unsafe {
         (*flow).last_seen_ns = now;
-        if close {
-            (*flow).state = FLOW_CLOSING;
+        match seen {
+            Seen::Close => (*flow).state = FLOW_CLOSING,
+            Seen::Answer if state == FLOW_UNANSWERED => (*flow).state = FLOW_OPEN,
+            Seen::Answer | Seen::Related => {}
         }
     }
     Ok(Pass {
@@ -251,11 +269,12 @@ pub(crate) fn effect(ctx: &TcContext, l4: usize, protocol: u8) -> Option<ToPeer>
 
 /// How a peer's packet that its policy denied could answer a flow.
 pub(crate) enum Answer {
-    /// A reply on the flow (peer port, remote port); `close`: a TCP FIN or RST.
+    /// A reply on the flow (peer port, remote port): [`Seen::Answer`], or [`Seen::Close`] for
+    /// a TCP FIN or RST.
     Flow {
         peer_port: u16,
         remote_port: u16,
-        close: bool,
+        close: Seen,
     },
     /// An ICMP error: the packet it quotes, at `l4 + ICMP_ERROR_LEN`, names the flow.
     Error,
@@ -277,13 +296,17 @@ pub(crate) fn answer(
             Some(Answer::Flow {
                 peer_port: src,
                 remote_port: dst,
-                close: tcp_closes(flags),
+                close: if tcp_closes(flags) {
+                    Seen::Close
+                } else {
+                    Seen::Answer
+                },
             })
         }
         (PROTO_UDP, Some((src, dst))) => Some(Answer::Flow {
             peer_port: src,
             remote_port: dst,
-            close: false,
+            close: Seen::Answer,
         }),
         (p, _) if p == icmp.protocol => {
             let h = load::<[u8; 6]>(ctx, l4)?;
@@ -291,7 +314,7 @@ pub(crate) fn answer(
                 Some(Answer::Flow {
                     peer_port: u16::from_be_bytes([h[4], h[5]]),
                     remote_port: 0,
-                    close: false,
+                    close: Seen::Answer,
                 })
             } else if h[0] < 32 && icmp.errors >> h[0] & 1 == 1 {
                 Some(Answer::Error)

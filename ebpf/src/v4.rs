@@ -111,7 +111,7 @@ fn on_flow(
     peer_port: u16,
     remote_port: u16,
     protocol: u8,
-    close: bool,
+    close: flow::Seen,
     config: &wgfence_common::Config,
     peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
@@ -155,7 +155,15 @@ fn related(
     else {
         return denied;
     };
-    on_flow(ip, peer_port, remote_port, protocol, false, config, peer)
+    on_flow(
+        ip,
+        peer_port,
+        remote_port,
+        protocol,
+        flow::Seen::Related,
+        config,
+        peer,
+    )
 }
 
 /// Egress: records or refreshes the flow of a packet toward a restricted peer.

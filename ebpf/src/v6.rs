@@ -159,7 +159,7 @@ fn on_flow(
     peer_port: u16,
     remote_port: u16,
     protocol: u8,
-    close: bool,
+    close: flow::Seen,
     config: &wgfence_common::Config,
     peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
@@ -205,7 +205,7 @@ fn related(
         peer_port,
         remote_port,
         protocol,
-        false,
+        flow::Seen::Related,
         config,
         peer,
     )

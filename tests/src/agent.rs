@@ -214,7 +214,7 @@ impl Agent {
             }
             None => gw.node.command(&self.binary),
         };
-        let child = command
+        command
             .args([
                 "--log",
                 "wgfence=debug",
@@ -226,9 +226,8 @@ impl Agent {
             .args(extra)
             .stdin(Stdio::null())
             .stdout(log)
-            .stderr(log2)
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting wgfence: {e}"));
+            .stderr(log2);
+        let child = crate::spawn(&mut command).unwrap_or_else(|e| panic!("starting wgfence: {e}"));
         self.child = Some(child);
     }
 

@@ -15,6 +15,22 @@ use wgfence::{
 };
 
 /// An address literal of a test (panics on a typo).
+/// Spawns `command`, retrying while the kernel answers ETXTBSY: an executable a test has just
+/// written can still be open for writing in a child another test thread forked meanwhile (until
+/// that child execs), and exec refuses a file open for writing.
+pub fn spawn(command: &mut std::process::Command) -> std::io::Result<std::process::Child> {
+    let mut tries = 0;
+    loop {
+        match command.spawn() {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && tries < 100 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
 pub fn ip(s: &str) -> std::net::IpAddr {
     s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
 }

@@ -5,6 +5,7 @@
 use std::{
     net::TcpStream,
     process::{Child, Stdio},
+    sync::atomic::{AtomicBool, Ordering},
     thread,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
@@ -18,6 +19,9 @@ use wgfence_tests::{
     state,
     topology::Gateway,
 };
+
+/// `--health-addr` as the DaemonSet sets it, in the gateway's node namespace.
+const HEALTH: &str = "127.0.0.1:9587";
 
 fn web_and_ping() -> Value {
     json!([
@@ -701,4 +705,101 @@ fn an_empty_egress_reaches_nothing_and_no_egress_reaches_everything() {
         probe(closed, Kind::Tcp(443), ip("10.2.3.4")),
         Reach::Blocked
     );
+}
+
+/// Any pod reaches the metrics port on the node IP. Clients that keep all its connection slots
+/// busy (holding each connection until the agent closes it, then reconnecting at once) must
+/// not make the kubelet's liveness probe fail (the kubelet would restart the agent, and
+/// CrashLoopBackOff would leave state changes unapplied for minutes) nor delay a revocation.
+/// The probe goes where the DaemonSet sends it: the separate health listener.
+#[test]
+fn clients_holding_the_metrics_port_neither_fail_the_liveness_probe_nor_delay_a_revocation() {
+    /// More holders than the metrics port has slots: some always wait to take a freed one.
+    const HOLDERS: usize = wgfence::metrics::MAX_CONNECTIONS + 32;
+    let gw = Gateway::new(2);
+    let both = state(vec![gw.peer_json(0, None), gw.peer_json(1, None)]);
+    let agent = Agent::start(&gw, Layout::Plain, &both, &["--health-addr", HEALTH]);
+    agent.wait_ready(&gw);
+    let metrics: std::net::SocketAddr = wgfence_tests::agent::METRICS
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let stop = AtomicBool::new(false);
+    let (live, starved) = thread::scope(|s| {
+        s.spawn(|| {
+            // Threads inherit the namespace of the thread that starts them.
+            gw.node.enter(|| {
+                thread::scope(|holders| {
+                    for _ in 0..HOLDERS {
+                        holders.spawn(|| hold_connections(metrics, &stop));
+                    }
+                });
+            });
+        });
+        thread::sleep(Duration::from_millis(500));
+        // Probe as the kubelet does (a fresh connection, one request) for longer than one
+        // header timeout, so the holders go through a round of freed and retaken slots.
+        let until = Instant::now() + wgfence::metrics::HEADER_TIMEOUT + Duration::from_secs(2);
+        let mut live = Vec::new();
+        let mut starved = 0;
+        while Instant::now() < until {
+            live.push(http_get(&gw.node, HEALTH, "/healthz").map(|(s, _)| s));
+            if http_get(&gw.node, wgfence_tests::agent::METRICS, "/healthz").is_none() {
+                starved += 1;
+            }
+            thread::sleep(Duration::from_millis(200));
+        }
+        revoke_peer_1(&gw, &agent, "the metrics port's slots held busy");
+        stop.store(true, Ordering::Relaxed);
+        (live, starved)
+    });
+    eprintln!(
+        "liveness probes: {live:?}; fresh requests to the metrics port unanswered: {starved}"
+    );
+    assert!(
+        starved > 0,
+        "the holders never filled the metrics port: the test proves nothing"
+    );
+    assert!(
+        live.iter().all(|s| *s == Some(200)),
+        "the liveness probe failed while clients held the metrics port: {live:?}"
+    );
+    // The readiness probe goes there too; the metrics stay on the metrics port only.
+    assert_eq!(
+        http_get(&gw.node, HEALTH, "/readyz").map(|(s, _)| s),
+        Some(200)
+    );
+    assert_eq!(
+        http_get(&gw.node, HEALTH, "/metrics").map(|(s, _)| s),
+        Some(404)
+    );
+}
+
+/// Connects to `addr` again and again, holding each connection (sending nothing) until the
+/// agent closes it, until `stop`.
+fn hold_connections(addr: std::net::SocketAddr, stop: &AtomicBool) {
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(mut stream) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else {
+            thread::sleep(Duration::from_millis(5));
+            continue;
+        };
+        let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+        let mut buf = [0u8; 256];
+        loop {
+            match std::io::Read::read(&mut stream, &mut buf) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    if stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+    }
 }

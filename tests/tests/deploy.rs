@@ -434,8 +434,9 @@ fn bpffs_mount(r: &Rendered) {
     );
 }
 
-/// Probes and scrapes reach the metrics server: the port it binds, on an address the kubelet
-/// and Prometheus reach (the pod IP, which is the node's with hostNetwork).
+/// Scrapes reach the metrics server: the port it binds, on an address Prometheus reaches (the
+/// pod IP, which is the node's with hostNetwork); the kubelet's probes reach the health
+/// listener, on the node's loopback, which no pod reaches.
 fn probes_reach_the_agent(r: &Rendered) -> u16 {
     let agent = r.agent();
     let addr = r
@@ -488,6 +489,33 @@ fn probes_reach_the_agent(r: &Rendered) -> u16 {
         );
     }
 
+    // The probes go to a listener of their own on the node's loopback: any pod reaches the
+    // metrics port on the node IP, and clients holding its connections would fail the
+    // liveness probe (the kubelet would restart the agent into CrashLoopBackOff).
+    let health = r.arg("--health-addr").unwrap_or_else(|| {
+        panic!(
+            "{}: no --health-addr: the probes would share the metrics port's connections",
+            r.dir
+        )
+    });
+    let (health_host, health_port) = health
+        .rsplit_once(':')
+        .unwrap_or_else(|| panic!("{}: --health-addr {health} has no port", r.dir));
+    let health_host = health_host.trim_start_matches('[').trim_end_matches(']');
+    let health_port: u64 = health_port
+        .parse()
+        .unwrap_or_else(|e| panic!("{}: --health-addr port {health_port}: {e}", r.dir));
+    assert!(
+        health_host == "127.0.0.1" || health_host == "::1",
+        "{}: --health-addr {health}: pods reach any address but the node's loopback",
+        r.dir
+    );
+    assert_ne!(
+        health_port,
+        u64::from(port),
+        "{}: --health-addr shares the metrics port",
+        r.dir
+    );
     let ports: BTreeMap<&str, u64> = array(&agent["ports"])
         .iter()
         .map(|p| (str_at(&p["name"]), p["containerPort"].as_u64().unwrap_or(0)))
@@ -502,14 +530,15 @@ fn probes_reach_the_agent(r: &Rendered) -> u16 {
             other => other.as_u64().unwrap_or(0),
         };
         assert_eq!(
-            probe_port,
-            u64::from(port),
-            "{}: {probe} does not hit the metrics port",
+            probe_port, health_port,
+            "{}: {probe} does not hit the --health-addr port",
             r.dir
         );
-        assert!(
-            get["host"].is_null(),
-            "{}: {probe} overrides the host",
+        // The kubelet probes the pod IP unless told otherwise; with hostNetwork the pod's
+        // loopback is the node's, which the kubelet reaches.
+        assert_eq!(
+            get["host"], health_host,
+            "{}: {probe} does not probe the --health-addr host",
             r.dir
         );
     }

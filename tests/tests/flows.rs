@@ -625,3 +625,87 @@ fn icmpv6_packet_too_big_about_a_flow_passes() {
         .quoting(&probe);
     from_peer(&mut p, &too_big, Counter::PassReply);
 }
+
+/// A flow the peer has not answered lives for the unanswered timeout only: SYNs (or datagrams)
+/// toward a silent peer hold its quota briefly, not for the 6 h of an open TCP flow. An answer
+/// from the peer moves it to its protocol's timeout; the network's retransmitted SYN does not,
+/// and a new SYN on a flow that was closing makes it unanswered again.
+#[test]
+fn a_flow_the_peer_has_not_answered_expires_after_the_unanswered_timeout() {
+    let short = Duration::from_millis(300);
+    let settings = DatapathSettings {
+        unanswered_timeout: short,
+        tcp_closing_timeout: Duration::from_secs(60),
+        ..DatapathSettings::default()
+    };
+    for (peer, node) in [(PEER_V4, NODE_V4), (PEER_V6, NODE_V6)] {
+        let mut p = program(settings, true);
+        let syn = |port: u16| Packet::new(node, peer, TCP, 22).src_port(port);
+        let syn_ack = |port: u16| {
+            Packet::new(peer, node, TCP, port)
+                .src_port(22)
+                .tcp_flags(TCP_SYN | TCP_ACK)
+        };
+        let ack = |port: u16| {
+            Packet::new(peer, node, TCP, port)
+                .src_port(22)
+                .tcp_flags(TCP_ACK)
+        };
+        // 51000: never answered, the SYN sent twice. 51001: answered.
+        // 51002: answered, closed by the peer, then a new SYN on the same ports.
+        // 52000/52001: UDP, unanswered and answered.
+        for port in [51000, 51000, 51001, 51002] {
+            to_peer(&mut p, &syn(port));
+        }
+        for port in [52000, 52001] {
+            to_peer(&mut p, &Packet::new(node, peer, UDP, 161).src_port(port));
+        }
+        from_peer(&mut p, &syn_ack(51001), Counter::PassReply);
+        from_peer(&mut p, &syn_ack(51002), Counter::PassReply);
+        from_peer(
+            &mut p,
+            &ack(51002).tcp_flags(TCP_RST | TCP_ACK),
+            Counter::PassReply,
+        );
+        to_peer(&mut p, &syn(51002));
+        let udp_answer = |port: u16| Packet::new(peer, node, UDP, port).src_port(161);
+        from_peer(&mut p, &udp_answer(52001), Counter::PassReply);
+        thread::sleep(short * 2);
+        from_peer(&mut p, &syn_ack(51000), Counter::DropPolicy);
+        from_peer(&mut p, &ack(51001), Counter::PassReply);
+        from_peer(&mut p, &syn_ack(51002), Counter::DropPolicy);
+        from_peer(&mut p, &udp_answer(52000), Counter::DropPolicy);
+        from_peer(&mut p, &udp_answer(52001), Counter::PassReply);
+    }
+}
+
+/// An ICMP error from the peer about a flow passes (conntrack's RELATED) but is no answer: the
+/// flow stays unanswered, so a peer whose firewall rejects with ICMP does not keep every
+/// flooded flow for the protocol's timeout.
+#[test]
+fn an_icmp_error_about_an_unanswered_flow_does_not_answer_it() {
+    let short = Duration::from_millis(300);
+    let settings = DatapathSettings {
+        unanswered_timeout: short,
+        ..DatapathSettings::default()
+    };
+    for (peer, node, icmp, unreachable) in
+        [(PEER_V4, NODE_V4, ICMP, 3), (PEER_V6, NODE_V6, ICMPV6, 1)]
+    {
+        let mut p = program(settings, true);
+        let syn = Packet::new(node, peer, TCP, 22).src_port(51000);
+        to_peer(&mut p, &syn);
+        let error = Packet::new(peer, node, icmp, 0)
+            .icmp(unreachable, 3)
+            .quoting(&syn);
+        from_peer(&mut p, &error, Counter::PassReply);
+        thread::sleep(short * 2);
+        from_peer(
+            &mut p,
+            &Packet::new(peer, node, TCP, 51000)
+                .src_port(22)
+                .tcp_flags(TCP_SYN | TCP_ACK),
+            Counter::DropPolicy,
+        );
+    }
+}

@@ -517,3 +517,79 @@ fn the_agent_collects_flows_that_lost_their_owner_or_expired() {
     );
     assert!(agent.metric(&gw, "wgfence_reply_flows_freed_total") >= 1.0);
 }
+
+/// A SYN flood from the network toward a silent restricted peer (review finding: each
+/// unanswered SYN held a flow for the 6 h TCP timeout) holds the peer's quota only for the
+/// unanswered timeout: the agent's sweep then gives it back, while the flow the peer did answer
+/// stays, and the network starts new flows toward the peer again.
+#[test]
+fn a_syn_flood_toward_a_silent_peer_holds_its_quota_only_briefly() {
+    const QUOTA: usize = 64;
+    let gw = Gateway::new(2);
+    let a = &gw.peers[0];
+    let quota = QUOTA.to_string();
+    let agent = Agent::start(
+        &gw,
+        Layout::Plain,
+        &state(&gw, None),
+        &["--flows-per-peer", &quota, "--flow-timeout-unanswered", "1"],
+    );
+    agent.wait_ready(&gw);
+    // A flow the peer answers (UDP, 60 s).
+    assert_eq!(answers_of(&gw, 0, Duration::from_millis(100)), (true, true));
+    // The peer says nothing to TCP 22: no RST, no ICMP.
+    a.ns.exec(&[
+        "iptables", "-I", "INPUT", "-p", "tcp", "--dport", "22", "-j", "DROP",
+    ]);
+    let flood = |from: u16, n: u16| {
+        gw.node.enter(|| {
+            for port in from..from + n {
+                let syn = Packet::new("10.8.0.1", &a.v4.to_string(), TCP, 22).src_port(port);
+                send_raw(&syn.ip()).unwrap_or_else(|e| panic!("node: {e}"));
+            }
+        });
+        thread::sleep(Duration::from_millis(300));
+    };
+    flood(20_000, 2000);
+    assert_eq!(
+        flows_toward(&gw, a.v4.into()).len(),
+        QUOTA,
+        "the flood did not fill the quota"
+    );
+    let slot = Dataplane::open_maps(&gw.bpffs, gw.interface())
+        .and_then(|m| m.peers())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_iter()
+        .find_map(|(addr, e)| (addr == std::net::IpAddr::from(a.v4)).then_some(e.slot))
+        .unwrap_or_else(|| panic!("no entry for {}", a.v4));
+
+    // The unanswered timeout (1 s) and one sweep (every 5 s) later, only the answered flow
+    // is left, and the quota counts only it.
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(12);
+    while flows_toward(&gw, a.v4.into()).len() > 1 && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(200));
+    }
+    let left = flows_toward(&gw, a.v4.into());
+    eprintln!(
+        "{} flows left toward the silent peer {:?} after the flood",
+        left.len(),
+        started.elapsed()
+    );
+    assert_eq!(
+        left.iter().map(|f| f.protocol).collect::<Vec<_>>(),
+        [17],
+        "the flood's flows were not collected, or the answered one was"
+    );
+    let (made, freed) = Dataplane::open_maps(&gw.bpffs, gw.interface())
+        .and_then(|m| m.flow_quota(slot))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        made - freed,
+        1,
+        "live flows on the quota: made {made}, freed {freed}"
+    );
+    // The quota is free again for what the network starts next.
+    flood(30_000, 100);
+    assert_eq!(flows_toward(&gw, a.v4.into()).len(), QUOTA);
+}

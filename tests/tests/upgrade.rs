@@ -269,9 +269,8 @@ fn with_daemonset_caps(dir: &std::path::Path, bin: &std::path::Path) -> std::pat
 /// Runs `wgfence run` with `bin` on the gateway; it must exit by itself within 20 s (it is
 /// killed and the test fails otherwise).
 fn run_refused(bin: &std::path::Path, gw: &Gateway, state: &std::path::Path) -> Output {
-    let mut child = gw
-        .node
-        .command(bin)
+    let mut command = gw.node.command(bin);
+    command
         .args([
             "run",
             "--interface",
@@ -282,8 +281,8 @@ fn run_refused(bin: &std::path::Path, gw: &Gateway, state: &std::path::Path) -> 
         .arg(state)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
+        .stderr(Stdio::piped());
+    let mut child = wgfence_tests::spawn(&mut command)
         .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
     let start = Instant::now();
     while child.try_wait().ok().flatten().is_none() {

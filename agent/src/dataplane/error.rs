@@ -111,6 +111,39 @@ pub enum DataplaneError {
         peer: std::net::IpAddr,
         remote: std::net::IpAddr,
     },
+    #[error("clsact qdisc or filters of {interface}")]
+    Qdisc {
+        interface: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "{interface} {direction}: priority {priority} handle {handle:#x} holds a filter that is \
+         not wgfence's ({found}); wgfence needs that place first in the chain and changed \
+         nothing (remove that filter, or move it to another priority)"
+    )]
+    ForeignFilter {
+        interface: String,
+        direction: &'static str,
+        priority: u16,
+        handle: u32,
+        found: String,
+    },
+    #[error(
+        "this kernel lacks what the datapath needs: {}; wgfence needs Linux 5.8 or later \
+         (see \"Supported kernels\" in docs/operations.md) and changed nothing",
+        missing.join(", ")
+    )]
+    KernelTooOld { missing: Vec<&'static str> },
+    #[error(
+        "--attach tcx: this kernel has no tcx (it came in Linux 6.6); use --attach tc or auto"
+    )]
+    NoTcx,
+    #[error(
+        "{interface} runs a layout-1 datapath on tcx: start this agent with --attach auto (or \
+         tcx) once to upgrade it in place; this one changed nothing"
+    )]
+    UpgradeOnTc { interface: String },
     #[error("BPF_PROG_TEST_RUN")]
     TestRun(#[source] io::Error),
 }

@@ -18,11 +18,13 @@
 //! links are gone.
 
 mod error;
+pub mod hook;
 mod iface;
 mod layout;
 mod lock;
 mod maps;
 mod sys;
+pub mod tc;
 mod test_run;
 mod upgrade;
 
@@ -43,9 +45,10 @@ use aya::{
     },
     Ebpf, EbpfLoader,
 };
-use wgfence_common::{map_names, Variant};
+use wgfence_common::{map_names, Variant, VARIANTS};
 
 pub use error::{DataplaneError, Result};
+pub use hook::{HookKind, HookMode};
 use lock::{Acquired, PinDirLock};
 pub use maps::{Counters, Flow, Maps, PolicyEntry};
 use sys::HeldLink;
@@ -73,7 +76,7 @@ struct Hook {
     /// The same, as `enum bpf_attach_type`.
     bpf_attach_type: u32,
     link_pin: &'static str,
-    ingress: bool,
+    direction: &'static str,
 }
 
 /// The programs of `variant` and their hooks. Egress first: on a first start, flows are
@@ -85,17 +88,18 @@ const fn hooks(variant: &Variant) -> [Hook; 2] {
             attach_type: TcAttachType::Egress,
             bpf_attach_type: sys::BPF_TCX_EGRESS,
             link_pin: LINK_PIN_EGRESS,
-            ingress: false,
+            direction: "egress",
         },
         Hook {
             program: variant.ingress,
             attach_type: TcAttachType::Ingress,
             bpf_attach_type: sys::BPF_TCX_INGRESS,
             link_pin: LINK_PIN,
-            ingress: true,
+            direction: "ingress",
         },
     ]
 }
+
 /// aya-log's global log level: 0 switches datapath logging off.
 const AYA_LOG_LEVEL: &str = "AYA_LOG_LEVEL";
 /// aya-log's `Level::Debug`.
@@ -116,6 +120,8 @@ pub struct AttachOptions {
     pub bpffs: PathBuf,
     /// Compile the datapath's debug log statements in (they cost a ring buffer write per drop).
     pub datapath_debug: bool,
+    /// Which hook to attach with (`--attach`).
+    pub hook: HookMode,
 }
 
 impl AttachOptions {
@@ -124,7 +130,13 @@ impl AttachOptions {
             interface: interface.into(),
             bpffs: PathBuf::from(DEFAULT_BPFFS),
             datapath_debug: false,
+            hook: HookMode::Auto,
         }
+    }
+
+    pub fn hook(mut self, hook: HookMode) -> Self {
+        self.hook = hook;
+        self
     }
 
     pub fn bpffs(mut self, bpffs: impl Into<PathBuf>) -> Self {
@@ -234,8 +246,13 @@ pub struct Dataplane {
     /// programs can be attached again.
     ebpf: Ebpf,
     /// The tcx links, one per [`hooks`] entry, held open: pins removed by hand do not detach
-    /// the programs while the agent runs, and can be pinned again from here.
+    /// the programs while the agent runs, and can be pinned again from here. `None` on the tc
+    /// hook (a filter has no link: it stays until deleted).
     links: Vec<Option<HeldLink>>,
+    /// The hook the programs run on.
+    hook: HookKind,
+    /// The agent added the clsact qdisc (tc hook): marked in the pin directory for `detach`.
+    added_qdisc: bool,
     /// The exclusive lock on the pin directory; `None` once detached.
     lock: Option<PinDirLock>,
     /// `wgfence detach` took the pin directory: the links are let go and never attached again.
@@ -261,17 +278,50 @@ impl Dataplane {
     pub fn attach(options: &AttachOptions) -> Result<Self> {
         let interface = options.interface.as_str();
         let variant = iface::variant(interface)?;
+        let hooks = hooks(&variant);
         ensure_bpffs(&options.bpffs)?;
+        // Before anything changes: a kernel that cannot run the datapath, a hook it lacks, or
+        // a foreign filter where the agent's must go is an error.
+        hook::check_kernel()?;
+        let ifindex = iface::index(interface)?;
+        let kind = hook::choose(options.hook, ifindex)?;
+        if kind == HookKind::Tc {
+            for hook in &hooks {
+                if let tc::Place::Foreign(filter) =
+                    tc::place(ifindex, hook.attach_type, hook.program).map_err(|source| {
+                        DataplaneError::Qdisc {
+                            interface: interface.to_owned(),
+                            source,
+                        }
+                    })?
+                {
+                    return Err(DataplaneError::ForeignFilter {
+                        interface: interface.to_owned(),
+                        direction: hook.direction,
+                        priority: tc::TC_PRIORITY,
+                        handle: tc::TC_HANDLE,
+                        found: format!("{filter:?}"),
+                    });
+                }
+            }
+        }
         let pin_dir = pin_dir(&options.bpffs, interface);
         // Before anything in the kernel changes: another agent on this interface is an error.
         let lock = lock_pin_dir(&pin_dir)?;
         // An interrupted detach left its links attached under another name: finish it first,
-        // or its program would stay in the chain beside ours.
-        remove_detaching(&options.bpffs, interface)?;
-        let ifindex = iface::index(interface)?;
+        // or its program would stay in the chain beside ours. Its filters (tc) are at the
+        // agent's place: taken over below.
+        let mut added_qdisc = remove_detaching(&options.bpffs, interface)?.added_qdisc
+            || pin_dir.join(tc::QDISC_MARKER).is_dir();
         // Links that run an older layout's programs: fill the new maps from the old ones
         // before the switch (see `upgrade`). Decided before the loader creates anything.
         let mut upgrade = upgrade::Upgrade::prepare(&pin_dir)?;
+        if upgrade.is_some() && kind == HookKind::Tc {
+            // Layout 1 only ever ran on tcx; its links are upgraded in place, on tcx.
+            return Err(DataplaneError::UpgradeOnTc {
+                interface: interface.to_owned(),
+            });
+        }
 
         let pins: Vec<(&'static str, PathBuf)> = map_names::ALL
             .iter()
@@ -300,10 +350,9 @@ impl Dataplane {
             })
             .collect::<Result<Vec<_>>>()?;
 
-        // Both programs are verified before either is switched: the two link updates follow
-        // each other without a verifier run between them.
-        // Only the variant's two programs are loaded; the other variant's stay in the object.
-        let hooks = hooks(&variant);
+        // Both programs are verified before either is switched: the two link updates (or
+        // filter replacements) follow each other without a verifier run between them. Only
+        // the variant's two programs are loaded; the other variant's stay in the object.
         for hook in &hooks {
             let program = classifier(&mut ebpf, hook.program)?;
             program.load().map_err(program_err(hook.program))?;
@@ -314,15 +363,46 @@ impl Dataplane {
 
         let mut attachment = Attachment::Created;
         let mut links = Vec::with_capacity(hooks.len());
+        if kind == HookKind::Tc && tc::ensure_clsact(interface)? {
+            added_qdisc = true;
+        }
+        if added_qdisc {
+            mark(&pin_dir, tc::QDISC_MARKER)?;
+        }
+        if kind == HookKind::Tc {
+            mark(&pin_dir, tc::HOOK_MARKER)?;
+        } else {
+            remove_dir_if_exists(&pin_dir.join(tc::HOOK_MARKER))?;
+        }
         let switch = std::time::Instant::now();
         for hook in &hooks {
             let program = classifier(&mut ebpf, hook.program)?;
-            let link_path = pin_dir.join(hook.link_pin);
-            let (attached, link) = attach_or_replace(program, hook, interface, &link_path)?;
-            if hook.ingress {
+            let (attached, link) = match kind {
+                HookKind::Tcx => {
+                    let link_path = pin_dir.join(hook.link_pin);
+                    let (attached, link) = attach_or_replace(program, hook, interface, &link_path)?;
+                    (attached, Some(link))
+                }
+                HookKind::Tc => {
+                    let existed = tc::attach_or_replace(
+                        program,
+                        hook.program,
+                        interface,
+                        ifindex,
+                        hook.attach_type,
+                    )?;
+                    let attached = if existed {
+                        Attachment::Replaced
+                    } else {
+                        Attachment::Created
+                    };
+                    (attached, None)
+                }
+            };
+            if hook.program == variant.ingress {
                 attachment = attached;
             }
-            links.push(Some(link));
+            links.push(link);
         }
         let switch = switch.elapsed();
         // The new programs enforce the full translated state from here on: what is left (late
@@ -350,10 +430,16 @@ impl Dataplane {
                  layout 1 started now could replace the programs"
             );
         }
+        // The programs run on the chosen hook now: what the agent left on the other one (a
+        // switch of --attach) goes, after, so no packet meets neither.
+        remove_other_hook(kind, &pin_dir, interface, ifindex)?;
         tracing::info!(
             interface,
             pin_dir = %pin_dir.display(),
             variant = variant.name,
+            hook = %kind,
+            tc_priority = (kind == HookKind::Tc).then_some(tc::TC_PRIORITY),
+            tc_handle = (kind == HookKind::Tc).then(|| format!("{:#x}", tc::TC_HANDLE)),
             ?attachment,
             layout = wgfence_common::LAYOUT_VERSION,
             "datapath attached"
@@ -367,6 +453,8 @@ impl Dataplane {
             attachment,
             ebpf,
             links,
+            hook: kind,
+            added_qdisc,
             lock: Some(lock),
             detached: false,
             unpinned: None,
@@ -391,7 +479,18 @@ impl Dataplane {
         let mut unpinned = None;
         match self.check_pin_dir() {
             Ok(PinDirState::Ours) => {}
-            Ok(PinDirState::Restored) => repairs.push(Repair::PinDir),
+            Ok(PinDirState::Restored) => {
+                repairs.push(Repair::PinDir);
+                let marks = [
+                    (self.added_qdisc, tc::QDISC_MARKER),
+                    (self.hook == HookKind::Tc, tc::HOOK_MARKER),
+                ];
+                for (_, name) in marks.iter().filter(|(set, _)| *set) {
+                    if let Err(e) = mark(&self.pin_dir, name) {
+                        unpinned = Some(e);
+                    }
+                }
+            }
             Ok(PinDirState::Detaching(marker)) => {
                 self.let_go();
                 tracing::warn!(
@@ -443,6 +542,25 @@ impl Dataplane {
                 .links
                 .get_mut(i)
                 .ok_or(DataplaneError::MissingMap(hook.link_pin))?;
+            if self.hook == HookKind::Tc {
+                if reattached {
+                    // A new device has no qdisc and no filters: both again.
+                    if tc::ensure_clsact(&self.interface)? {
+                        self.added_qdisc = true;
+                        mark(&self.pin_dir, tc::QDISC_MARKER)?;
+                    }
+                    let program = classifier(&mut self.ebpf, hook.program)?;
+                    tc::attach_or_replace(
+                        program,
+                        hook.program,
+                        &self.interface,
+                        ifindex,
+                        hook.attach_type,
+                    )?;
+                }
+                // A filter has no pin to repair.
+                continue;
+            }
             if reattached {
                 // The old link died with its device: a new one, and the old pin replaced.
                 remove_if_exists(&link_path)?;
@@ -557,6 +675,23 @@ impl Dataplane {
         for hook in &hooks(&self.variant) {
             let program = classifier(&mut self.ebpf, hook.program)?;
             let id = program.info().map_err(program_err(hook.program))?.id();
+            if self.hook == HookKind::Tc {
+                let place =
+                    tc::place(ifindex, hook.attach_type, hook.program).map_err(|source| {
+                        DataplaneError::Qdisc {
+                            interface: self.interface.clone(),
+                            source,
+                        }
+                    })?;
+                if place
+                    != (tc::Place::Ours {
+                        program_id: Some(id),
+                    })
+                {
+                    return Ok(false);
+                }
+                continue;
+            }
             // Ids only: aya's query_tcx opens every program by id, which needs CAP_SYS_ADMIN.
             let attached =
                 sys::tcx_program_ids(ifindex, hook.bpf_attach_type).map_err(|source| {
@@ -658,14 +793,45 @@ impl Dataplane {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+        // The agent let go (its lock is free) and never attaches again: the filters of the tc
+        // hook (which no descriptor holds) are deleted here, the agent's own only, and the
+        // clsact qdisc if the agent added it and nothing else is on it.
+        let added_qdisc = markers
+            .iter()
+            .any(|marker| marker.join(tc::QDISC_MARKER).is_dir());
+        let mut removed_filters = false;
+        match iface::index(interface) {
+            Ok(ifindex) => {
+                removed_filters = remove_tc_filters(interface, ifindex)?;
+                if added_qdisc && tc::remove_clsact_if_empty(interface, ifindex)? {
+                    tracing::info!(interface, "removed the clsact qdisc wgfence had added");
+                }
+            }
+            // Gone with the interface, or in another network namespace.
+            Err(DataplaneError::Interface { source, .. })
+                if source.raw_os_error() == Some(libc::ENODEV) =>
+            {
+                if markers.iter().any(|m| m.join(tc::HOOK_MARKER).is_dir()) {
+                    tracing::warn!(
+                        interface,
+                        "the programs ran on the tc hook and there is no {interface} in this \
+                         network namespace: if it exists in another one, its filters still \
+                         run there (with the last state); run `wgfence detach` in that \
+                         namespace, or delete them with `tc filter del dev {interface} \
+                         ingress prio 1` (and egress)"
+                    );
+                }
+            }
+            Err(e) => return Err(e),
+        }
         for marker in &markers {
-            remove_dir_if_exists(marker)?;
+            remove_marked_dir(marker)?;
         }
         // Leave <bpffs>/wgfence itself once no interface uses it.
         if let Some(parent) = own.parent() {
             let _ = fs::remove_dir(parent);
         }
-        let detached = renamed || !markers.is_empty();
+        let detached = renamed || !markers.is_empty() || removed_filters;
         if detached {
             tracing::info!(interface, "datapath detached");
         }
@@ -697,6 +863,37 @@ impl Dataplane {
         Ok(Some((info.id(), info.program_id())))
     }
 
+    /// The agent's tc filters on the interface, if it has any there (looked up in the calling
+    /// thread's network namespace): the program ids of the ingress and egress filter. `None`
+    /// when neither is there or the interface does not exist here.
+    pub fn tc_filters(interface: &str) -> Result<Option<(Option<u32>, Option<u32>)>> {
+        let Ok(ifindex) = iface::index(interface) else {
+            return Ok(None);
+        };
+        let mut ids = [None, None];
+        // Either variant's programs are the agent's.
+        for variant in &VARIANTS {
+            let [egress, ingress] = hooks(variant);
+            for (id, hook) in ids.iter_mut().zip([&ingress, &egress]) {
+                if id.is_some() {
+                    continue;
+                }
+                let place =
+                    tc::place(ifindex, hook.attach_type, hook.program).map_err(|source| {
+                        DataplaneError::Qdisc {
+                            interface: interface.to_owned(),
+                            source,
+                        }
+                    })?;
+                if let tc::Place::Ours { program_id } = place {
+                    *id = Some(program_id.unwrap_or_default());
+                }
+            }
+        }
+        let [ingress, egress] = ids;
+        Ok((ingress.is_some() || egress.is_some()).then_some((ingress, egress)))
+    }
+
     pub fn interface(&self) -> &str {
         &self.interface
     }
@@ -707,6 +904,11 @@ impl Dataplane {
 
     pub fn attachment(&self) -> Attachment {
         self.attachment
+    }
+
+    /// The hook the programs run on.
+    pub fn hook(&self) -> HookKind {
+        self.hook
     }
 
     /// What this attach carried over from a datapath of an older layout, if it upgraded one.
@@ -958,11 +1160,18 @@ fn detaching_dirs(bpffs: &Path, interface: &str) -> Result<Vec<PathBuf>> {
         .collect())
 }
 
+/// What [`remove_detaching`] found.
+struct Leftovers {
+    /// One of them said the agent had added the clsact qdisc.
+    added_qdisc: bool,
+}
+
 /// Removes the detach markers an interrupted detach left (links first: the programs stop
 /// before their maps go), except those an agent still holds locked: it lets go at its next
-/// check, and the detach that renamed them waits for it. Whether there was any.
-fn remove_detaching(bpffs: &Path, interface: &str) -> Result<bool> {
+/// check, and the detach that renamed them waits for it.
+fn remove_detaching(bpffs: &Path, interface: &str) -> Result<Leftovers> {
     let markers = detaching_dirs(bpffs, interface)?;
+    let mut added_qdisc = false;
     for marker in &markers {
         if lock::is_locked(marker)? {
             tracing::info!(
@@ -971,10 +1180,60 @@ fn remove_detaching(bpffs: &Path, interface: &str) -> Result<bool> {
             );
             continue;
         }
+        added_qdisc |= marker.join(tc::QDISC_MARKER).is_dir();
         unpin_all(marker)?;
-        remove_dir_if_exists(marker)?;
+        remove_marked_dir(marker)?;
     }
-    Ok(!markers.is_empty())
+    Ok(Leftovers { added_qdisc })
+}
+
+/// Puts one of [`tc::MARKERS`] (an empty directory) in the pin directory.
+fn mark(pin_dir: &Path, name: &str) -> Result<()> {
+    match fs::DirBuilder::new().mode(0o700).create(pin_dir.join(name)) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(()),
+        Err(source) => Err(DataplaneError::Io {
+            path: pin_dir.join(name),
+            source,
+        }),
+    }
+}
+
+/// Removes the marks and then the directory itself.
+fn remove_marked_dir(dir: &Path) -> Result<()> {
+    for name in tc::MARKERS {
+        remove_dir_if_exists(&dir.join(name))?;
+    }
+    remove_dir_if_exists(dir)
+}
+
+/// Removes what the agent left on the hook it does not use now (after a switch of
+/// `--attach`): the link pins (tcx; the links go with them, nothing else holds them) or its
+/// own filters (tc). Never anything that is not the agent's.
+fn remove_other_hook(kind: HookKind, pin_dir: &Path, interface: &str, ifindex: u32) -> Result<()> {
+    match kind {
+        HookKind::Tc => {
+            for pin in [LINK_PIN, LINK_PIN_EGRESS] {
+                remove_if_exists(&pin_dir.join(pin))?;
+            }
+        }
+        HookKind::Tcx => {
+            remove_tc_filters(interface, ifindex)?;
+        }
+    }
+    Ok(())
+}
+
+/// Deletes the agent's tc filters (both directions, either variant's programs); whether there
+/// was any.
+fn remove_tc_filters(interface: &str, ifindex: u32) -> Result<bool> {
+    let mut removed = false;
+    for variant in &VARIANTS {
+        for hook in &hooks(variant) {
+            removed |= tc::remove_ours(interface, ifindex, hook.attach_type, hook.program)?;
+        }
+    }
+    Ok(removed)
 }
 
 /// Removes every pin in `dir`, links first; the ids of the links that were pinned there.
@@ -1000,6 +1259,15 @@ fn unpin_all(dir: &Path) -> Result<Vec<u32>> {
     paths.sort_by_key(|p| link_index(p).unwrap_or(usize::MAX));
     let mut links = Vec::new();
     for path in paths {
+        if tc::MARKERS.contains(
+            &path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default(),
+        ) {
+            // Read and removed by the caller once the filters are gone.
+            continue;
+        }
         if link_index(&path).is_some() {
             // Read before the pin goes, to wait for the link itself afterwards.
             if let Ok(info) = PinnedLink::from_pin(&path)

@@ -799,6 +799,11 @@ impl Upgrade {
             tcp_closing_timeout_ns: config.tcp_closing_timeout_ns,
             udp_timeout_ns: config.udp_timeout_ns,
             other_timeout_ns: config.other_timeout_ns,
+            // Layout 1 had no such state (its flows carry over open or closing); the agent
+            // writes its own setting with its first apply.
+            unanswered_timeout_ns: crate::settings::DatapathSettings::DEFAULT
+                .config(false, 1)
+                .unanswered_timeout_ns,
             event_interval_ns: config.event_interval_ns,
             event_burst_ns: config.event_burst_ns,
             owner_high: high,
