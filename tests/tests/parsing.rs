@@ -331,23 +331,6 @@ fn per_peer_counters_count_packets_and_bytes() {
     assert_eq!(c.drop_bytes, drop.len() as u64);
 }
 
-/// Pins the calling thread to `cpu`.
-fn pin_to(cpu: usize) {
-    // SAFETY: cpu_set_t is plain data; CPU_SET writes a bit inside it; sched_setaffinity reads
-    // it for the calling thread (pid 0).
-    let rc = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
-    };
-    assert_eq!(
-        rc,
-        0,
-        "sched_setaffinity({cpu}): {}",
-        std::io::Error::last_os_error()
-    );
-}
-
 #[test]
 fn per_peer_counters_are_summed_over_cpus_and_reset_on_every_cpu() {
     if wgfence::settings::online_cpus() < 2 {
@@ -358,7 +341,7 @@ fn per_peer_counters_are_summed_over_cpus_and_reset_on_every_cpu() {
     let pass = Packet::new(RESTRICTED_V4, "10.2.3.4", TCP, 443).frame();
     // One peer's packets on two CPUs: each CPU counts in its own copy.
     for (cpu, n) in [(0, 2u64), (1, 3)] {
-        pin_to(cpu);
+        wgfence_tests::pin_to_cpu(cpu);
         for _ in 0..n {
             expect(&mut p, &pass, Counter::PassPolicy);
         }
@@ -378,7 +361,7 @@ fn per_peer_counters_are_summed_over_cpus_and_reset_on_every_cpu() {
         .peer_counters(RESTRICTED_SLOT)
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(c, wgfence_common::PeerCounters::default());
-    pin_to(1);
+    wgfence_tests::pin_to_cpu(1);
     expect(&mut p, &pass, Counter::PassPolicy);
     let c = p
         .maps()

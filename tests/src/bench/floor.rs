@@ -273,34 +273,17 @@ fn measure(program: &mut TestProgram, floor: &Floor, cases: &[Case]) -> Vec<f64>
         .collect()
 }
 
-/// Pins the calling thread to `cpu`.
-fn pin_to(cpu: usize) {
-    // SAFETY: cpu_set_t is plain data; CPU_SET writes a bit inside it; sched_setaffinity reads
-    // it for the calling thread (pid 0).
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        let rc = libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-        assert_eq!(
-            rc,
-            0,
-            "sched_setaffinity({cpu}): {}",
-            std::io::Error::last_os_error()
-        );
-    }
-}
-
 /// ns per packet on each CPU while CPU 0 runs `a` and CPU 1 runs `b` at the same time (the
 /// mean of the two), or CPU 0 alone when `b` is `None`.
 fn concurrent(fd: BorrowedFd<'_>, a: &[u8], b: Option<&[u8]>) -> f64 {
     std::thread::scope(|s| {
         let first = s.spawn(move || {
-            pin_to(0);
+            crate::pin_to_cpu(0);
             time(fd, a, REPEAT, Some(true), "CPU 0")
         });
         let second = b.map(|b| {
             s.spawn(move || {
-                pin_to(1);
+                crate::pin_to_cpu(1);
                 time(fd, b, REPEAT, Some(true), "CPU 1")
             })
         });
