@@ -31,6 +31,7 @@ use crate::{
     source::{SourceError, StateSource},
     state::{self, DesiredState},
     status::{LastReconcile, StatusFile},
+    sweeper::{Sweeper, FLOW_SWEEP},
     trust::{self, TrustError},
     wg::{WgError, WireGuard},
 };
@@ -39,9 +40,6 @@ use crate::{
 const MAX_RETRY: Duration = Duration::from_secs(30);
 /// How often the attachment and the pins are checked (a name lookup and a few `stat`s).
 const DATAPLANE_CHECK: Duration = Duration::from_secs(1);
-/// How often expired and orphaned reply flows are deleted (one pass over the flow tables),
-/// giving their peers' quota back.
-const FLOW_SWEEP: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -153,6 +151,8 @@ enum Next {
 
 impl Core {
     fn load(&mut self, force: bool) -> Next {
+        // A state change goes first: the flow sweeper waits until it is applied.
+        let _pause = self.reconciler.pause_flow_work();
         if self.dataplane_fault {
             // Nothing is applied while the datapath is not attached as it should be: WireGuard
             // peers added to a device without the program would pass unfiltered, and ready
@@ -408,22 +408,8 @@ impl Core {
         }
     }
 
-    /// Deletes expired and orphaned reply flows. A failure is logged and left to the next
-    /// sweep or resync: it stops nothing (a flow that stays only holds its peer's quota).
-    fn sweep_flows(&mut self) -> Next {
-        if self.dataplane_fault {
-            return Next::Idle;
-        }
-        if let Err(e) = self.reconciler.collect_flows() {
-            if !matches!(e, ReconcileError::Closed) {
-                tracing::warn!(error = %crate::error_chain(&e), "sweeping reply flows failed; will retry");
-            }
-        }
-        self.account(None);
-        Next::Idle
-    }
-
     fn resync(&mut self) -> Next {
+        let _pause = self.reconciler.pause_flow_work();
         if let Err(e) = self.reconciler.refresh() {
             if !matches!(e, ReconcileError::Closed) {
                 tracing::error!(error = %crate::error_chain(&e), "resync: reading the kernel failed; will retry");
@@ -483,6 +469,15 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     let wg = WireGuard::open(&options.interface)?;
     let backend = wg.backend_name();
     let reconciler = Reconciler::new(dataplane, wg)?.with_settings(options.settings);
+    // Attaching recounted every slot's quota from its flows and the reconciler collected the
+    // dead ones (nothing else deletes any yet): from here on the sweeper, with map handles of
+    // its own, is the one writer of the freed counts.
+    let sweeper_maps = Dataplane::open_maps(&options.bpffs, &options.interface)?;
+    let freed_metric = metrics.reply_flows_freed.clone();
+    let sweeper = Sweeper::spawn(sweeper_maps, FLOW_SWEEP, move |n| {
+        freed_metric.inc_by(n);
+    })?;
+    let reconciler = reconciler.with_sweeper(sweeper);
     let adopted = reconciler.actual();
     tracing::info!(
         interface = %options.interface,
@@ -528,11 +523,15 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     let mut resync = tokio::time::interval_at(Instant::now() + options.resync, options.resync);
     let mut check = tokio::time::interval_at(Instant::now() + DATAPLANE_CHECK, DATAPLANE_CHECK);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut sweep = tokio::time::interval_at(Instant::now() + FLOW_SWEEP, FLOW_SWEEP);
-    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stop = shutdown.clone();
+    // When the pending retry is due: set once, when a load asks for it, and kept until it runs,
+    // so that other events (the datapath check every second) never push it back.
+    let mut retry_at: Option<Instant> = None;
     loop {
-        let retry_at = (next == Next::Retry).then(|| Instant::now() + retry_delay);
+        retry_at = match next {
+            Next::Retry => retry_at.or_else(|| Some(Instant::now() + retry_delay)),
+            Next::Idle => None,
+        };
         tokio::select! {
             _ = stop.changed() => break,
             () = source.changed() => {
@@ -548,10 +547,8 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
                     next = Next::Retry;
                 }
             }
-            _ = sweep.tick() => {
-                step(&mut core, Core::sweep_flows).await?;
-            }
             () = sleep_until(retry_at) => {
+                retry_at = None;
                 next = step(&mut core, |c| c.load(true)).await?;
                 retry_delay = (retry_delay * 2).min(MAX_RETRY);
             }

@@ -18,6 +18,7 @@ pub mod settings;
 pub mod source;
 pub mod state;
 pub mod status;
+pub mod sweeper;
 pub mod trust;
 pub mod wg;
 

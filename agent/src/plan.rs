@@ -7,19 +7,24 @@
 //! 1. delete the address entries no peer has any more — revocations take effect here, before
 //!    any put: a put can fail (a full peer map, a full trie) and must never hold a revocation
 //!    back, while a deletion only takes access away — and the entries of addresses that move to
-//!    another WireGuard peer with another policy, so the old holder never runs with the new
-//!    holder's policy;
-//! 2. remove the WireGuard peers that leave the state, unless another peer takes over one of
-//!    their addresses (those go in step 7, after the handover);
-//! 3. write the trie entries of policies the kernel does not have yet (new ids, unreferenced);
-//! 4. write peer address entries that are new or changed (a policy switch is one update);
-//! 5. create and update WireGuard peers, per peer: new peers, endpoints, keys, keepalives,
+//!    another WireGuard peer (a takeover, a key rotation), so the old holder never runs with the
+//!    new holder's entry;
+//! 2. remove the WireGuard peers that leave the state, also those whose addresses another peer
+//!    takes over (their entries went in step 1): a leaked key loses its session, and the
+//!    address's inbound traffic, even when every put fails;
+//! 3. delete the trie entries of policies nothing references after step 1 and no put of this
+//!    plan will (a revoked peer's policy, leftovers of a failed put): nobody loses access, and at
+//!    a full trie the puts need the room;
+//! 4. write the trie entries of policies the kernel does not have yet (new ids, unreferenced);
+//! 5. write peer address entries that are new or changed (a policy switch is one update); a new
+//!    peer's counter slot is one no entry uses, or one whose entries step 1 deleted, never a
+//!    slot a remaining peer uses;
+//! 6. create and update WireGuard peers, per peer: new peers, endpoints, keys, keepalives,
 //!    and allowed IPs added without ever clearing a live peer's list (adding an address to a
 //!    peer moves it from whichever peer had it);
-//! 6. write the entries of the addresses that moved in step 1, now that WireGuard routes them
+//! 7. write the entries of the addresses that moved in step 1, now that WireGuard routes them
 //!    to their new holder;
-//! 7. remove the WireGuard peers whose addresses were handed over;
-//! 8. delete the trie entries of policies no peer references.
+//! 8. delete the trie entries of policies step 5's switches left unreferenced.
 //!
 //! Policies are content-addressed: a policy whose content the kernel already has under some id
 //! keeps that id, so an unchanged state — in any order — plans nothing. Changing a peer's
@@ -41,6 +46,12 @@ use crate::{
 };
 
 pub mod invariants;
+
+/// The policy id of `"egress": []`: no trie entry, so every packet is denied. One id, the
+/// same for every such peer and across restarts, so that a policy id without entries is the
+/// empty policy only under this id; any other id without entries is a policy whose entries
+/// are not written (yet), which the invariants tell apart.
+pub const EMPTY_POLICY: u32 = u32::MAX;
 
 /// The datapath maps as read back from the kernel.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -103,6 +114,9 @@ pub struct Actual {
     maps: ActualMaps,
     wg: ActualWg,
     index: Index,
+    /// Counter slots the maps hold (`None`: [`MAX_PEERS`]); smaller in the tests and the
+    /// fuzzer, so that they reach a full map.
+    slot_limit: Option<u32>,
 }
 
 /// Derived from `maps` and `wg`; kept current by [`Actual::apply`].
@@ -189,7 +203,24 @@ impl Actual {
                 index.holders.insert(*ip, *key);
             }
         }
-        Self { maps, wg, index }
+        Self {
+            maps,
+            wg,
+            index,
+            slot_limit: None,
+        }
+    }
+
+    /// The same, with only `slots` counter slots (`0..slots`), as if the maps held that many
+    /// peers: the tests and the fuzzer plan at a full map with a handful of peers.
+    pub fn with_slot_limit(mut self, slots: u32) -> Self {
+        self.slot_limit = Some(slots.min(MAX_PEERS));
+        self
+    }
+
+    /// Counter slots the planner may hand out: `0..slots()`.
+    pub fn slots(&self) -> u32 {
+        self.slot_limit.unwrap_or(MAX_PEERS)
     }
 
     /// The WireGuard peer an address is routed to, if any.
@@ -386,16 +417,23 @@ impl Op {
     pub fn is_map_write(&self) -> bool {
         !matches!(self, Op::WgPeer(_) | Op::RemoveWgPeer { .. })
     }
+
+    /// Whether this only takes something away (an address entry, a WireGuard peer, a policy
+    /// entry): what a plan's lead is made of.
+    pub fn is_deletion(&self) -> bool {
+        matches!(
+            self,
+            Op::DeletePeerEntry { .. } | Op::RemoveWgPeer { .. } | Op::DeletePolicyEntry { .. }
+        )
+    }
 }
 
 impl fmt::Display for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let policy = |id: u32| {
-            if id == UNRESTRICTED {
-                "unrestricted".to_owned()
-            } else {
-                format!("policy {id}")
-            }
+        let policy = |id: u32| match id {
+            UNRESTRICTED => "unrestricted".to_owned(),
+            EMPTY_POLICY => "nothing (\"egress\": [])".to_owned(),
+            id => format!("policy {id}"),
         };
         match self {
             Op::PutPolicyEntry {
@@ -466,6 +504,21 @@ impl Plan {
     pub fn wg_changes(&self) -> usize {
         self.ops.len() - self.map_writes()
     }
+
+    /// The plan's lead: its operations before the first that is not a deletion (the
+    /// revocations, and the room a full map or trie needs). Nothing that can fail for want of
+    /// room comes before them; apply them before anything else.
+    pub fn lead(&self) -> &[Op] {
+        lead(&self.ops)
+    }
+}
+
+/// The lead of a list of operations (see [`Plan::lead`]).
+pub fn lead(ops: &[Op]) -> &[Op] {
+    &ops[..ops
+        .iter()
+        .position(|op| !op.is_deletion())
+        .unwrap_or(ops.len())]
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -611,7 +664,8 @@ fn plan_scope(
     let index = &actual.index;
 
     // Policy ids: keep the id of content the kernel already has; new content gets a new id.
-    let mut new_ids = Allocator::new(1, u32::MAX, || {
+    // `"egress": []` always has the one id [`EMPTY_POLICY`], without entries.
+    let mut new_ids = Allocator::new(1, EMPTY_POLICY - 1, || {
         let mut used: BTreeSet<u32> = maps.policies.keys().copied().collect();
         used.extend(index.policy_refs.keys().copied());
         used
@@ -621,10 +675,14 @@ fn plan_scope(
         if ids.contains_key(policy) {
             continue;
         }
-        let existing = index
-            .by_content
-            .get(policy)
-            .and_then(|ids| ids.iter().next().copied());
+        let existing = if policy.is_empty() {
+            Some(EMPTY_POLICY)
+        } else {
+            index
+                .by_content
+                .get(policy)
+                .and_then(|ids| ids.iter().find(|id| **id != EMPTY_POLICY).copied())
+        };
         let id = match existing {
             Some(id) => id,
             None => {
@@ -642,47 +700,104 @@ fn plan_scope(
         ids.insert(policy, id);
     }
 
-    // Address entries, with a counter slot per peer (kept across restarts via the entries).
-    let mut free_slots = Allocator::new(0, MAX_PEERS - 1, || {
+    // The address entries the lead deletes: addresses no peer has any more, and addresses
+    // WireGuard still routes to another peer than the one that gets them (they move: the old
+    // holder must not run with the new holder's entry).
+    let want_key: BTreeMap<IpAddr, WgKey> = touched
+        .iter()
+        .flat_map(|p| p.addrs().map(|a| (a, p.public_key)))
+        .collect();
+    let moves = |addr: &IpAddr| {
+        want_key.get(addr).is_some_and(|key| {
+            index
+                .holders
+                .get(&IpNet::from(*addr))
+                .is_some_and(|holder| holder != key)
+        })
+    };
+    let lead_deleted: BTreeSet<IpAddr> = if full {
+        maps.peers
+            .keys()
+            .filter(|a| !want_key.contains_key(a) || moves(a))
+            .copied()
+            .collect()
+    } else {
+        gone.iter()
+            .flat_map(|p| p.addrs())
+            .filter(|a| !want_key.contains_key(a))
+            .chain(want_key.keys().copied().filter(|a| moves(a)))
+            .filter(|a| maps.peers.contains_key(a))
+            .collect()
+    };
+
+    // Counter slots, one per peer, kept across restarts via the entries. Entries per slot that
+    // the lead deletes:
+    let mut deleted_per_slot: BTreeMap<u32, usize> = BTreeMap::new();
+    for addr in &lead_deleted {
+        if let Some(entry) = maps.peers.get(addr) {
+            count_up(&mut deleted_per_slot, entry.slot);
+        }
+    }
+    // Whether a slot has no user after the lead but `own` addresses of one peer: a peer keeps
+    // (or takes) only a slot no other peer's remaining entry uses, never shared for a moment.
+    let only = |slot: u32, own: &[IpAddr]| {
+        let users = index.slot_refs.get(&slot).copied().unwrap_or(0);
+        let own = own
+            .iter()
+            .filter(|a| !lead_deleted.contains(a))
+            .filter(|a| maps.peers.get(a).is_some_and(|e| e.slot == slot))
+            .count();
+        own + deleted_per_slot.get(&slot).copied().unwrap_or(0) >= users
+    };
+    // First the slot each peer keeps: of one of its addresses, or of an address WireGuard still
+    // has for its key (an address change keeps the peer's counters).
+    let mut taken = BTreeSet::new();
+    let kept_slots: Vec<Option<u32>> = touched
+        .iter()
+        .map(|peer| {
+            let own: Vec<IpAddr> = peer.addrs().collect();
+            let previous = actual
+                .wg
+                .peers
+                .get(&peer.public_key)
+                .into_iter()
+                .flat_map(|p| p.allowed_ips.iter().map(|net| net.addr()));
+            let kept = peer
+                .addrs()
+                .chain(previous)
+                .filter_map(|a| maps.peers.get(&a).map(|e| e.slot))
+                .find(|s| !taken.contains(s) && only(*s, &own));
+            if let Some(slot) = kept {
+                taken.insert(slot);
+            }
+            kept
+        })
+        .collect();
+    // A new peer gets a slot no entry uses; failing that (a full map), a slot whose every entry
+    // the lead deletes and no peer keeps. Never a slot an entry that stays still uses: the
+    // reset would wipe that peer's counters, and the two would share a flow quota.
+    let mut free_slots = Allocator::new(0, actual.slots().saturating_sub(1), || {
         index.slot_refs.keys().copied().collect::<BTreeSet<u32>>()
     });
-    let mut taken = BTreeSet::new();
+    let mut released: BTreeSet<u32> = deleted_per_slot
+        .keys()
+        .copied()
+        .filter(|slot| !taken.contains(slot) && only(*slot, &[]))
+        .collect();
     let mut owner_high = index.owner_high;
     let mut wanted: BTreeMap<IpAddr, (&str, WgKey, PeerEntry)> = BTreeMap::new();
-    for peer in &touched {
-        // The slot of one of its addresses, or of an address WireGuard still has for its key
-        // (an address change keeps the peer's counters).
-        let previous = actual
-            .wg
-            .peers
-            .get(&peer.public_key)
-            .into_iter()
-            .flat_map(|p| p.allowed_ips.iter().map(|net| net.addr()));
-        let kept = peer
-            .addrs()
-            .chain(previous)
-            .filter_map(|a| maps.peers.get(&a).map(|e| e.slot))
-            .find(|s| !taken.contains(s));
+    for (peer, kept) in touched.iter().zip(kept_slots) {
         let slot = match kept {
             Some(slot) => slot,
             None => {
-                // A slot no live entry uses; failing that (maps near capacity), the slot of an
-                // entry about to be deleted.
                 let slot = free_slots
                     .allocate()
-                    .or_else(|| {
-                        index
-                            .slot_refs
-                            .keys()
-                            .find(|s| !taken.contains(*s))
-                            .copied()
-                    })
+                    .or_else(|| released.pop_first())
                     .ok_or(PlanError::SlotsExhausted)?;
                 ops.push(Op::ResetPeerCounters { slot });
                 slot
             }
         };
-        taken.insert(slot);
         let policy = peer.policy.as_deref().map_or(UNRESTRICTED, |p| ids[p]);
         for addr in peer.addrs() {
             // An address keeps its owner while its WireGuard holder and its slot stay; any
@@ -719,10 +834,11 @@ fn plan_scope(
     }
 
     let mut moved = Vec::new();
-    let mut moving = BTreeSet::new();
-    // Policy reference counts after the plan, for the ids whose count changes.
+    // Policy reference counts after the plan, and after its lead, for the ids whose count
+    // changes.
     let mut delta: BTreeMap<u32, i64> = BTreeMap::new();
-    for (addr, (name, key, entry)) in &wanted {
+    let mut lead_delta: BTreeMap<u32, i64> = BTreeMap::new();
+    for (addr, (name, _, entry)) in &wanted {
         let current = maps.peers.get(addr);
         if current == Some(entry) {
             continue;
@@ -737,15 +853,10 @@ fn plan_scope(
             entry: *entry,
         };
         // An address WireGuard still routes to another peer must not carry the new holder's
-        // policy, or its new owner, before it moves: delete now, write after the WireGuard
-        // step. (With the new owner in place early, the old holder's traffic could record
-        // flows the new holder would then answer.)
-        let held_by_other = index
-            .holders
-            .get(&IpNet::from(*addr))
-            .is_some_and(|holder| holder != key);
-        if held_by_other {
-            moving.insert(*addr);
+        // policy, or its new owner, before it moves: deleted in the lead, written after the
+        // WireGuard step. (With the new owner in place early, the old holder's traffic could
+        // record flows the new holder would then answer.)
+        if moves(addr) {
             moved.push(put);
         } else {
             ops.push(put);
@@ -755,29 +866,13 @@ fn plan_scope(
     // Revocations (and moving addresses) first, before any put and the WireGuard work: a put
     // can fail (a full map or trie), and a deletion only ever takes access away.
     let mut revoke = Vec::new();
-    let mut delete = |addr: &IpAddr, ops: &mut Vec<Op>| {
+    for addr in &lead_deleted {
         if let Some(current) = maps.peers.get(addr) {
             if !wanted.contains_key(addr) {
                 *delta.entry(current.policy).or_default() -= 1;
             }
-            ops.push(Op::DeletePeerEntry { addr: *addr });
-        }
-    };
-    if full {
-        for addr in maps.peers.keys() {
-            if !wanted.contains_key(addr) || moving.contains(addr) {
-                delete(addr, &mut revoke);
-            }
-        }
-    } else {
-        let leaving: BTreeSet<IpAddr> = gone
-            .iter()
-            .flat_map(|p| p.addrs())
-            .filter(|a| !wanted.contains_key(a))
-            .chain(moving.iter().copied())
-            .collect();
-        for addr in &leaving {
-            delete(addr, &mut revoke);
+            *lead_delta.entry(current.policy).or_default() -= 1;
+            revoke.push(Op::DeletePeerEntry { addr: *addr });
         }
     }
 
@@ -844,43 +939,44 @@ fn plan_scope(
             .filter(|k| !kept.contains(k) && actual.wg.peers.contains_key(k))
             .collect()
     };
-    // A leaving peer goes with the revocations, after its address entries; one whose address
-    // another peer takes over goes after the handover (removing it first would unroute the
-    // address for a moment, and a key rotation would interrupt the rotated peer).
-    for key in leaving_keys {
-        let handed_over = actual.wg.peers.get(&key).is_some_and(|peer| {
-            peer.allowed_ips
-                .iter()
-                .any(|ip| wanted.contains_key(&ip.addr()))
-        });
-        let remove = Op::RemoveWgPeer { key };
-        if handed_over {
-            ops.push(remove);
-        } else {
-            revoke.push(remove);
-        }
-    }
+    // A leaving peer goes with the revocations, after the address entries, also when another
+    // peer takes over its addresses: those entries are deleted in the lead, and the old key
+    // (a leaked one, in a rotation) must not keep a session, or the address's inbound traffic,
+    // while the puts before the handover fail.
+    revoke.extend(leaving_keys.into_iter().map(|key| Op::RemoveWgPeer { key }));
 
-    // Policies no peer entry references after the plan. A full plan also collects entries of
-    // ids nothing referenced to begin with (left by a failure halfway).
+    // Policies no peer entry references after the plan. Those nothing references once the
+    // lead's deletions ran (a revoked peer's, or a failed put's leftovers, which a full plan
+    // also collects) go in the lead: deleting them takes access from nobody, and at a full
+    // trie the puts need their room. Those the plan's switches unreference go last.
     let candidates: BTreeSet<u32> = if full {
         maps.policies.keys().copied().collect()
     } else {
         delta.keys().copied().collect()
     };
+    let mut last = Vec::new();
     for id in candidates {
-        let refs = index.policy_refs.get(&id).copied().unwrap_or(0) as i64
-            + delta.get(&id).copied().unwrap_or(0);
-        if id == UNRESTRICTED || refs > 0 {
+        let now = index.policy_refs.get(&id).copied().unwrap_or(0) as i64;
+        let after_lead = now + lead_delta.get(&id).copied().unwrap_or(0);
+        let after = now + delta.get(&id).copied().unwrap_or(0);
+        // The empty policy never has entries: any there (drift) are deleted at once.
+        let garbage = id == EMPTY_POLICY || (id != UNRESTRICTED && after <= 0);
+        if !garbage {
             continue;
         }
+        let to = if id == EMPTY_POLICY || after_lead <= 0 {
+            &mut revoke
+        } else {
+            &mut last
+        };
         if let Some(content) = maps.policies.get(&id) {
             for (prefix, _) in content.entries() {
-                ops.push(Op::DeletePolicyEntry { policy: id, prefix });
+                to.push(Op::DeletePolicyEntry { policy: id, prefix });
             }
         }
     }
     revoke.append(&mut ops);
+    revoke.append(&mut last);
     Ok(Plan { ops: revoke })
 }
 
@@ -1019,6 +1115,23 @@ mod tests {
         (text, state)
     }
 
+    /// Counter slots of the kernel the property tests plan for: fewer than their peers, so
+    /// that they plan at a full map too.
+    const SLOTS: u32 = 4;
+
+    /// Whether `new` needs more counter slots than a kernel of [`SLOTS`] has: then planning it
+    /// must fail, before any operation.
+    fn over_capacity(new: &DesiredState, planned: &Result<Plan, PlanError>) -> bool {
+        let over = new.peers.len() > SLOTS as usize;
+        assert_eq!(
+            over,
+            matches!(planned, Err(PlanError::SlotsExhausted)),
+            "{} peers at {SLOTS} slots planned {planned:?}",
+            new.peers.len()
+        );
+        over
+    }
+
     fn apply_checked(kernel: &mut Kernel, old: &DesiredState, new: &DesiredState) -> Plan {
         let plan = plan(new, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
         if let Err(e) = invariants::check_revocations_lead(&kernel.0, new, &plan.ops) {
@@ -1038,10 +1151,13 @@ mod tests {
         fn plans_converge_safely_and_an_equal_state_plans_nothing(
             states in prop::collection::vec(prop::collection::vec(gen_peer(), 0..7), 1..6),
         ) {
-            let mut kernel = Kernel::default();
+            let mut kernel = Kernel(Actual::default().with_slot_limit(SLOTS));
             let mut old = DesiredState::default();
             for gens in &states {
                 let (_, new) = build(gens);
+                if over_capacity(&new, &plan(&new, &kernel.actual())) {
+                    continue;
+                }
                 apply_checked(&mut kernel, &old, &new);
                 assert_converged(&kernel, &new);
                 // The same state, peers in reverse order: nothing to do.
@@ -1066,11 +1182,15 @@ mod tests {
         fn incremental_plans_converge_like_full_ones(
             states in prop::collection::vec(prop::collection::vec(gen_peer(), 0..7), 1..6),
         ) {
-            let mut kernel = Kernel::default();
+            let mut kernel = Kernel(Actual::default().with_slot_limit(SLOTS));
             let mut old = DesiredState::default();
             for gens in &states {
                 let (_, new) = build(gens);
-                let update = plan_update(&old, &new, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+                let update = plan_update(&old, &new, &kernel.actual());
+                if over_capacity(&new, &update) {
+                    continue;
+                }
+                let update = update.unwrap_or_else(|e| panic!("{e}"));
                 if let Err(e) = invariants::check_revocations_lead(&kernel.0, &new, &update.ops) {
                     panic!("{e}");
                 }
@@ -1341,18 +1461,19 @@ mod tests {
         converge(&mut kernel, &DesiredState::default(), &old);
         let before = kernel.0.maps().peers.clone();
         let rotate = converge(&mut kernel, &old, &new);
-        // The old key's flows end with the entry write; the entries move with WireGuard.
+        // The old key is cut off first (its entries, then its WireGuard peer); the entries
+        // come back with new owners once WireGuard routes the addresses to the new key.
         assert!(
             matches!(
                 rotate.ops.as_slice(),
                 [
                     Op::DeletePeerEntry { .. },
                     Op::DeletePeerEntry { .. },
+                    Op::RemoveWgPeer { .. },
                     Op::RaiseOwnerHigh { owner: 4 },
                     Op::WgPeer(c),
                     Op::PutPeerEntry { .. },
                     Op::PutPeerEntry { .. },
-                    Op::RemoveWgPeer { .. },
                 ] if c.create
             ),
             "{:#?}",
@@ -1528,5 +1649,216 @@ mod tests {
             s.peers[0].policy.as_ref().unwrap_or(&Arc::default()),
             s.peers[1].policy.as_ref().unwrap_or(&Arc::default())
         ));
+    }
+
+    /// Review of issue 11, finding 1: "rotate alice K1 -> K2 (K1 leaked), same rules", pushed
+    /// with a put that fails (a new policy at a full trie). The old key's packets are dropped
+    /// from the first operation on, and its WireGuard peer is gone before the first put, so
+    /// nothing a failing put stops keeps the leaked key in.
+    #[test]
+    fn a_key_rotation_cuts_the_old_key_off_before_any_put() {
+        let rules = json!([{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] }]);
+        let before = one(json!([
+            { "name": "alice", "publicKey": key(1), "address": "10.8.0.2", "egress": rules },
+            { "name": "carol", "publicKey": key(3), "address": "10.8.0.3" },
+        ]));
+        let after = one(json!([
+            { "name": "alice", "publicKey": key(2), "address": "10.8.0.2", "egress": rules },
+            { "name": "carol", "publicKey": key(3), "address": "10.8.0.3" },
+            { "name": "dave", "publicKey": key(4), "address": "10.8.0.4",
+              "egress": [{ "cidr": "192.0.2.0/24", "protocol": "udp" }] },
+        ]));
+        let old_key = WgKey([1; 32]);
+        let alice = IpAddr::from([10, 8, 0, 2]);
+        for incremental in [false, true] {
+            let mut kernel = Kernel::default();
+            converge(&mut kernel, &DesiredState::default(), &before);
+            let p = if incremental {
+                plan_update(&before, &after, &kernel.actual())
+            } else {
+                plan(&after, &kernel.actual())
+            }
+            .unwrap_or_else(|e| panic!("{e}"));
+            if let Err(e) = invariants::check_revocations_lead(&kernel.0, &after, &p.ops) {
+                panic!("incremental {incremental}: {e}");
+            }
+            // Every put fails: only the lead runs.
+            let lead = lead(&p.ops);
+            for (i, op) in lead.iter().enumerate() {
+                kernel.apply(op);
+                let held = kernel.0.holder(alice) == Some(old_key);
+                assert!(
+                    !(held && kernel.0.maps().peers.contains_key(&alice)),
+                    "incremental {incremental}: after op {i} ({op}) the old key still passes: \
+                     {:#?}",
+                    p.ops
+                );
+            }
+            assert!(
+                !kernel.0.wg().peers.contains_key(&old_key),
+                "incremental {incremental}: the old key is still a WireGuard peer when the first \
+                 put runs: {:#?}",
+                p.ops
+            );
+        }
+    }
+
+    /// Applies `ops` to a kernel whose policy tries hold at most `capacity` entries in all, as
+    /// the agent would: stops at the first put the trie refuses (ENOSPC). Whether all ran.
+    fn apply_at_capacity(kernel: &mut Kernel, ops: &[Op], capacity: usize) -> bool {
+        for op in ops {
+            if let Op::PutPolicyEntry { policy, prefix, .. } = op {
+                let policies = &kernel.0.maps().policies;
+                let total: usize = policies.values().map(|p| p.entries().len()).sum();
+                let exists = policies
+                    .get(policy)
+                    .is_some_and(|p| p.entries().any(|(q, _)| q == *prefix));
+                if !exists && total >= capacity {
+                    return false;
+                }
+            }
+            kernel.apply(op);
+        }
+        true
+    }
+
+    /// Review of issue 11, finding 2: at a full policy trie, "revoke z + add n with a new
+    /// policy" is a valid state (it needs no more entries than the trie holds), so it must
+    /// converge: z's policy entries, which nothing references once z's entry is deleted, go
+    /// in the lead, before n's policy is written; so do the leftovers of a failed put.
+    #[test]
+    fn a_full_trie_makes_room_before_the_puts() {
+        let before = one(json!([
+            { "name": "u", "publicKey": key(1), "address": "10.8.0.2" },
+            { "name": "z", "publicKey": key(2), "address": "10.8.0.3",
+              "egress": [{ "cidr": "10.0.0.0/8", "protocol": "tcp" }, { "cidr": "10.1.0.0/16", "protocol": "udp" }] },
+        ]));
+        let after = one(json!([
+            { "name": "n", "publicKey": key(3), "address": "10.8.0.4",
+              "egress": [{ "cidr": "192.0.2.0/24", "protocol": "udp" }, { "cidr": "198.51.100.0/24", "protocol": "tcp" }] },
+            { "name": "u", "publicKey": key(1), "address": "10.8.0.2" },
+        ]));
+        for incremental in [false, true] {
+            let mut kernel = Kernel::default();
+            converge(&mut kernel, &DesiredState::default(), &before);
+            // The trie is full: it holds z's two entries and no more.
+            let capacity = 2;
+            let first = if incremental {
+                plan_update(&before, &after, &kernel.actual())
+            } else {
+                plan(&after, &kernel.actual())
+            }
+            .unwrap_or_else(|e| panic!("{e}"));
+            let gc = lead(&first.ops)
+                .iter()
+                .filter(|op| matches!(op, Op::DeletePolicyEntry { .. }))
+                .count();
+            assert_eq!(
+                gc, 2,
+                "incremental {incremental}: z's policy entries are not deleted in the lead: \
+                 {:#?}",
+                first.ops
+            );
+            // A retry is a full plan from the kernel as it is; a few must get there.
+            let mut ops = first.ops;
+            let mut converged = false;
+            for _ in 0..3 {
+                if apply_at_capacity(&mut kernel, &ops, capacity) {
+                    converged = true;
+                    break;
+                }
+                ops = plan(&after, &kernel.actual())
+                    .unwrap_or_else(|e| panic!("{e}"))
+                    .ops;
+            }
+            assert!(converged, "incremental {incremental}: the trie stays full");
+            assert_converged(&kernel, &after);
+        }
+
+        // The leftovers of a put that failed halfway (n's first entry, its id unreferenced)
+        // go before the retry writes n's policy again.
+        let mut kernel = Kernel::default();
+        converge(&mut kernel, &DesiredState::default(), &before);
+        let ops = plan(&after, &kernel.actual())
+            .unwrap_or_else(|e| panic!("{e}"))
+            .ops;
+        let first_put = ops
+            .iter()
+            .position(|op| matches!(op, Op::PutPolicyEntry { .. }))
+            .unwrap_or(ops.len());
+        for op in &ops[..=first_put.min(ops.len() - 1)] {
+            kernel.apply(op);
+        }
+        let retry = plan(&after, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            lead(&retry.ops)
+                .iter()
+                .any(|op| matches!(op, Op::DeletePolicyEntry { .. })),
+            "the leftover is not collected in the lead: {:#?}",
+            retry.ops
+        );
+        assert!(apply_at_capacity(&mut kernel, &retry.ops, 2));
+        assert_converged(&kernel, &after);
+    }
+
+    /// Review of issue 11, finding 3: "revoke r + add n" with every counter slot in use gives
+    /// n the slot r's deletion frees, never the slot of a peer that stays (which would wipe
+    /// its counters and share its flow quota); with no slot freed, the plan fails.
+    #[test]
+    fn a_full_map_reuses_only_the_slots_the_lead_frees() {
+        // "a" (slot 0) stays; "r" (slot 1) goes; "n" comes.
+        let before = one(json!([
+            { "name": "a", "publicKey": key(1), "address": "10.8.0.2" },
+            { "name": "r", "publicKey": key(2), "address": "10.8.0.3" },
+        ]));
+        let after = one(json!([
+            { "name": "a", "publicKey": key(1), "address": "10.8.0.2" },
+            { "name": "n", "publicKey": key(3), "address": "10.8.0.4" },
+        ]));
+        for incremental in [false, true] {
+            let mut kernel = Kernel(Actual::default().with_slot_limit(2));
+            converge(&mut kernel, &DesiredState::default(), &before);
+            let slot = |k: &Kernel, n: u8| kernel_entry(k, IpAddr::from([10, 8, 0, n])).slot;
+            let (a, r) = (slot(&kernel, 2), slot(&kernel, 3));
+            let p = if incremental {
+                plan_update(&before, &after, &kernel.actual())
+            } else {
+                plan(&after, &kernel.actual())
+            }
+            .unwrap_or_else(|e| panic!("{e}"));
+            for op in &p.ops {
+                kernel.apply(op);
+                assert_safe_midway(&kernel, &before, &after);
+            }
+            assert_converged(&kernel, &after);
+            assert_eq!(slot(&kernel, 2), a, "incremental {incremental}");
+            assert_eq!(
+                slot(&kernel, 4),
+                r,
+                "incremental {incremental}: n did not get r's slot: {:#?}",
+                p.ops
+            );
+            assert!(
+                !p.ops.contains(&Op::ResetPeerCounters { slot: a }),
+                "incremental {incremental}: a's counters are reset: {:#?}",
+                p.ops
+            );
+        }
+        // Adding n without revoking anyone: no slot is free, so no plan.
+        let mut kernel = Kernel(Actual::default().with_slot_limit(2));
+        converge(&mut kernel, &DesiredState::default(), &before);
+        let more = one(json!([
+            { "name": "a", "publicKey": key(1), "address": "10.8.0.2" },
+            { "name": "n", "publicKey": key(3), "address": "10.8.0.4" },
+            { "name": "r", "publicKey": key(2), "address": "10.8.0.3" },
+        ]));
+        assert_eq!(
+            plan_update(&before, &more, &kernel.actual()),
+            Err(PlanError::SlotsExhausted)
+        );
+        assert_eq!(
+            plan(&more, &kernel.actual()),
+            Err(PlanError::SlotsExhausted)
+        );
     }
 }

@@ -7,8 +7,10 @@
 //! behind the agent's back), and after any failed operation.
 //!
 //! Reply flows: an address's flows are forgotten when it leaves or gets a new WireGuard holder,
-//! and [`Reconciler::collect_flows`] (at start, on every resync and periodically) deletes flows
-//! that expired or whose owner is no longer their address's, giving their quota back.
+//! and [`Reconciler::collect_flows`] deletes flows that expired or whose owner is no longer
+//! their address's, giving their quota back: at start, here; once the agent runs, by the
+//! [`Sweeper`] (periodically, on every resync, and what the reconciler hands it), off the
+//! apply path.
 //!
 //! A failure stops the plan where it is. Every prefix of a plan is safe to stop at (no entry
 //! points at an incomplete policy, no address gets a policy its holder does not own), and the
@@ -32,6 +34,7 @@ use crate::{
     policy::CompiledPolicy,
     settings::{online_cpus, DatapathSettings},
     state::{DesiredState, WgKey},
+    sweeper::{Pause, Sweeper},
     wg::{WgError, WireGuard},
 };
 
@@ -86,8 +89,10 @@ pub struct Reconciler {
     cpus: u32,
     /// The datapath's settings entry as the kernel has it (read with the maps).
     kernel_config: Option<wgfence_common::Config>,
-    /// Reply flows deleted so far.
+    /// Reply flows deleted so far by this reconciler itself.
     flows_freed: u64,
+    /// Once set, every flow deletion goes to it (the one writer of the freed counts).
+    sweeper: Option<Sweeper>,
     closed: Arc<AtomicBool>,
 }
 
@@ -106,10 +111,23 @@ impl Reconciler {
             cpus: online_cpus(),
             kernel_config: None,
             flows_freed: 0,
+            sweeper: None,
             closed: Arc::new(AtomicBool::new(false)),
         };
         r.refresh()?;
         Ok(r)
+    }
+
+    /// Hands every later flow deletion to `sweeper`, which deletes off the apply path; from
+    /// here on the reconciler deletes no flow itself.
+    pub fn with_sweeper(mut self, sweeper: Sweeper) -> Self {
+        self.sweeper = Some(sweeper);
+        self
+    }
+
+    /// Holds the sweeper back (between its chunks) while a state change is loaded and applied.
+    pub fn pause_flow_work(&self) -> Option<Pause> {
+        self.sweeper.as_ref().map(Sweeper::pause)
     }
 
     /// Uses these datapath settings from the next reconcile on (default:
@@ -150,7 +168,7 @@ impl Reconciler {
 
     /// Reads the maps and the WireGuard device again (resync: what changed behind the agent's
     /// back shows up in the next plan), then collects the flows that are no longer their
-    /// address's (before anything new is allocated).
+    /// address's (at start, before anything new is allocated; later, by the sweeper).
     pub fn refresh(&mut self) -> Result<(), ReconcileError> {
         self.check_open()?;
         self.applied = None;
@@ -165,8 +183,14 @@ impl Reconciler {
     /// owner is not (or no longer) the owner of their address's entry. Each counts as freed
     /// for its slot, which gives the slot's quota back. Returns how many went; costs one pass
     /// over the flow tables and one write per deleted flow (none when nothing is dead).
+    ///
+    /// With a sweeper, it only asks the sweeper for a pass, and returns 0.
     pub fn collect_flows(&mut self) -> Result<u64, ReconcileError> {
         self.check_open()?;
+        if let Some(sweeper) = &self.sweeper {
+            sweeper.sweep();
+            return Ok(0);
+        }
         if self.stale {
             return Ok(0);
         }
@@ -191,7 +215,8 @@ impl Reconciler {
         Ok(freed)
     }
 
-    /// Flows this reconciler deleted so far (collected or forgotten).
+    /// Flows this reconciler deleted itself so far (collected or forgotten; not the
+    /// sweeper's).
     pub fn flows_freed(&self) -> u64 {
         self.flows_freed
     }
@@ -222,11 +247,15 @@ impl Reconciler {
         let wg_before = self.wg.peer_updates();
         let moved = moved_addresses(&plan, &desired, &self.actual);
         let mut config_ops = 0;
-        let applied = self.apply_config(&desired).and_then(|wrote| {
-            config_ops = usize::from(wrote);
-            // Before and after: the old holder's traffic may record flows meanwhile.
+        // The lead (revocations, moving addresses, room in a full map) before anything else:
+        // the settings write and the flow work (replies off deletes every flow) can take long
+        // or fail, and a revocation waits for neither.
+        let lead = plan.lead();
+        let applied = self.apply(lead).and_then(|()| {
+            config_ops = usize::from(self.apply_config(&desired)?);
+            // Before and after the rest: the entries of moved addresses are written there.
             self.forget_flows(&moved)?;
-            self.apply(&plan)
+            self.apply(&plan.ops[lead.len()..])
         });
         // The flows of the addresses the plan deleted go also when a later operation failed:
         // the revocations lead the plan, and what ran of it stays (the retry plans from there).
@@ -278,6 +307,10 @@ impl Reconciler {
             return Ok(());
         }
         self.check_open()?;
+        if let Some(sweeper) = &self.sweeper {
+            sweeper.forget(addrs.clone());
+            return Ok(());
+        }
         let removed = self
             .dataplane
             .maps_mut()
@@ -308,13 +341,15 @@ impl Reconciler {
         let replies_were_on = self.kernel_config.is_some_and(|c| c.replies());
         self.kernel_config = Some(want);
         if replies_were_on && !want.replies() {
-            self.flows_freed += self.dataplane.maps_mut().remove_flows(|_| true)?;
+            match &self.sweeper {
+                Some(sweeper) => sweeper.forget_all(),
+                None => self.flows_freed += self.dataplane.maps_mut().remove_flows(|_| true)?,
+            }
         }
         Ok(true)
     }
 
-    fn apply(&mut self, plan: &Plan) -> Result<(), ReconcileError> {
-        let ops = &plan.ops;
+    fn apply(&mut self, ops: &[Op]) -> Result<(), ReconcileError> {
         let mut i = 0;
         while i < ops.len() {
             self.check_open()?;

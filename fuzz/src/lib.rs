@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use arbitrary::Arbitrary;
 use serde_json::{json, Value};
 use wgfence::{
-    plan::{invariants, plan, plan_update, Actual},
+    plan::{invariants, plan, plan_update, Actual, PlanError},
     state::{parse, parse_value_tree, DesiredState, WgKey},
 };
 
@@ -125,6 +125,9 @@ pub struct GenRule {
 
 const MAX_STATES: usize = 6;
 const MAX_PEERS: usize = 8;
+/// Counter slots of the modelled kernel: fewer than a scenario's peers (at most six distinct
+/// names), so that the planner also works at a full peer map.
+const SLOTS: u32 = 4;
 const MAX_RULES: usize = 4;
 /// Port range starts near the edges and near each other (overlapping and adjacent ranges).
 const PORTS: [u16; 8] = [1, 2, 22, 442, 443, 444, 65534, 65535];
@@ -231,14 +234,30 @@ fn state_json(peers: &[GenPeer], reverse_rules: bool) -> String {
 /// incrementally on another: every invariant holds after every operation, both converge to
 /// the same kernel, and the same state in another order plans nothing.
 pub fn check_plans(scenario: &Scenario) -> Result<(), String> {
-    let mut full = Actual::default();
-    let mut incremental = Actual::default();
+    let mut full = Actual::default().with_slot_limit(SLOTS);
+    let mut incremental = Actual::default().with_slot_limit(SLOTS);
     let mut old = DesiredState::default();
     for gens in scenario.states.iter().take(MAX_STATES) {
         let text = state_json(gens, false);
         // A generated state the schema rejects (e.g. too many allows) is skipped, as the agent
         // keeps the last good state.
         let Ok(new) = parse(&text) else { continue };
+        // More peers than counter slots: both plans must fail, before any operation, and the
+        // kernel keeps the last good state. (No slot is ever shared to make room.)
+        if new.peers.len() > SLOTS as usize {
+            for (how, planned) in [
+                ("full", plan(&new, &full)),
+                ("incremental", plan_update(&old, &new, &incremental)),
+            ] {
+                if !matches!(planned, Err(PlanError::SlotsExhausted)) {
+                    return Err(format!(
+                        "{how}: {} peers at {SLOTS} slots planned {planned:?}\n{text}",
+                        new.peers.len()
+                    ));
+                }
+            }
+            continue;
+        }
         converge(&mut full, &old, &new, Mode::Full).map_err(|e| format!("full: {e}\n{text}"))?;
         converge(&mut incremental, &old, &new, Mode::Since)
             .map_err(|e| format!("incremental: {e}\n{text}"))?;

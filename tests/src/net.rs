@@ -229,15 +229,27 @@ impl WireGuard {
         wait_for(Duration::from_secs(10), || wg.socket().exists())
             .unwrap_or_else(|| panic!("wireguard-go did not create {}", wg.socket().display()));
         let key_file = TempFile::new(&wg.keys.private);
-        run(&[
+        let port = listen_port.to_string();
+        let set = [
             "wg",
             "set",
             name,
             "private-key",
             key_file.path_str(),
             "listen-port",
-            &listen_port.to_string(),
-        ]);
+            &port,
+        ];
+        // The socket file exists from bind(); wireguard-go listens a moment later, and `wg`
+        // then reports the kernel backend's "Protocol not supported". Seen on a loaded machine.
+        let configured = wait_for(Duration::from_secs(10), || {
+            Command::new(set[0])
+                .args(&set[1..])
+                .output()
+                .is_ok_and(|out| out.status.success())
+        });
+        if configured.is_none() {
+            run(&set);
+        }
         ns.ip(&["link", "set", name, "up"]);
         wg
     }

@@ -402,3 +402,69 @@ fn a_detach_that_cannot_release_the_links_fails_naming_the_holder() {
         .unwrap_or_else(|e| panic!("bpftool: {e}"));
     assert!(!link_show.status.success(), "link {link} still exists");
 }
+
+/// A flow quota that does not match the tables (here: one flow counted as made twice, as an
+/// agent killed between deleting flows and counting them, or an upgrade resumed with the old
+/// double count, leaves it) is recounted when the datapath is attached again: `made - freed`
+/// is the number of flows the slot holds, so the slot gets its full quota back.
+#[test]
+fn a_flow_quota_off_from_the_tables_is_recounted_at_the_next_attach() {
+    use wgfence::dataplane::{AttachOptions, Dataplane, Flow, DEFAULT_BPFFS};
+    use wgfence_common::FlowValue;
+    use wgfence_tests::net::{unique, Netns};
+
+    struct Pins(String);
+    impl Drop for Pins {
+        fn drop(&mut self) {
+            let _ = Dataplane::detach(std::path::Path::new(DEFAULT_BPFFS), &self.0);
+        }
+    }
+
+    let ns = Netns::new("wgft-quota-");
+    let name = unique("wgq");
+    ns.ip(&[
+        "link", "add", &name, "type", "veth", "peer", "name", "other0",
+    ]);
+    let options = AttachOptions::new(name.clone());
+    let mut dp = ns
+        .enter(|| Dataplane::attach(&options))
+        .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+    let _pins = Pins(name.clone());
+    let slot = 7;
+    let flow = |port| Flow {
+        peer: wgfence_tests::ip("10.8.0.2"),
+        remote: wgfence_tests::ip("10.1.2.3"),
+        protocol: 17,
+        peer_port: port,
+        remote_port: 4000,
+        value: FlowValue {
+            slot,
+            owner: 1,
+            ..FlowValue::default()
+        },
+    };
+    let maps = dp.maps_mut();
+    for f in [flow(5000), flow(5001), flow(5001)] {
+        maps.insert_flow(&f)
+            .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+    }
+    assert_eq!(
+        maps.flow_quota(slot).ok(),
+        Some((3, 0)),
+        "the test's own setup"
+    );
+    drop(dp);
+
+    let dp = ns
+        .enter(|| Dataplane::attach(&options))
+        .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+    let (made, freed) = dp
+        .maps()
+        .flow_quota(slot)
+        .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+    assert_eq!(
+        made.saturating_sub(freed),
+        2,
+        "slot {slot}: {made} made - {freed} freed for 2 flows"
+    );
+}

@@ -1084,3 +1084,229 @@ fn a_second_agent_on_the_same_interface_is_refused() {
     assert_healthy(&gw, &agent, "after the second agent was refused");
     assert_revocation_applies(&gw, &agent, "after the second agent was refused");
 }
+
+/// The pinned (link id, program id) of the ingress and of the egress link.
+fn links(gw: &Gateway) -> ((u32, u32), (u32, u32)) {
+    let get = |pin| {
+        let info = if pin == LINK_PIN {
+            Dataplane::link_info(&gw.bpffs, gw.interface())
+        } else {
+            Dataplane::egress_link_info(&gw.bpffs, gw.interface())
+        };
+        info.unwrap_or_else(|e| panic!("{pin}: {e}"))
+            .unwrap_or_else(|| panic!("{pin} is not pinned"))
+    };
+    (get(LINK_PIN), get(LINK_PIN_EGRESS))
+}
+
+/// Whether program `prog` runs on `device`'s tcx hook, `direction` "ingress" or "egress" (a
+/// query in the node's namespace; this bpftool predates tcx).
+fn runs_on(gw: &Gateway, device: &str, direction: &str, prog: u32) -> bool {
+    use aya::programs::{SchedClassifier, TcAttachType};
+    let attach_type = if direction == "ingress" {
+        TcAttachType::Ingress
+    } else {
+        TcAttachType::Egress
+    };
+    gw.node
+        .enter(|| SchedClassifier::query_tcx(device, attach_type))
+        .is_ok_and(|(_, programs)| programs.iter().any(|p| p.id() == prog))
+}
+
+/// `bpftool link detach` on `link` (link id, program id), then waits until the program runs on
+/// that hook of the interface again (the agent checks once a second).
+#[track_caller]
+fn detach_and_wait_back(gw: &Gateway, agent: &Agent, direction: &str, link: (u32, u32)) {
+    let out = Command::new("bpftool")
+        .args(["link", "detach", "id", &link.0.to_string()])
+        .output()
+        .unwrap_or_else(|e| panic!("bpftool: {e}"));
+    assert!(out.status.success(), "{out:?}");
+    let back = wait_for(Duration::from_millis(1500), || {
+        runs_on(gw, gw.interface(), direction, link.1)
+    });
+    assert!(
+        back.is_some(),
+        "the {direction} program did not come back; log:\n{}",
+        agent.log_text()
+    );
+}
+
+/// One of the two tcx links detached behind the agent's back (`bpftool link detach`), the
+/// device unchanged: the agent attaches a new link for that hook only, before it lets go of
+/// the dead one, and never touches the link that still works. Denied traffic never passes
+/// while the egress link is missing (enforcement is the ingress link's), and each missing hook
+/// is back within about a second (the agent checks once a second).
+#[test]
+fn a_link_detached_behind_the_agents_back_comes_back_alone() {
+    let gw = Gateway::new(1);
+    let s = state(vec![gw.peer_json(0, Some(web_only()))]);
+    let agent = Agent::start(&gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+    let (ingress, egress) = links(&gw);
+
+    thread::scope(|scope| {
+        let stream = scope.spawn(|| {
+            assert_denied_throughout(&gw, Duration::from_secs(3), "egress link detached")
+        });
+        thread::sleep(Duration::from_millis(300));
+        detach_and_wait_back(&gw, &agent, "egress", egress);
+        if let Err(panic) = stream.join() {
+            std::panic::resume_unwind(panic);
+        }
+    });
+    let (ingress_now, egress_now) = links(&gw);
+    assert_eq!(
+        ingress_now,
+        ingress,
+        "the ingress link, which was never detached, was replaced; log:\n{}",
+        agent.log_text()
+    );
+    assert_ne!(
+        egress_now.0, egress.0,
+        "the dead egress link is still pinned"
+    );
+    assert_eq!(egress_now.1, egress.1, "another egress program");
+    assert_enforced(&gw, "after the egress link came back");
+
+    // Now the ingress link: enforcement is gone until the agent's next check, then back.
+    detach_and_wait_back(&gw, &agent, "ingress", ingress);
+    let (ingress_now, egress_again) = links(&gw);
+    assert_eq!(egress_again, egress_now, "the egress link was replaced");
+    assert_ne!(
+        ingress_now.0, ingress.0,
+        "the dead ingress link is still pinned"
+    );
+    assert_enforced(&gw, "after the ingress link came back");
+    assert_healthy(&gw, &agent, "after both links came back");
+}
+
+/// The WireGuard interface renamed (`ip link set wgX name wgY`) while its peers stay connected
+/// through it, and a new device created under the agent's name: the agent attaches to the new
+/// device and keeps enforcing on the renamed one (it holds its links until that device goes):
+/// denied traffic through the renamed device never passes.
+#[test]
+fn a_renamed_interface_keeps_enforcing_beside_its_successor() {
+    use wgfence_tests::net::{unique, WireGuard};
+
+    /// The renamed device's UAPI socket, moved by the test: removed however it ends.
+    struct Socket(std::path::PathBuf);
+    impl Drop for Socket {
+        fn drop(&mut self) {
+            let _ = fs::remove_file(&self.0);
+        }
+    }
+
+    let gw = Gateway::new(1);
+    let s = state(vec![gw.peer_json(0, Some(web_only()))]);
+    let agent = Agent::start(&gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+    assert_enforced(&gw, "before the rename");
+    let (ingress, egress) = links(&gw);
+
+    let name = gw.interface().to_owned();
+    let renamed = unique("wgr");
+    // A device that is up cannot be renamed; its links and wireguard-go's peers survive this.
+    gw.node.ip(&["link", "set", &name, "down"]);
+    gw.node.ip(&["link", "set", &name, "name", &renamed]);
+    gw.node.ip(&["link", "set", &renamed, "up"]);
+    gw.node
+        .ip(&["route", "replace", "10.8.0.0/24", "dev", &renamed]);
+    let old_socket = gw.wg.socket();
+    let socket = Socket(old_socket.with_file_name(format!("{renamed}.sock")));
+    fs::rename(&old_socket, &socket.0).unwrap_or_else(|e| panic!("{e}"));
+    let successor = WireGuard::start(&gw.node, &name, 51821);
+    let attached = wait_for(Duration::from_secs(5), || {
+        agent
+            .log_text()
+            .contains("attached to the recreated interface")
+    });
+    assert!(attached.is_some(), "log:\n{}", agent.log_text());
+    assert!(
+        runs_on(&gw, &successor.name, "ingress", ingress.1)
+            && runs_on(&gw, &successor.name, "egress", egress.1),
+        "the new device is not enforced"
+    );
+    assert!(
+        runs_on(&gw, &renamed, "ingress", ingress.1),
+        "the agent let go of the renamed device's ingress; log:\n{}",
+        agent.log_text()
+    );
+    assert_denied_throughout(&gw, Duration::from_secs(3), "through the renamed device");
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Tcp(80), ip("10.2.3.4")),
+        Reach::Reached,
+        "allowed traffic through the renamed device did not arrive"
+    );
+    // Once the renamed device goes, the agent lets go of its links (wireguard-go, stopping,
+    // takes the successor's socket and device with it: not the agent's business).
+    gw.node.ip(&["link", "del", &renamed]);
+    let released = wait_for(Duration::from_secs(5), || {
+        agent.log_text().contains("released its link")
+    });
+    assert!(released.is_some(), "log:\n{}", agent.log_text());
+    drop(successor);
+}
+
+/// `wgfence detach` immediately followed by a new agent (a rollout): the detach renames the
+/// pin directory to its marker and the new agent creates and locks a new pin directory before
+/// the running agent's next check. The running agent finds the directory it locked under the
+/// detach marker and lets go (links and lock), whatever now exists at the pin path: it never
+/// keeps its links beside the new agent's. (Done here by hand, in the order the race has: the
+/// rename, then a new directory locked by someone else, within microseconds.)
+#[test]
+fn an_agent_lets_go_for_a_detach_even_if_a_new_agent_took_the_pin_path() {
+    use std::os::fd::AsRawFd as _;
+
+    let gw = Gateway::new(1);
+    let s = state(vec![gw.peer_json(0, Some(web_only()))]);
+    let agent = Agent::start(&gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+    let (link, _) = Dataplane::link_info(&gw.bpffs, gw.interface())
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| panic!("no pinned link"));
+    let dir = pin_dir(&gw.bpffs, gw.interface());
+    let marker = dir.with_file_name(format!(
+        "detaching-{}-{:010}",
+        gw.interface(),
+        std::process::id()
+    ));
+    fs::rename(&dir, &marker).unwrap_or_else(|e| panic!("{e}"));
+    fs::create_dir(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let newcomer = fs::File::open(&dir).unwrap_or_else(|e| panic!("{e}"));
+    // SAFETY: flock on a descriptor this test holds.
+    let locked = unsafe { libc::flock(newcomer.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    assert_eq!(locked, 0, "{}", std::io::Error::last_os_error());
+
+    // The agent lets go of its lock on the marker (after its links): what `detach` waits for.
+    let let_go = wait_for(Duration::from_secs(3), || {
+        fs::File::open(&marker).is_ok_and(|f| {
+            // SAFETY: flock on a descriptor this closure holds; closing it releases the lock.
+            unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+        })
+    });
+    let log = agent.log_text();
+    drop(newcomer);
+    let _ = fs::remove_dir(&dir);
+    // What `wgfence detach` does once the agent let go: the pins go, and with them the links.
+    for name in all_pins(&marker) {
+        let _ = fs::remove_file(name);
+    }
+    let _ = fs::remove_dir(&marker);
+    assert!(
+        let_go.is_some(),
+        "the agent kept its links and lock beside the new pin directory; log:\n{log}"
+    );
+    let link_show = Command::new("bpftool")
+        .args(["link", "show", "id", &link.to_string()])
+        .output()
+        .unwrap_or_else(|e| panic!("bpftool: {e}"));
+    assert!(
+        !link_show.status.success(),
+        "link {link} still exists once its pins are gone: the agent holds it"
+    );
+    agent.wait_readyz(&gw, 503);
+    let (_, body) = agent.get(&gw, "/readyz").unwrap_or_default();
+    assert!(body.contains("detached"), "{body}");
+}

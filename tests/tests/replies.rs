@@ -306,6 +306,21 @@ fn plan_shows_the_replies_switch_it_would_write() {
 }
 
 /// The flows recorded toward `addr`.
+fn open_maps(gw: &Gateway) -> wgfence::dataplane::Maps {
+    Dataplane::open_maps(&gw.bpffs, gw.interface())
+        .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)))
+}
+
+/// The address entry of `addr` as the kernel holds it.
+fn entry_of(gw: &Gateway, addr: std::net::IpAddr) -> wgfence_common::PeerEntry {
+    open_maps(gw)
+        .peers()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_iter()
+        .find_map(|(a, e)| (a == addr).then_some(e))
+        .unwrap_or_else(|| panic!("no entry for {addr}"))
+}
+
 fn flows_toward(gw: &Gateway, addr: std::net::IpAddr) -> Vec<Flow> {
     Dataplane::open_maps(&gw.bpffs, gw.interface())
         .and_then(|m| m.flows())
@@ -447,16 +462,8 @@ fn the_agent_collects_flows_that_lost_their_owner_or_expired() {
     let mut agent = Agent::start(&gw, Layout::Plain, &state(&gw, None), &[]);
     agent.wait_ready(&gw);
     let addr: std::net::IpAddr = gw.peers[0].v4.into();
-    let maps = || {
-        Dataplane::open_maps(&gw.bpffs, gw.interface())
-            .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)))
-    };
-    let entry = maps()
-        .peers()
-        .unwrap_or_else(|e| panic!("{e}"))
-        .into_iter()
-        .find_map(|(a, e)| (a == addr).then_some(e))
-        .unwrap_or_else(|| panic!("no entry for {addr}"));
+    let maps = || open_maps(&gw);
+    let entry = entry_of(&gw, addr);
     agent.stop();
     let flow = |remote: u32, owner: u64, last_seen_ns: u64| Flow {
         peer: addr,
@@ -516,6 +523,251 @@ fn the_agent_collects_flows_that_lost_their_owner_or_expired() {
         "the sweep left the orphan"
     );
     assert!(agent.metric(&gw, "wgfence_reply_flows_freed_total") >= 1.0);
+}
+
+/// Review of issue 11, finding 4: a push that revokes a peer and switches replies off must
+/// revoke first. Switching replies off deletes every recorded flow (up to 262,144, a long
+/// loop of map deletes): the revocation may neither wait behind it nor fail because of it.
+/// Observed through the stayer's quota: the flows it deletes are counted into `freed` after
+/// they are gone, so at the instant the revoked entry disappears `freed` must be unchanged.
+#[test]
+fn a_revocation_does_not_wait_behind_switching_replies_off() {
+    let gw = Gateway::new(2);
+    let agent = Agent::start(&gw, Layout::Plain, &state(&gw, None), &[]);
+    agent.wait_ready(&gw);
+    let maps = || open_maps(&gw);
+    let (revoked, stayer): (std::net::IpAddr, std::net::IpAddr) =
+        (gw.peers[0].v4.into(), gw.peers[1].v4.into());
+    let entry = entry_of(&gw, stayer);
+    // Live flows of the stayer's current owner: no sweep touches them, only replies off.
+    let mut m = maps();
+    let n = 60_000u32;
+    for i in 0..n {
+        let flow = Flow {
+            peer: stayer,
+            remote: std::net::Ipv4Addr::from(0x0a64_0000 + i).into(),
+            protocol: 17,
+            peer_port: 1,
+            remote_port: 1,
+            value: FlowValue {
+                last_seen_ns: u64::MAX / 2,
+                owner: entry.owner,
+                slot: entry.slot,
+                ..FlowValue::default()
+            },
+        };
+        m.insert_flow(&flow).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let (_, freed) = m.flow_quota(entry.slot).unwrap_or_else(|e| panic!("{e}"));
+    agent.write_state(
+        &json!({ "version": 1, "replies": false, "peers": [gw.peer_json(1, None)] }).to_string(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let revoked_at = loop {
+        let present = m
+            .peers()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .iter()
+            .any(|(a, _)| *a == revoked);
+        if !present {
+            break m.flow_quota(entry.slot).unwrap_or_else(|e| panic!("{e}")).1;
+        }
+        assert!(Instant::now() < deadline, "{revoked} was never revoked");
+        thread::sleep(Duration::from_micros(200));
+    };
+    assert_eq!(
+        revoked_at - freed,
+        0,
+        "the revocation waited until the agent had deleted the flows of replies off"
+    );
+    // And the flows go after it.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !flows_toward(&gw, stayer).is_empty() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        flows_toward(&gw, stayer).is_empty(),
+        "replies off kept flows"
+    );
+    assert_eq!(
+        maps()
+            .flow_quota(entry.slot)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .1,
+        freed + u64::from(n)
+    );
+}
+
+/// Review of issue 11, finding 6: an agent stopped between deleting flows and counting them
+/// leaves the slot's quota short (made - freed above the flows it holds). The next start
+/// recounts every slot: after flows are deleted behind a killed agent's back (uncounted, as
+/// such a stop leaves them), the restarted agent gives the slot its whole quota back.
+#[test]
+fn a_restart_recounts_the_flow_quota() {
+    let gw = Gateway::new(2);
+    let mut agent = Agent::start(&gw, Layout::Plain, &state(&gw, None), &[]);
+    agent.wait_ready(&gw);
+    let maps = || open_maps(&gw);
+    let addr: std::net::IpAddr = gw.peers[1].v4.into();
+    let entry = entry_of(&gw, addr);
+    let remote = |i: u8| std::net::Ipv4Addr::new(10, 101, 0, i);
+    let mut m = maps();
+    for i in 1..=5 {
+        m.insert_flow(&Flow {
+            peer: addr,
+            remote: remote(i).into(),
+            protocol: 17,
+            peer_port: 7,
+            remote_port: 9,
+            value: FlowValue {
+                last_seen_ns: u64::MAX / 2,
+                owner: entry.owner,
+                slot: entry.slot,
+                ..FlowValue::default()
+            },
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+    agent.kill();
+    // Three of them deleted with nobody counting them.
+    let map = gw
+        .bpffs
+        .join("wgfence")
+        .join(gw.interface())
+        .join(wgfence_common::map_names::FLOWS_V4);
+    let map = map.to_string_lossy().into_owned();
+    let std::net::IpAddr::V4(peer) = addr else {
+        panic!("{addr} is not IPv4")
+    };
+    for i in 1..=3u8 {
+        // FlowKeyV4: peer, remote (network order), peer port, remote port (host order, LE),
+        // protocol, padding.
+        let mut key: Vec<String> = peer.octets().iter().map(u8::to_string).collect();
+        key.extend(remote(i).octets().iter().map(u8::to_string));
+        key.extend(["7", "0", "9", "0", "17", "0", "0", "0"].map(String::from));
+        let status = std::process::Command::new("bpftool")
+            .args(["map", "delete", "pinned", &map, "key"])
+            .args(&key)
+            .status()
+            .unwrap_or_else(|e| panic!("bpftool: {e}"));
+        assert!(status.success(), "bpftool map delete {key:?}");
+    }
+    let held = |m: &wgfence::dataplane::Maps| {
+        m.flows()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .iter()
+            .filter(|f| f.value.slot == entry.slot)
+            .count() as u64
+    };
+    let (made, freed) = m.flow_quota(entry.slot).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        made - freed,
+        held(&m) + 3,
+        "the quota is short by the three"
+    );
+    agent.restart(&gw, &[]);
+    agent.wait_ready(&gw);
+    let (made, freed) = m.flow_quota(entry.slot).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        made - freed,
+        held(&m),
+        "the restarted agent left the slot's quota short"
+    );
+}
+
+/// Review of issue 11, finding 6: the periodic flow sweep (a pass over tables of up to
+/// 262,144 flows) runs off the apply path, deleting in chunks and yielding to a state change:
+/// a revocation pushed while a sweep is under way is applied before the sweep ends. The
+/// stayer's flows all expire at once, a few seconds after they are written; the sweep that
+/// finds them counts each chunk into the slot's `freed` as it goes.
+#[test]
+fn a_revocation_does_not_wait_behind_a_flow_sweep() {
+    let gw = Gateway::new(2);
+    let agent = Agent::start(&gw, Layout::Plain, &state(&gw, None), &[]);
+    agent.wait_ready(&gw);
+    let maps = || open_maps(&gw);
+    let revoked: std::net::IpAddr = gw.peers[0].v4.into();
+    let mut m = maps();
+    let entry = entry_of(&gw, std::net::IpAddr::from(gw.peers[1].v4));
+    let timeout = m
+        .config()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .timeout_ns(17, 0);
+    // Expired 6 s from now: after the fill, and then found by the next sweep (every 5 s).
+    let last_seen =
+        (wgfence::monitor::Clock::now().monotonic_ns() + 6_000_000_000).saturating_sub(timeout);
+    let mut filled = 0u64;
+    let remote = |v6: bool, i: u32| -> std::net::IpAddr {
+        if v6 {
+            std::net::Ipv6Addr::from((0xfd66_u128 << 112) | u128::from(i)).into()
+        } else {
+            std::net::Ipv4Addr::from(0x0a66_0000 + i).into()
+        }
+    };
+    for (peer, v6) in [
+        (std::net::IpAddr::from(gw.peers[1].v4), false),
+        (std::net::IpAddr::from(gw.peers[1].v6), true),
+    ] {
+        for i in 0..MAX_FLOWS {
+            let flow = Flow {
+                peer,
+                remote: remote(v6, i),
+                protocol: 17,
+                peer_port: 1,
+                remote_port: 1,
+                value: FlowValue {
+                    last_seen_ns: last_seen,
+                    owner: entry.owner,
+                    slot: entry.slot,
+                    ..FlowValue::default()
+                },
+            };
+            if m.insert_flow(&flow).is_err() {
+                break;
+            }
+            filled += 1;
+        }
+    }
+    assert!(filled > u64::from(MAX_FLOWS), "{filled} flows");
+    let freed = || m.flow_quota(entry.slot).unwrap_or_else(|e| panic!("{e}")).1;
+    let base = freed();
+    // Wait for the sweep to start deleting them.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while freed() == base {
+        assert!(
+            Instant::now() < deadline,
+            "no sweep deleted the expired flows"
+        );
+        thread::sleep(Duration::from_micros(500));
+    }
+    agent.write_state(&json!({ "version": 1, "peers": [gw.peer_json(1, None)] }).to_string());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let at_revocation = loop {
+        let present = m
+            .peers()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .iter()
+            .any(|(a, _)| *a == revoked);
+        if !present {
+            break freed();
+        }
+        assert!(Instant::now() < deadline, "{revoked} was never revoked");
+        thread::sleep(Duration::from_micros(200));
+    };
+    eprintln!(
+        "at the revocation, {} of {filled} flows were deleted",
+        at_revocation - base
+    );
+    assert!(
+        at_revocation < base + filled,
+        "the revocation waited until the sweep had deleted all {filled} flows"
+    );
+    // The sweep finishes after it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while freed() < base + filled && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(freed(), base + filled, "the sweep did not finish");
 }
 
 /// A SYN flood from the network toward a silent restricted peer (review finding: each

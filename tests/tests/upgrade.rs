@@ -269,7 +269,18 @@ fn with_daemonset_caps(dir: &std::path::Path, bin: &std::path::Path) -> std::pat
 /// Runs `wgfence run` with `bin` on the gateway; it must exit by itself within 20 s (it is
 /// killed and the test fails otherwise).
 fn run_refused(bin: &std::path::Path, gw: &Gateway, state: &std::path::Path) -> Output {
+    run_to_exit(bin, gw, state, &[])
+}
+
+/// [`run_refused`] with environment variables (e.g. `WGFENCE_FAILPOINT`).
+fn run_to_exit(
+    bin: &std::path::Path,
+    gw: &Gateway,
+    state: &std::path::Path,
+    env: &[(&str, &str)],
+) -> Output {
     let mut command = gw.node.command(bin);
+    command.envs(env.iter().copied());
     command
         .args([
             "run",
@@ -686,4 +697,160 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
         let dst: IpAddr = dst.parse().unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(probe(&gw.peers[0].ns, kind, dst), expect, "{kind} to {dst}");
     }
+}
+
+/// Where an upgrade is interrupted (debug builds abort at these failpoints, as a SIGKILL there
+/// would).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Interrupted {
+    /// The egress link runs layout 2, the ingress link still layout 1.
+    BetweenLinks,
+    /// Both links run layout 2; every layout-1 pin is still there.
+    AfterSwitch,
+    /// Both links run layout 2 and some of the layout-1 pins are removed.
+    WhileUnpinning,
+}
+
+/// A layout-1 datapath (made by the layout-1 agent, with a reply flow recorded toward peer 0),
+/// an upgrade interrupted at `at`, and this agent started again (with the DaemonSet's
+/// capabilities, or as root with `root`): it starts, enforces layout 2, tidies layout 1 away
+/// (only the tombstone is left), finishes an upgrade the interruption left half done instead
+/// of redoing a finished one, and the flow quota of peer 0's slot counts exactly the flows
+/// its table holds (`made - freed` = live).
+fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
+    let v1 = v1_binary();
+    let gw = Gateway::new(1);
+    let s = wgfence_tests::state(vec![gw.peer_json(0, Some(restricted()))]);
+    let scripts = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-caps-"));
+    fs::create_dir_all(&scripts).unwrap_or_else(|e| panic!("{e}"));
+    let v1_caps = with_daemonset_caps(&scripts, &v1);
+    let v2_caps = with_daemonset_caps(&scripts, &binary());
+    let mut agent = Agent::start_binary(v1_caps, &gw, Layout::Plain, &s, &[]);
+    agent.wait_readyz_for(&gw, 200, Duration::from_secs(60));
+    // A flow the network starts toward peer 0, recorded by the layout-1 egress program.
+    let node_sock = gw
+        .node
+        .enter(|| UdpSocket::bind("10.1.2.3:4000"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    node_sock
+        .send_to(b"start", "10.8.0.2:5000")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(agent.stop().is_some_and(|s| s.success()));
+
+    let failpoint = match at {
+        Interrupted::BetweenLinks => "upgrade-switched-link_egress",
+        Interrupted::AfterSwitch => "upgrade-switched-link_ingress",
+        Interrupted::WhileUnpinning => "upgrade-unpinning",
+    };
+    let out = run_to_exit(
+        &v2_caps,
+        &gw,
+        &agent.state,
+        &[("WGFENCE_FAILPOINT", failpoint)],
+    );
+    assert!(
+        !out.status.success(),
+        "the failpoint did not stop it: {out:?}"
+    );
+    eprintln!("interrupted {at:?}: {:?}", pins(&gw));
+
+    agent.binary = if root { binary() } else { v2_caps };
+    agent.restart(&gw, &[]);
+    agent.wait_readyz_for(&gw, 200, Duration::from_secs(30));
+    let log = agent.log_text();
+    let upgraded = log.contains("map layout 1: upgrading it");
+    if at == Interrupted::BetweenLinks {
+        assert!(
+            upgraded,
+            "the half-done upgrade was not finished; log:\n{log}"
+        );
+    } else {
+        assert!(
+            !upgraded,
+            "a finished switch was upgraded again; log:\n{log}"
+        );
+    }
+    assert_eq!(
+        Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+        Some(2)
+    );
+    let left = pins(&gw);
+    assert_eq!(
+        layout_1_pins(&gw),
+        ["wgf1_peers_v4"],
+        "layout 1 not tidied (only the tombstone stays): {left:?}"
+    );
+    assert!(
+        left.iter()
+            .all(|p| p.starts_with("wgf2_") || p.starts_with("link_") || p == "wgf1_peers_v4"),
+        "leftovers: {left:?}"
+    );
+    assert_eq!(
+        probe(
+            &gw.peers[0].ns,
+            Kind::Tcp(80),
+            wgfence_tests::ip("10.2.3.4")
+        ),
+        Reach::Reached,
+        "allowed traffic did not arrive"
+    );
+    assert_eq!(
+        probe(
+            &gw.peers[0].ns,
+            Kind::Tcp(22),
+            wgfence_tests::ip("10.2.3.4")
+        ),
+        Reach::Blocked,
+        "denied traffic arrived"
+    );
+
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    let peer0 = IpAddr::V4(gw.peers[0].v4);
+    let slot = maps
+        .peers()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_iter()
+        .find(|(addr, _)| *addr == peer0)
+        .map(|(_, e)| e.slot)
+        .unwrap_or_else(|| panic!("peer 0 has no entry"));
+    let live = maps
+        .flows()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .iter()
+        .filter(|f| f.value.slot == slot)
+        .count() as u64;
+    let (made, freed) = maps.flow_quota(slot).unwrap_or_else(|e| panic!("{e}"));
+    assert!(live >= 1, "the layout-1 flow was not carried");
+    assert_eq!(
+        made.wrapping_sub(freed),
+        live,
+        "the quota of slot {slot} counts {made} made - {freed} freed for {live} flows"
+    );
+    assert_eq!(
+        (made, freed),
+        (live, 0),
+        "no flow was deleted: the carried flows must be counted once each"
+    );
+    drop(agent);
+    let _ = fs::remove_dir_all(&scripts);
+}
+
+#[test]
+fn an_upgrade_interrupted_between_its_link_updates_is_finished() {
+    interrupted_upgrade_resumes(Interrupted::BetweenLinks, false);
+}
+
+#[test]
+fn an_upgrade_interrupted_between_its_link_updates_is_finished_as_root() {
+    interrupted_upgrade_resumes(Interrupted::BetweenLinks, true);
+}
+
+#[test]
+fn an_upgrade_interrupted_after_its_switch_is_tidied_not_redone() {
+    interrupted_upgrade_resumes(Interrupted::AfterSwitch, false);
+}
+
+#[test]
+fn an_upgrade_interrupted_while_unpinning_layout_1_starts_and_tidies() {
+    interrupted_upgrade_resumes(Interrupted::WhileUnpinning, false);
 }

@@ -321,6 +321,22 @@ impl Maps {
     /// Every recorded reply flow, sorted by (peer, remote, protocol, ports). Expired flows are
     /// included until the agent's sweep deletes them: the datapath checks the timeout at lookup.
     pub fn flows(&self) -> Result<Vec<Flow>> {
+        let mut flows = self.flows_unsorted()?;
+        flows.sort_unstable_by_key(|f| (f.peer, f.remote, f.protocol, f.peer_port, f.remote_port));
+        Ok(flows)
+    }
+
+    /// Deletes the reply flows `forget` selects (one pass over each table) and counts each
+    /// deleted flow as freed for its slot ([`map_names::FLOW_FREED`]), which gives the slot's
+    /// quota back; returns how many went. Flows the datapath adds meanwhile are not affected.
+    pub fn remove_flows(&mut self, forget: impl Fn(&Flow) -> bool) -> Result<u64> {
+        let mut flows = self.flows_unsorted()?;
+        flows.retain(|f| forget(f));
+        self.remove_flow_list(&flows)
+    }
+
+    /// Every recorded reply flow, in the tables' order (what [`Maps::flows`] sorts).
+    pub fn flows_unsorted(&self) -> Result<Vec<Flow>> {
         let mut flows = Vec::new();
         for item in self.flows_v4.iter() {
             let (key, value) = item.map_err(map_err(map_names::FLOWS_V4))?;
@@ -330,44 +346,28 @@ impl Maps {
             let (key, value) = item.map_err(map_err(map_names::FLOWS_V6))?;
             flows.push(flow_v6(&key, value));
         }
-        flows.sort_unstable_by_key(|f| (f.peer, f.remote, f.protocol, f.peer_port, f.remote_port));
         Ok(flows)
     }
 
-    /// Deletes the reply flows `forget` selects (one pass over each table) and counts each
-    /// deleted flow as freed for its slot ([`map_names::FLOW_FREED`]), which gives the slot's
-    /// quota back; returns how many went. Flows the datapath adds meanwhile are not affected.
+    /// Deletes these flows (by key) and counts each one deleted as freed for its slot; one
+    /// already gone was deleted by another handle (a test) and counted there. Returns how many
+    /// went. The agent is the only writer of `freed`, one at a time: a count read and written
+    /// back by two writers at once would lose one's flows.
     ///
     /// A flow is counted after it is deleted: if the agent stops in between, the slot's quota
-    /// stays short by those flows (fewer replies, never more).
-    pub fn remove_flows(&mut self, forget: impl Fn(&Flow) -> bool) -> Result<u64> {
-        let v4: Vec<(FlowKeyV4, u32)> = self
-            .flows_v4
-            .iter()
-            .filter_map(|item| item.ok())
-            .filter(|(k, v)| forget(&flow_v4(k, *v)))
-            .map(|(k, v)| (k, v.slot))
-            .collect();
-        let v6: Vec<(FlowKeyV6, u32)> = self
-            .flows_v6
-            .iter()
-            .filter_map(|item| item.ok())
-            .filter(|(k, v)| forget(&flow_v6(k, *v)))
-            .map(|(k, v)| (k, v.slot))
-            .collect();
+    /// stays short by those flows (fewer replies, never more) until the next start recounts it
+    /// ([`Maps::recount_flow_quota`], run by [`super::Dataplane::attach`]).
+    pub fn remove_flow_list(&mut self, flows: &[Flow]) -> Result<u64> {
         let mut freed: BTreeMap<u32, u64> = BTreeMap::new();
-        // Only the agent deletes flows: one already gone was deleted by another handle (a
-        // test) and counted there.
-        for (key, slot) in &v4 {
+        for flow in flows {
             self.writes += 1;
-            if removed(map_names::FLOWS_V4, self.flows_v4.remove(key))? {
-                *freed.entry(*slot).or_default() += 1;
-            }
-        }
-        for (key, slot) in &v6 {
-            self.writes += 1;
-            if removed(map_names::FLOWS_V6, self.flows_v6.remove(key))? {
-                *freed.entry(*slot).or_default() += 1;
+            let gone = match flow_key(flow) {
+                Some(FlowKey::V4(key)) => removed(map_names::FLOWS_V4, self.flows_v4.remove(&key))?,
+                Some(FlowKey::V6(key)) => removed(map_names::FLOWS_V6, self.flows_v6.remove(&key))?,
+                None => false,
+            };
+            if gone {
+                *freed.entry(flow.value.slot).or_default() += 1;
             }
         }
         let mut count = 0;
@@ -399,6 +399,57 @@ impl Maps {
         Ok((made, freed))
     }
 
+    /// Sets each slot's freed count so that `made - freed` is the number of flows its tables
+    /// hold now: what an agent stopped between deleting flows and counting them, or an
+    /// upgrade that counted a flow twice, left off. For the slots of peer entries and of
+    /// flows. Each slot's `made` is read before the tables are counted, so a flow the
+    /// datapath adds meanwhile can only make the slot look fuller (fewer replies, never
+    /// more); a slot with more flows than `made` says is left alone. Returns the slots changed.
+    pub fn recount_flow_quota(&mut self) -> Result<Vec<u32>> {
+        let mut slots: BTreeMap<u32, u64> = BTreeMap::new();
+        for (_, entry) in self.peers()? {
+            if let std::collections::btree_map::Entry::Vacant(e) = slots.entry(entry.slot) {
+                let made = self
+                    .flow_made
+                    .get(&entry.slot, 0)
+                    .map_err(map_err(map_names::FLOW_MADE))?;
+                e.insert(made);
+            }
+        }
+        let mut live: BTreeMap<u32, u64> = BTreeMap::new();
+        for flow in self.flows()? {
+            *live.entry(flow.value.slot).or_default() += 1;
+        }
+        for slot in live.keys() {
+            if let std::collections::btree_map::Entry::Vacant(e) = slots.entry(*slot) {
+                let made = self
+                    .flow_made
+                    .get(slot, 0)
+                    .map_err(map_err(map_names::FLOW_MADE))?;
+                e.insert(made);
+            }
+        }
+        let mut changed = Vec::new();
+        for (slot, made) in slots {
+            let live = live.get(&slot).copied().unwrap_or_default();
+            let Some(freed) = made.checked_sub(live) else {
+                continue;
+            };
+            let was = self
+                .flow_freed
+                .get(&slot, 0)
+                .map_err(map_err(map_names::FLOW_FREED))?;
+            if was != freed {
+                self.writes += 1;
+                self.flow_freed
+                    .set(slot, freed, 0)
+                    .map_err(map_err(map_names::FLOW_FREED))?;
+                changed.push(slot);
+            }
+        }
+        Ok(changed)
+    }
+
     /// Inserts a reply flow as the egress program would (for tests and benchmarks), counting
     /// it against its slot's quota. Flows of mixed address families are an error.
     pub fn insert_flow(&mut self, flow: &Flow) -> Result<()> {
@@ -411,38 +462,19 @@ impl Maps {
         self.flow_made
             .set(slot, made.wrapping_add(1), 0)
             .map_err(map_err(map_names::FLOW_MADE))?;
-        match (flow.peer, flow.remote) {
-            (IpAddr::V4(peer), IpAddr::V4(remote)) => self
+        match flow_key(flow) {
+            Some(FlowKey::V4(key)) => self
                 .flows_v4
-                .insert(
-                    FlowKeyV4 {
-                        peer: peer.octets(),
-                        remote: remote.octets(),
-                        peer_port: flow.peer_port,
-                        remote_port: flow.remote_port,
-                        protocol: flow.protocol,
-                        _pad: [0; 3],
-                    },
-                    flow.value,
-                    0,
-                )
+                .insert(key, flow.value, 0)
                 .map_err(map_err(map_names::FLOWS_V4)),
-            (IpAddr::V6(peer), IpAddr::V6(remote)) => self
+            Some(FlowKey::V6(key)) => self
                 .flows_v6
-                .insert(
-                    FlowKeyV6 {
-                        peer: peer.octets(),
-                        remote: remote.octets(),
-                        peer_port: flow.peer_port,
-                        remote_port: flow.remote_port,
-                        protocol: flow.protocol,
-                        _pad: [0; 3],
-                    },
-                    flow.value,
-                    0,
-                )
+                .insert(key, flow.value, 0)
                 .map_err(map_err(map_names::FLOWS_V6)),
-            (peer, remote) => Err(DataplaneError::MixedFamilies { peer, remote }),
+            None => Err(DataplaneError::MixedFamilies {
+                peer: flow.peer,
+                remote: flow.remote,
+            }),
         }
     }
 
@@ -488,6 +520,34 @@ pub(crate) fn per_cpu<T: aya::Pod + Default>(
         *slot = first;
     }
     PerCpuValues::try_from(values).map_err(syscall_err)
+}
+
+enum FlowKey {
+    V4(FlowKeyV4),
+    V6(FlowKeyV6),
+}
+
+/// A flow's key in its table; `None` for mixed address families.
+fn flow_key(flow: &Flow) -> Option<FlowKey> {
+    match (flow.peer, flow.remote) {
+        (IpAddr::V4(peer), IpAddr::V4(remote)) => Some(FlowKey::V4(FlowKeyV4 {
+            peer: peer.octets(),
+            remote: remote.octets(),
+            peer_port: flow.peer_port,
+            remote_port: flow.remote_port,
+            protocol: flow.protocol,
+            _pad: [0; 3],
+        })),
+        (IpAddr::V6(peer), IpAddr::V6(remote)) => Some(FlowKey::V6(FlowKeyV6 {
+            peer: peer.octets(),
+            remote: remote.octets(),
+            peer_port: flow.peer_port,
+            remote_port: flow.remote_port,
+            protocol: flow.protocol,
+            _pad: [0; 3],
+        })),
+        _ => None,
+    }
 }
 
 fn flow_v4(key: &FlowKeyV4, value: FlowValue) -> Flow {

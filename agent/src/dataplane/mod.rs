@@ -10,7 +10,11 @@
 //! While it runs, the agent holds the links and every map open itself, and an exclusive lock on
 //! its pin directory (one agent per interface, see [`lock`]), so [`Dataplane::check`] can repair
 //! what happens behind its back: a WireGuard interface deleted and created again (the old tcx
-//! links died with the old device: attach new ones), and pins, the pin directory, `<bpffs>/wgfence`
+//! links died with the old device: attach new ones), one link detached (that hook only gets a
+//! new link; the other is never touched), the interface renamed and a new one created under
+//! its name (the new device gets new links; the renamed one keeps the agent's old links, and
+//! its enforcement, until it goes; a new link is always in place before an old one is let go),
+//! and pins, the pin directory, `<bpffs>/wgfence`
 //! or the whole bpffs removed (create the directory again, lock it, pin everything again from
 //! the agent's own descriptors). Only `wgfence detach` releases enforcement: it renames the
 //! directory to its marker (`detaching-<interface>-<pid>`), where the agent finds the very
@@ -162,8 +166,9 @@ pub enum Check {
     /// Something was repaired.
     Repaired {
         repairs: Vec<Repair>,
-        /// The programs were attached to a new device (the interface was recreated): its
-        /// WireGuard peers are gone too, so the caller must read the kernel again.
+        /// A program was attached again: to a new device (the interface was recreated or
+        /// renamed away: its WireGuard peers are gone too), or to a hook of the same device
+        /// that lost its link or filter. The caller reads the kernel again.
         reattached: bool,
     },
     /// The programs are attached and enforcing (the agent holds the links and maps), but pins
@@ -235,6 +240,13 @@ enum PinDirState {
     Detaching(PathBuf),
 }
 
+/// A link the agent holds on a device that no longer has the interface's name.
+struct Retired {
+    ifindex: u32,
+    hook: usize,
+    _link: HeldLink,
+}
+
 /// The attached datapath of one interface and its maps.
 pub struct Dataplane {
     interface: String,
@@ -249,6 +261,10 @@ pub struct Dataplane {
     /// the programs while the agent runs, and can be pinned again from here. `None` on the tc
     /// hook (a filter has no link: it stays until deleted).
     links: Vec<Option<HeldLink>>,
+    /// Links on a device this agent attached to before, which is no longer the one named
+    /// `interface` but still runs the programs through them (renamed while its peers stay
+    /// connected): held, so it stays enforced until it goes, and never pinned.
+    retired: Vec<Retired>,
     /// The hook the programs run on.
     hook: HookKind,
     /// The agent added the clsact qdisc (tc hook): marked in the pin directory for `detach`.
@@ -359,6 +375,12 @@ impl Dataplane {
         }
         if let Some(upgrade) = upgrade.as_mut() {
             upgrade.fill(&pin_dir)?;
+            let mut ids = Vec::with_capacity(hooks.len());
+            for hook in &hooks {
+                let program = classifier(&mut ebpf, hook.program)?;
+                ids.push(program.info().map_err(program_err(hook.program))?.id());
+            }
+            upgrade.mark_switch(&pin_dir, &ids)?;
         }
 
         let mut attachment = Attachment::Created;
@@ -403,6 +425,9 @@ impl Dataplane {
                 attachment = attached;
             }
             links.push(link);
+            if upgrade.is_some() {
+                upgrade::failpoint(&format!("upgrade-switched-{}", hook.link_pin));
+            }
         }
         let switch = switch.elapsed();
         // The new programs enforce the full translated state from here on: what is left (late
@@ -433,6 +458,21 @@ impl Dataplane {
         // The programs run on the chosen hook now: what the agent left on the other one (a
         // switch of --attach) goes, after, so no packet meets neither.
         remove_other_hook(kind, &pin_dir, interface, ifindex)?;
+        // The quota counts as the tables are now (nothing else reconciles them).
+        let mut maps = maps;
+        match maps.recount_flow_quota() {
+            Ok(slots) if slots.is_empty() => {}
+            Ok(slots) => tracing::warn!(
+                interface,
+                ?slots,
+                "the flow quota of these slots did not match their flows: recounted"
+            ),
+            Err(e) => tracing::error!(
+                interface,
+                error = %crate::error_chain(&e),
+                "could not recount the flow quota; it is recounted at the next start"
+            ),
+        }
         tracing::info!(
             interface,
             pin_dir = %pin_dir.display(),
@@ -453,6 +493,7 @@ impl Dataplane {
             attachment,
             ebpf,
             links,
+            retired: Vec::new(),
             hook: kind,
             added_qdisc,
             lock: Some(lock),
@@ -523,13 +564,18 @@ impl Dataplane {
             Err(DataplaneError::Interface { source, .. })
                 if source.raw_os_error() == Some(libc::ENODEV) =>
             {
-                return Ok(Check::InterfaceGone)
+                self.prune_retired();
+                return Ok(Check::InterfaceGone);
             }
             Err(e) => return Err(e),
         };
         // A new index means a new device; so does the same index with our programs missing
-        // from its hooks (recreated with `index N`, or the index reused).
-        let reattached = ifindex != self.ifindex || !self.programs_attached()?;
+        // from its hooks (recreated with `index N`, or the index reused). A hook whose program
+        // is missing on an unchanged device lost its link (e.g. `bpftool link detach`): only
+        // that hook is attached again.
+        let moved = ifindex != self.ifindex;
+        let missing = self.missing_hooks(ifindex)?;
+        let reattached = missing.iter().any(|m| *m);
         // The device came back as another kind (L3 or Ethernet): this variant does not fit it.
         if reattached && iface::variant(&self.interface)? != self.variant {
             return Err(DataplaneError::InterfaceChanged {
@@ -538,12 +584,9 @@ impl Dataplane {
         }
         for (i, hook) in hooks(&self.variant).iter().enumerate() {
             let link_path = self.pin_dir.join(hook.link_pin);
-            let slot = self
-                .links
-                .get_mut(i)
-                .ok_or(DataplaneError::MissingMap(hook.link_pin))?;
+            let hook_missing = missing.get(i).copied().unwrap_or(true);
             if self.hook == HookKind::Tc {
-                if reattached {
+                if hook_missing {
                     // A new device has no qdisc and no filters: both again.
                     if tc::ensure_clsact(&self.interface)? {
                         self.added_qdisc = true;
@@ -561,13 +604,54 @@ impl Dataplane {
                 // A filter has no pin to repair.
                 continue;
             }
-            if reattached {
-                // The old link died with its device: a new one, and the old pin replaced.
-                remove_if_exists(&link_path)?;
-                *slot = None;
+            if hook_missing {
+                // The new link first (pinned over the old pin), then the old one goes: no
+                // instant without a link on any device that still runs the program.
                 let program = classifier(&mut self.ebpf, hook.program)?;
-                *slot = Some(attach_new(program, hook, &self.interface, &link_path)?);
-            } else if unpinned.is_none() && !link_path.exists() {
+                let new = attach_new(program, hook, &self.interface, &link_path)?;
+                let slot = self
+                    .links
+                    .get_mut(i)
+                    .ok_or(DataplaneError::MissingMap(hook.link_pin))?;
+                if let Some(old) = slot.replace(new) {
+                    if moved {
+                        // The old device may still exist under another name, its peers still
+                        // connected: it keeps its link until it goes (see `prune_retired`).
+                        self.retired.push(Retired {
+                            ifindex: self.ifindex,
+                            hook: i,
+                            _link: old,
+                        });
+                    }
+                }
+                continue;
+            }
+            let slot = self
+                .links
+                .get_mut(i)
+                .ok_or(DataplaneError::MissingMap(hook.link_pin))?;
+            if moved {
+                // The programs run on the device now named `interface` through links held as
+                // retired (it was renamed away and back): they become the pinned ones again.
+                if let Some(at) = self
+                    .retired
+                    .iter()
+                    .position(|r| r.ifindex == ifindex && r.hook == i)
+                {
+                    let back = self.retired.swap_remove(at)._link;
+                    pin_over(&back, &link_path)?;
+                    if let Some(old) = slot.replace(back) {
+                        self.retired.push(Retired {
+                            ifindex: self.ifindex,
+                            hook: i,
+                            _link: old,
+                        });
+                    }
+                    repairs.push(Repair::LinkPin(hook.link_pin));
+                    continue;
+                }
+            }
+            if unpinned.is_none() && !link_path.exists() {
                 // The link is alive (this agent holds it): pin it again. The descriptor stays
                 // open whatever happens, so a failure detaches nothing.
                 let pinned = match slot {
@@ -580,10 +664,13 @@ impl Dataplane {
                 }
             }
         }
-        if reattached {
+        if reattached || moved {
             self.ifindex = ifindex;
+        }
+        if reattached {
             repairs.push(Repair::Reattached { ifindex });
         }
+        self.prune_retired();
         let described = || repairs.iter().map(ToString::to_string).collect::<Vec<_>>();
         if let Some(error) = unpinned {
             let error = crate::error_chain(&error);
@@ -633,24 +720,23 @@ impl Dataplane {
         };
         match fs::symlink_metadata(&self.pin_dir) {
             Ok(meta) if ours(&self.lock, &meta) => return Ok(PinDirState::Ours),
-            // Another directory (or anything else) in its place: damage too.
+            // Gone, or another directory (or anything else) in its place: a detach that
+            // renamed ours away (a new agent may have made and locked a new one since), else
+            // damage.
             Ok(_) => {}
-            Err(e) if e.kind() == ErrorKind::NotFound => {
-                for marker in detaching_dirs(&self.bpffs, &self.interface)? {
-                    match fs::symlink_metadata(&marker) {
-                        Ok(meta) if ours(&self.lock, &meta) => {
-                            return Ok(PinDirState::Detaching(marker))
-                        }
-                        _ => {}
-                    }
-                }
-            }
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
             // Not an answer (EACCES, EIO, ...): an error to retry, never a reason to let go.
             Err(source) => {
                 return Err(DataplaneError::Io {
                     path: self.pin_dir.clone(),
                     source,
                 })
+            }
+        }
+        for marker in detaching_dirs(&self.bpffs, &self.interface)? {
+            match fs::symlink_metadata(&marker) {
+                Ok(meta) if ours(&self.lock, &meta) => return Ok(PinDirState::Detaching(marker)),
+                _ => {}
             }
         }
         // Never on a plain directory where bpffs used to be: pins need bpffs.
@@ -664,6 +750,7 @@ impl Dataplane {
     /// lock's release as the sign that the links are gone.
     fn let_go(&mut self) {
         self.links.iter_mut().for_each(|l| *l = None);
+        self.retired.clear();
         self.lock = None;
         self.detached = true;
     }
@@ -672,39 +759,66 @@ impl Dataplane {
     /// queries). Must run in the interface's network namespace.
     pub fn programs_attached(&mut self) -> Result<bool> {
         let ifindex = iface::index(&self.interface)?;
-        for hook in &hooks(&self.variant) {
-            let program = classifier(&mut self.ebpf, hook.program)?;
-            let id = program.info().map_err(program_err(hook.program))?.id();
-            if self.hook == HookKind::Tc {
-                let place =
-                    tc::place(ifindex, hook.attach_type, hook.program).map_err(|source| {
-                        DataplaneError::Qdisc {
-                            interface: self.interface.clone(),
-                            source,
-                        }
-                    })?;
-                if place
-                    != (tc::Place::Ours {
-                        program_id: Some(id),
-                    })
-                {
-                    return Ok(false);
-                }
-                continue;
-            }
-            // Ids only: aya's query_tcx opens every program by id, which needs CAP_SYS_ADMIN.
-            let attached =
-                sys::tcx_program_ids(ifindex, hook.bpf_attach_type).map_err(|source| {
-                    DataplaneError::Interface {
-                        interface: self.interface.clone(),
-                        source,
-                    }
-                })?;
-            if !attached.contains(&id) {
-                return Ok(false);
-            }
+        Ok(!self.missing_hooks(ifindex)?.contains(&true))
+    }
+
+    /// For each of the variant's [`hooks`], whether its program is missing from that hook of
+    /// the device.
+    fn missing_hooks(&mut self, ifindex: u32) -> Result<Vec<bool>> {
+        let hooks = hooks(&self.variant);
+        let mut missing = Vec::with_capacity(hooks.len());
+        for hook in &hooks {
+            let interface = self.interface.clone();
+            let attached = self.runs(ifindex, hook).map_err(|source| match self.hook {
+                HookKind::Tc => DataplaneError::Qdisc { interface, source },
+                HookKind::Tcx => DataplaneError::Interface { interface, source },
+            })?;
+            missing.push(!attached);
         }
-        Ok(true)
+        Ok(missing)
+    }
+
+    /// Whether the hook's program runs on that hook of the device with this index (tcx, or the
+    /// agent's filter place on tc).
+    fn runs(&mut self, ifindex: u32, hook: &Hook) -> io::Result<bool> {
+        let program = classifier(&mut self.ebpf, hook.program).map_err(io::Error::other)?;
+        let id = program.info().map_err(io::Error::other)?.id();
+        if self.hook == HookKind::Tc {
+            let place = tc::place(ifindex, hook.attach_type, hook.program)?;
+            return Ok(place
+                == tc::Place::Ours {
+                    program_id: Some(id),
+                });
+        }
+        // Ids only: aya's query_tcx opens every program by id, which needs CAP_SYS_ADMIN.
+        Ok(sys::tcx_program_ids(ifindex, hook.bpf_attach_type)?.contains(&id))
+    }
+
+    /// Lets go of the retired links whose device is gone or no longer runs the program
+    /// through them (their link was detached); keeps them on any other answer.
+    fn prune_retired(&mut self) {
+        let retired = std::mem::take(&mut self.retired);
+        for r in retired {
+            let hooks = hooks(&self.variant);
+            let Some(hook) = hooks.get(r.hook) else {
+                continue;
+            };
+            match self.runs(r.ifindex, hook) {
+                Ok(false) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
+                Ok(true) | Err(_) => {
+                    self.retired.push(r);
+                    continue;
+                }
+            }
+            tracing::info!(
+                interface = %self.interface,
+                ifindex = r.ifindex,
+                hook = hook.link_pin,
+                "the device this agent attached to before, under another name, is gone: \
+                 released its link"
+            );
+        }
     }
 
     /// Opens the maps pinned for an interface without loading or attaching anything (for
@@ -1036,14 +1150,42 @@ fn attach_new(
         path: link_path.to_owned(),
         source,
     })?;
-    let pinned = link.pin(link_path).map_err(|source| DataplaneError::Pin {
-        path: link_path.to_owned(),
+    // Pinned beside the old pin, which it then replaces atomically: the old link (pinned,
+    // possibly still running on a device) goes only once the new one is in place.
+    let fresh = fresh_pin(link_path);
+    remove_if_exists(&fresh)?;
+    let pinned = link.pin(&fresh).map_err(|source| DataplaneError::Pin {
+        path: fresh.clone(),
         source,
     })?;
     // Opened before aya's descriptor closes with `pinned`: the link never has only its pin.
-    let held = HeldLink::open(link_path)?;
+    let held = HeldLink::open(&fresh)?;
     drop(pinned);
+    rename_pin(&fresh, link_path)?;
     Ok(held)
+}
+
+/// Where a new link is pinned before it replaces the pin at `link_path` (no dot: bpffs
+/// refuses them).
+fn fresh_pin(link_path: &Path) -> PathBuf {
+    let mut name = link_path.file_name().unwrap_or_default().to_owned();
+    name.push("_new");
+    link_path.with_file_name(name)
+}
+
+fn rename_pin(from: &Path, to: &Path) -> Result<()> {
+    fs::rename(from, to).map_err(|source| DataplaneError::Io {
+        path: to.to_owned(),
+        source,
+    })
+}
+
+/// Pins a held link at `link_path`, replacing whatever is pinned there in one step.
+fn pin_over(link: &HeldLink, link_path: &Path) -> Result<()> {
+    let fresh = fresh_pin(link_path);
+    remove_if_exists(&fresh)?;
+    link.pin(&fresh)?;
+    rename_pin(&fresh, link_path)
 }
 
 fn ensure_bpffs(path: &Path) -> Result<()> {

@@ -11,9 +11,18 @@
 //!    counter slot, i.e. per peer), policy tries are copied verbatim, packet and per-peer
 //!    counters carried over, live flows translated to the owner of their peer's entry and
 //!    counted in `wgf2_flow_made`, the config carried with the new fields at their defaults;
-//! 3. each pinned link gets its v2 program with one `bpf_link_update`, egress then ingress;
+//! 3. the switch marker (`wgf2_switch`, the ids of the v2 programs) is pinned, then each
+//!    pinned link gets its v2 program with one `bpf_link_update`, egress then ingress;
 //! 4. [`Upgrade::finish`] copies again what the v1 programs recorded between the fill and the
-//!    switch (flows, counter increments), removes the v1 pins and leaves a tombstone.
+//!    switch (flows, counter increments), places the tombstone, removes the other v1 pins and
+//!    then the marker.
+//!
+//! An upgrade killed at any step is finished by the next start, also without CAP_SYS_ADMIN:
+//! before the switch the links run v1 (the upgrade starts again), between the two link updates
+//! the egress link runs a program the marker names (the upgrade resumes with the v2 maps it
+//! filled), after the switch a link runs a program the marker names or the tombstone is in
+//! place (no upgrade: [`tidy`] finishes step 4). A flow the first fill copied is not counted
+//! again when the upgrade resumes, and every start recounts the flow quota from the tables.
 //!
 //! The tombstone is a one-entry array pinned as `wgf1_peers_v4`. A layout-1 agent adopts any
 //! pinned `wgf1_*` object and checks its layout before it attaches anything, so it stops with
@@ -62,6 +71,10 @@ pub(crate) mod v1 {
     pub const FLOWS_V4: &str = "wgf1_flows_v4";
     pub const FLOWS_V6: &str = "wgf1_flows_v6";
     pub const CONFIG: &str = "wgf1_config";
+    /// The maps an upgrade reads: all pinned, unless an upgrade removed some.
+    pub const UPGRADED: [&str; 9] = [
+        PEERS_V4, PEERS_V6, POLICY_V4, POLICY_V6, STATS, PEER_STATS, FLOWS_V4, FLOWS_V6, CONFIG,
+    ];
     #[cfg(test)]
     pub const ALL: [&str; 11] = [
         PEERS_V4,
@@ -216,10 +229,27 @@ pub const TOMBSTONE_PIN: &str = v1::PEERS_V4;
 const TOMBSTONE_NAME: &str = "wgf2_tombstone";
 /// A pin name for the tombstone before it is renamed into place (bpffs refuses dots).
 const TOMBSTONE_TMP: &str = "tombstone_new";
+/// The switch marker: a two-entry array of the layout-2 program ids (egress, ingress) an
+/// upgrade pins before its switch and removes once layout 1 is tidied away. Without
+/// CAP_SYS_ADMIN the kernel shows which program a pinned link runs (its id) but not that
+/// program's maps: a link running one of these ids runs layout 2, whatever layout-1 pins an
+/// interrupted upgrade left.
+const SWITCH_PIN: &str = "wgf2_switch";
+/// A pin name for the switch marker before it is renamed into place.
+const SWITCH_TMP: &str = "switch_new";
 /// `BPF_MAP_TYPE_ARRAY`.
 const MAP_TYPE_ARRAY: u32 = 2;
 /// `BPF_NOEXIST`: insert only if the key is absent.
 const NOEXIST: u64 = 1;
+
+/// Debug builds only (the integration tests run them): `WGFENCE_FAILPOINT=<name>` aborts the
+/// process at the point called `name`, as a SIGKILL there would, so the tests can start from
+/// exactly what an interrupted upgrade leaves. Release builds have no failpoints.
+pub(crate) fn failpoint(name: &str) {
+    if cfg!(debug_assertions) && std::env::var("WGFENCE_FAILPOINT").is_ok_and(|v| v == name) {
+        std::process::abort();
+    }
+}
 
 fn map_err(map: &'static str) -> impl Fn(MapError) -> DataplaneError {
     move |source| DataplaneError::Map { map, source }
@@ -285,7 +315,7 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
         .find(|p| p.id() == program_id)
     else {
         let pin_dir = link_path.parent().unwrap_or(link_path);
-        let layout = layout_by_pins(pin_dir);
+        let layout = layout_by_pins(pin_dir, program_id);
         tracing::debug!(
             link = %link_path.display(),
             program_id,
@@ -324,11 +354,19 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
     }))
 }
 
-/// The layout of the datapath pinned in `pin_dir`, from its peer map pins, for when the
-/// programs cannot be looked up: a layout-1 peer map pinned under its own name means layout 1
-/// (after an upgrade that name holds the tombstone, an array, and a refused layout-1 agent
-/// cannot replace it), else a pinned layout-2 peer map means layout 2.
-fn layout_by_pins(pin_dir: &Path) -> Option<u32> {
+/// The layout of the datapath pinned in `pin_dir`, from its pins, for when the link's program
+/// (`program_id`) cannot be looked up:
+/// - a program the switch marker names is layout 2 (an upgrade switched it, and was
+///   interrupted before it tidied layout 1 away);
+/// - a complete set of layout-1 map pins, its peer map under its own name, means layout 1
+///   (after an upgrade that name holds the tombstone, an array, and a refused layout-1 agent
+///   cannot replace it; an incomplete set is what an upgrade interrupted while it removed them
+///   leaves, once layout 2 runs);
+/// - else a pinned layout-2 peer map means layout 2.
+fn layout_by_pins(pin_dir: &Path, program_id: u32) -> Option<u32> {
+    if switched_to(pin_dir).contains(&program_id) {
+        return Some(LAYOUT_VERSION);
+    }
     let v1_peers = MapInfo::from_pin(pin_dir.join(v1::PEERS_V4))
         .ok()
         .filter(|info| {
@@ -336,12 +374,56 @@ fn layout_by_pins(pin_dir: &Path) -> Option<u32> {
                 && info.key_size() as usize == std::mem::size_of::<v1::PeerKeyV4>()
                 && info.value_size() as usize == std::mem::size_of::<v1::PeerEntry>()
         });
-    if v1_peers.is_some() {
+    let v2_peers = MapInfo::from_pin(pin_dir.join(map_names::PEERS_V4)).ok();
+    let v1_complete = v1::UPGRADED.iter().all(|name| pin_dir.join(name).exists());
+    if v1_peers.is_some() && (v1_complete || v2_peers.is_none()) {
         return Some(v1::LAYOUT);
     }
-    MapInfo::from_pin(pin_dir.join(map_names::PEERS_V4))
-        .ok()
-        .map(|_| LAYOUT_VERSION)
+    v2_peers.map(|_| LAYOUT_VERSION)
+}
+
+/// The program ids the switch marker in `pin_dir` names (none without a marker).
+fn switched_to(pin_dir: &Path) -> Vec<u32> {
+    let Ok(data) = MapData::from_pin(pin_dir.join(SWITCH_PIN)) else {
+        return Vec::new();
+    };
+    let Ok(array) = Map::from_map_data(data).and_then(Array::<MapData, u32>::try_from) else {
+        return Vec::new();
+    };
+    array.iter().filter_map(|id| id.ok()).collect()
+}
+
+/// Pins the switch marker naming `program_ids` (replacing any in one rename).
+fn mark_switch(pin_dir: &Path, program_ids: &[u32]) -> Result<()> {
+    pin_u32_array(pin_dir, SWITCH_PIN, SWITCH_PIN, SWITCH_TMP, program_ids)
+}
+
+/// A new array of `values` named `name` in the kernel, pinned at `pin` in `pin_dir` by way of
+/// `tmp` (one rename replaces whatever was pinned at `pin`).
+fn pin_u32_array(
+    pin_dir: &Path,
+    name: &'static str,
+    pin: &str,
+    tmp: &str,
+    values: &[u32],
+) -> Result<()> {
+    let tmp = pin_dir.join(tmp);
+    remove_pin(&tmp)?;
+    let len = u32::try_from(values.len()).unwrap_or(u32::MAX);
+    let obj = aya_obj::Map::new_from_params(MAP_TYPE_ARRAY, 4, 4, len, 0);
+    let data = MapData::create(obj, name, None).map_err(map_err(name))?;
+    data.pin(&tmp).map_err(|source| DataplaneError::Pin {
+        path: tmp.clone(),
+        source,
+    })?;
+    let mut array: Array<MapData, u32> = Map::from_map_data(data)
+        .and_then(Array::try_from)
+        .map_err(map_err(name))?;
+    for (index, value) in (0u32..).zip(values) {
+        array.set(index, value, 0).map_err(map_err(name))?;
+    }
+    let dst = pin_dir.join(pin);
+    fs::rename(&tmp, &dst).map_err(io_err(&dst))
 }
 
 /// The layout the datapath pinned in `pin_dir` runs, by its ingress link; `None` when no link
@@ -898,6 +980,12 @@ impl Upgrade {
         Ok(())
     }
 
+    /// Pins the switch marker naming the loaded layout-2 programs: from here on, a link that
+    /// runs one of them runs layout 2, also for an agent that cannot look programs up.
+    pub(crate) fn mark_switch(&self, pin_dir: &Path, program_ids: &[u32]) -> Result<()> {
+        mark_switch(pin_dir, program_ids)
+    }
+
     /// Copies the live v1 flows whose peer entry still has the slot they were recorded for
     /// into the v2 tables, owned by that entry's owner, and counts them in `flow_made`.
     /// `late`: after the switch, only flows the v2 tables do not have (the v2 programs may
@@ -1015,13 +1103,9 @@ impl Upgrade {
                     .map_err(map_err(map_names::PEER_STATS))?;
             }
         }
-        // The v1 maps go with their pins (and this agent's fds, dropped with `self`).
-        for name in pins_of_layout(pin_dir, v1::LAYOUT)? {
-            if name != TOMBSTONE_PIN {
-                remove_pin(&pin_dir.join(&name))?;
-            }
-        }
-        place_tombstone(pin_dir)?;
+        // The v1 maps go with their pins (and this agent's fds, dropped with `self`), the
+        // tombstone first.
+        retire_layout_1(pin_dir)?;
         self.report.switch = switch;
         self.report.total = self.started.elapsed();
         let r = &self.report;
@@ -1089,8 +1173,15 @@ fn insert_flow<K: aya::Pod>(
     late: bool,
 ) -> Result<bool> {
     if !late {
-        map.insert(key, value, 0).map_err(map_err(name))?;
-        return Ok(true);
+        // Counted only if new: a resumed upgrade finds the flows its first fill copied.
+        return match map.insert(key, value, NOEXIST) {
+            Ok(()) => Ok(true),
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {
+                map.insert(key, value, 0).map_err(map_err(name))?;
+                Ok(false)
+            }
+            Err(e) => Err(map_err(name)(e)),
+        };
     }
     match map.get(&key, 0) {
         Ok(have) => {
@@ -1120,22 +1211,13 @@ fn insert_flow<K: aya::Pod>(
 /// Pins the tombstone at [`TOMBSTONE_PIN`] (replacing whatever is there in one rename): a
 /// one-entry array holding this agent's layout version, which a layout-1 agent refuses.
 fn place_tombstone(pin_dir: &Path) -> Result<()> {
-    let tmp = pin_dir.join(TOMBSTONE_TMP);
-    remove_pin(&tmp)?;
-    let obj = aya_obj::Map::new_from_params(MAP_TYPE_ARRAY, 4, 4, 1, 0);
-    let data = MapData::create(obj, TOMBSTONE_NAME, None).map_err(map_err(TOMBSTONE_NAME))?;
-    data.pin(&tmp).map_err(|source| DataplaneError::Pin {
-        path: tmp.clone(),
-        source,
-    })?;
-    let mut array: Array<MapData, u32> = Map::from_map_data(data)
-        .and_then(Array::try_from)
-        .map_err(map_err(TOMBSTONE_NAME))?;
-    array
-        .set(0, LAYOUT_VERSION, 0)
-        .map_err(map_err(TOMBSTONE_NAME))?;
-    let dst = pin_dir.join(TOMBSTONE_PIN);
-    fs::rename(&tmp, &dst).map_err(io_err(&dst))
+    pin_u32_array(
+        pin_dir,
+        TOMBSTONE_NAME,
+        TOMBSTONE_PIN,
+        TOMBSTONE_TMP,
+        &[LAYOUT_VERSION],
+    )
 }
 
 /// Whether the pin at `path` is this agent's tombstone.
@@ -1153,20 +1235,7 @@ fn is_tombstone(path: &Path) -> bool {
 /// after its switch left) and makes sure the tombstone is in place. Returns the names of the
 /// pins removed.
 pub(crate) fn tidy(pin_dir: &Path) -> Result<Vec<String>> {
-    let mut removed = Vec::new();
-    for name in pins_of_layout(pin_dir, v1::LAYOUT)? {
-        let path = pin_dir.join(&name);
-        if name == TOMBSTONE_PIN && is_tombstone(&path) {
-            continue;
-        }
-        if name != TOMBSTONE_PIN && remove_pin(&path)? {
-            removed.push(name);
-        }
-    }
-    if !is_tombstone(&pin_dir.join(TOMBSTONE_PIN)) {
-        place_tombstone(pin_dir)?;
-    }
-    remove_pin(&pin_dir.join(TOMBSTONE_TMP))?;
+    let removed = retire_layout_1(pin_dir)?;
     if !removed.is_empty() {
         tracing::warn!(
             pin_dir = %pin_dir.display(),
@@ -1174,6 +1243,27 @@ pub(crate) fn tidy(pin_dir: &Path) -> Result<Vec<String>> {
             "removed map pins of layout 1 that the running datapath does not use (left by a \
              layout-1 agent that was refused, or by an interrupted upgrade)"
         );
+    }
+    Ok(removed)
+}
+
+/// Once layout 2 runs: the tombstone first (from then on the pins say layout 2 even without
+/// the switch marker), then every other layout-1 pin, then the switch marker. Each step is
+/// idempotent, so an interrupted run is finished by the next one (at the next start's
+/// [`tidy`]). Returns the names of the layout-1 pins removed.
+fn retire_layout_1(pin_dir: &Path) -> Result<Vec<String>> {
+    if !is_tombstone(&pin_dir.join(TOMBSTONE_PIN)) {
+        place_tombstone(pin_dir)?;
+    }
+    let mut removed = Vec::new();
+    for name in pins_of_layout(pin_dir, v1::LAYOUT)? {
+        if name != TOMBSTONE_PIN && remove_pin(&pin_dir.join(&name))? {
+            removed.push(name);
+            failpoint("upgrade-unpinning");
+        }
+    }
+    for leftover in [TOMBSTONE_TMP, SWITCH_TMP, SWITCH_PIN] {
+        remove_pin(&pin_dir.join(leftover))?;
     }
     Ok(removed)
 }

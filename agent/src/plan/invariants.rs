@@ -9,7 +9,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use wgfence_common::UNRESTRICTED;
 
-use super::{Actual, Op};
+use super::{Actual, Op, EMPTY_POLICY};
 use crate::{
     policy::CompiledPolicy,
     state::{DesiredState, PeerSpec, WgKey},
@@ -30,9 +30,53 @@ fn holder(actual: &Actual, addr: IpAddr) -> Option<WgKey> {
         .map(|(k, _)| *k)
 }
 
-/// The complete content of a policy id as the datapath would see it.
-fn content(actual: &Actual, id: u32) -> CompiledPolicy {
-    actual.maps().policies.get(&id).cloned().unwrap_or_default()
+/// The content of a restricted policy id as the datapath sees it: its trie entries, or none
+/// under [`EMPTY_POLICY`] (`"egress": []`). `None` for any other id without entries: a policy
+/// whose entries are not written, never mistaken for the empty policy.
+fn content(actual: &Actual, id: u32) -> Option<CompiledPolicy> {
+    match actual.maps().policies.get(&id) {
+        Some(content) => Some(content.clone()),
+        None if id == EMPTY_POLICY => Some(CompiledPolicy::default()),
+        None => None,
+    }
+}
+
+/// What an entry with policy `id` enforces: `None` unrestricted, `Some(content)` restricted;
+/// an error for an id whose entries are missing.
+fn enforced(actual: &Actual, addr: IpAddr, id: u32) -> Result<Option<CompiledPolicy>, String> {
+    if id == UNRESTRICTED {
+        return Ok(None);
+    }
+    content(actual, id)
+        .map(Some)
+        .ok_or_else(|| format!("{addr} points at policy {id}, which has no entries"))
+}
+
+/// No counter slot is shared by two peers, at any moment: every address using a slot belongs
+/// to one peer (by name or by key, in the old state or the new). A shared slot would mix two
+/// peers' counters and let one use up the other's flow quota.
+fn check_slots(actual: &Actual, old: &DesiredState, new: &DesiredState) -> Result<(), String> {
+    let mut by_slot: BTreeMap<u32, BTreeSet<IpAddr>> = BTreeMap::new();
+    for (addr, entry) in &actual.maps().peers {
+        by_slot.entry(entry.slot).or_default().insert(*addr);
+    }
+    let mut groups: BTreeMap<String, BTreeSet<IpAddr>> = BTreeMap::new();
+    for peer in old.peers.iter().chain(&new.peers) {
+        for id in [
+            format!("name {}", peer.name),
+            format!("key {}", peer.public_key),
+        ] {
+            groups.entry(id).or_default().extend(peer.addrs());
+        }
+    }
+    for (slot, addrs) in by_slot {
+        if addrs.len() > 1 && !groups.values().any(|g| addrs.is_subset(g)) {
+            return Err(format!(
+                "slot {slot} shared by addresses of two peers: {addrs:?}"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// What `op` claims about the kernel before it runs: a WireGuard change creates a peer exactly
@@ -70,7 +114,7 @@ pub fn check_converged(actual: &Actual, desired: &DesiredState) -> Result<(), St
                 Some(_) if entry.policy == UNRESTRICTED => {
                     return Err(format!("{}: {addr} is unrestricted", peer.name))
                 }
-                Some(p) if content(actual, entry.policy) != p => {
+                Some(p) if content(actual, entry.policy).as_ref() != Some(&p) => {
                     return Err(format!("{}: {addr} has another policy", peer.name))
                 }
                 _ => {}
@@ -143,8 +187,10 @@ pub fn check_converged(actual: &Actual, desired: &DesiredState) -> Result<(), St
 /// then every WireGuard peer that leaves it with its addresses is removed, before the plan's
 /// first write that is not a deletion. A put can fail (a full map, a full trie), and deleting
 /// only ever takes access away, so nothing a failed put stops may hold a revocation back.
-/// (A WireGuard peer whose address another peer takes over leaves after the handover, as
-/// before; its address entries are not revoked, they change holder.)
+/// The same holds for an address handed to another WireGuard peer (a key rotation, a
+/// takeover): its entry is deleted in the lead and the old peer removed, so the old key is cut
+/// off even when every put fails. And the lead deletes the trie entries nothing references
+/// once it ran (nor will): at a full trie, the puts need their room.
 pub fn check_revocations_lead(
     before: &Actual,
     desired: &DesiredState,
@@ -152,16 +198,7 @@ pub fn check_revocations_lead(
 ) -> Result<(), String> {
     let addrs: BTreeSet<IpAddr> = desired.peers.iter().flat_map(PeerSpec::addrs).collect();
     let keys: BTreeSet<WgKey> = desired.peers.iter().map(|p| p.public_key).collect();
-    let is_deletion = |op: &Op| {
-        matches!(
-            op,
-            Op::DeletePeerEntry { .. } | Op::RemoveWgPeer { .. } | Op::DeletePolicyEntry { .. }
-        )
-    };
-    let lead = &ops[..ops
-        .iter()
-        .position(|op| !is_deletion(op))
-        .unwrap_or(ops.len())];
+    let lead = super::lead(ops);
     for addr in before.maps().peers.keys().filter(|a| !addrs.contains(a)) {
         if !lead.contains(&Op::DeletePeerEntry { addr: *addr }) {
             return Err(format!(
@@ -169,9 +206,8 @@ pub fn check_revocations_lead(
             ));
         }
     }
-    for (key, peer) in &before.wg().peers {
-        let handed_over = peer.allowed_ips.iter().any(|ip| addrs.contains(&ip.addr()));
-        if keys.contains(key) || handed_over {
+    for key in before.wg().peers.keys() {
+        if keys.contains(key) {
             continue;
         }
         if !lead.contains(&Op::RemoveWgPeer { key: *key }) {
@@ -180,6 +216,46 @@ pub fn check_revocations_lead(
                  {ops:?}"
             ));
         }
+    }
+    for peer in &desired.peers {
+        for addr in peer.addrs() {
+            let moves = holder(before, addr).is_some_and(|k| k != peer.public_key);
+            if moves
+                && before.maps().peers.contains_key(&addr)
+                && !lead.contains(&Op::DeletePeerEntry { addr })
+            {
+                return Err(format!(
+                    "{addr} moves to {} but its entry is not deleted before the first put: \
+                     {ops:?}",
+                    peer.name
+                ));
+            }
+        }
+    }
+    let mut after_lead = before.clone();
+    for op in lead {
+        after_lead.apply(op);
+    }
+    let used: BTreeSet<u32> = after_lead
+        .maps()
+        .peers
+        .values()
+        .map(|e| e.policy)
+        .chain(ops.iter().filter_map(|op| match op {
+            Op::PutPeerEntry { entry, .. } => Some(entry.policy),
+            _ => None,
+        }))
+        .collect();
+    if let Some(id) = after_lead
+        .maps()
+        .policies
+        .keys()
+        .find(|id| !used.contains(id))
+    {
+        return Err(format!(
+            "policy {id} is referenced by nothing after the lead, but its entries are not \
+             deleted there: {ops:?}"
+        ));
     }
     // The design's revoke order: the address entries, then the WireGuard peers.
     if let Some(first_wg) = lead
@@ -224,7 +300,7 @@ pub fn check_safe_midway(
                 actual.maps().owner_high
             ));
         }
-        let content = (entry.policy != UNRESTRICTED).then(|| content(actual, entry.policy));
+        let content = enforced(actual, *addr, entry.policy)?;
         let complete = old
             .peers
             .iter()
@@ -256,7 +332,7 @@ pub fn check_safe_midway(
             let Some(entry) = actual.maps().peers.get(&addr) else {
                 return Err(format!("{}: {addr} interrupted", peer.name));
             };
-            let content = (entry.policy != UNRESTRICTED).then(|| content(actual, entry.policy));
+            let content = enforced(actual, addr, entry.policy)?;
             if content != policy_of(peer) {
                 return Err(format!("{}: {addr} runs another policy", peer.name));
             }
@@ -265,5 +341,62 @@ pub fn check_safe_midway(
             }
         }
     }
-    Ok(())
+    check_slots(actual, old, new)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+
+    use serde_json::json;
+    use wgfence_common::PeerEntry;
+
+    use super::*;
+    use crate::{
+        plan::{plan, Actual},
+        state::parse,
+    };
+
+    fn state(peers: serde_json::Value) -> DesiredState {
+        parse(&json!({ "version": 1, "peers": peers }).to_string())
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Review of issue 11, finding 5: a peer entry written before its own policy's entries
+    /// points at an id without entries. That is an incomplete policy, also while another peer
+    /// has `"egress": []` (the empty policy is one id, not any id without entries).
+    #[test]
+    fn an_entry_before_its_policy_is_incomplete_even_next_to_an_empty_policy() {
+        let key = |n: u8| WgKey([n; 32]).to_base64();
+        let old = state(json!([
+            { "name": "a", "publicKey": key(1), "address": "10.8.0.2", "egress": [] },
+        ]));
+        let new = state(json!([
+            { "name": "a", "publicKey": key(1), "address": "10.8.0.2", "egress": [] },
+            { "name": "b", "publicKey": key(2), "address": "10.8.0.3",
+              "egress": [{ "cidr": "10.0.0.0/8", "protocol": "tcp" }] },
+        ]));
+        let mut kernel = Actual::default();
+        for op in plan(&old, &kernel).unwrap_or_default().ops {
+            kernel.apply(&op);
+        }
+        assert_eq!(check_converged(&kernel, &old), Ok(()));
+        // b's entry, written before b's policy (an id the tries have nothing for).
+        let used: BTreeSet<u32> = kernel.maps().peers.values().map(|e| e.policy).collect();
+        let fresh = (1..).find(|id| !used.contains(id)).unwrap_or(1);
+        kernel.apply(&Op::PutPeerEntry {
+            peer: "b".into(),
+            addr: IpAddr::from([10, 8, 0, 3]),
+            entry: PeerEntry {
+                policy: fresh,
+                slot: 1,
+                owner: 1,
+            },
+        });
+        kernel.apply(&Op::RaiseOwnerHigh { owner: 10 });
+        assert!(
+            check_safe_midway(&kernel, &old, &new).is_err(),
+            "b's entry points at policy {fresh}, which has no entries yet, and passed"
+        );
+    }
 }
