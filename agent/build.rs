@@ -106,6 +106,15 @@ fn build() -> Result<(), String> {
     std::fs::copy(&object, &embedded)
         .map_err(|e| format!("cannot copy {}: {e}", object.display()))?;
     println!("cargo:rustc-env=WGFENCE_BPF_OBJECT={}", embedded.display());
+    // The bench's floor programs: only their path is passed on (nothing embeds them).
+    let floor = target_dir.join(TARGET).join("release").join("floor");
+    let floor_copy = out_dir.join("floor.bpf.o");
+    std::fs::copy(&floor, &floor_copy)
+        .map_err(|e| format!("cannot copy {}: {e}", floor.display()))?;
+    println!(
+        "cargo:rustc-env=WGFENCE_FLOOR_OBJECT={}",
+        floor_copy.display()
+    );
     Ok(())
 }
 

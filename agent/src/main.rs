@@ -428,13 +428,16 @@ fn plan_command(interface: &str, state_path: &Path, bpffs: &Path) -> Result<Exit
 fn print_status(r: &Report) {
     println!("interface        {}", r.interface);
     println!(
-        "datapath         {} (layout v{}, pins in {})",
+        "datapath         {} (layout v{}{}, pins in {})",
         if r.attached {
             "attached"
         } else {
             "NOT attached (no pinned link, no filter)"
         },
         r.layout_version,
+        r.program_variant
+            .map(|v| format!(", {v} programs"))
+            .unwrap_or_default(),
         r.pin_dir.display()
     );
     match (&r.hook, r.tc_priority, &r.tc_handle) {

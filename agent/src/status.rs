@@ -164,6 +164,9 @@ pub struct Report {
     pub schema_version: u32,
     pub interface: String,
     pub layout_version: u32,
+    /// The program variant the ingress link runs: `l3` (WireGuard/TUN) or `ethernet`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub program_variant: Option<&'static str>,
     pub pin_dir: PathBuf,
     /// The ingress program is attached: its tcx link is pinned, or its tc filter is in place.
     pub attached: bool,
@@ -286,6 +289,7 @@ pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Rep
             },
         });
     }
+    let variant = Dataplane::running_variant(bpffs, interface)?;
     let maps = Dataplane::open_maps(bpffs, interface)?;
     let link = Dataplane::link_info(bpffs, interface)?;
     let egress = Dataplane::egress_link_info(bpffs, interface)?;
@@ -360,6 +364,7 @@ pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Rep
         schema_version: REPORT_SCHEMA_VERSION,
         interface: interface.to_owned(),
         layout_version: running.unwrap_or(LAYOUT_VERSION),
+        program_variant: variant.map(|v| v.name),
         pin_dir: dir,
         attached: link.is_some() || tc_ingress.is_some(),
         hook: hook.map(|h| h.name().to_owned()),

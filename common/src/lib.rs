@@ -28,7 +28,8 @@ pub mod map_names {
     pub const POLICY_V6: &str = "wgf2_policy_v6";
     /// Per-CPU array of packet counters indexed by [`super::Counter`].
     pub const STATS: &str = "wgf2_stats";
-    /// Array of [`super::PeerCounters`] indexed by [`super::PeerEntry::slot`].
+    /// Per-CPU array of [`super::PeerCounters`] indexed by [`super::PeerEntry::slot`]: each CPU
+    /// writes only its own copy; readers sum over the CPUs.
     pub const PEER_STATS: &str = "wgf2_peer_stats";
 
     /// Hash: IPv4 flow the network started toward a peer ([`super::FlowKeyV4`]) ->
@@ -68,16 +69,49 @@ pub mod map_names {
     ];
 }
 
-/// Name of the ingress classifier (packets from peers) in the object file.
-pub const INGRESS_PROGRAM: &str = "wgfence_ingress";
-/// Name of the egress classifier (packets to peers) in the object file: it records the flows
-/// the network starts toward restricted peers, so their replies pass.
-pub const EGRESS_PROGRAM: &str = "wgfence_egress";
+/// One build of the datapath's two programs for one kind of interface: where the IP header
+/// starts is a compile-time constant of each variant, so every header read has a constant
+/// (or bounded) offset and reads the packet directly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Variant {
+    /// What `wgfence status` calls it.
+    pub name: &'static str,
+    /// The ingress classifier (packets from peers) in the object file.
+    pub ingress: &'static str,
+    /// The egress classifier (packets to peers) in the object file: it records the flows the
+    /// network starts toward restricted peers, so their replies pass.
+    pub egress: &'static str,
+    /// Offset of the IP header in the packet data.
+    pub l3_offset: u32,
+}
 
-/// Name of the load-time constant that tells the program where the IP header starts: 0 on a
-/// WireGuard or TUN device (no link-layer header), 14 behind an Ethernet header (veth,
-/// `BPF_PROG_TEST_RUN`).
-pub const L3_OFFSET_GLOBAL: &str = "WGFENCE_L3_OFFSET";
+/// For devices without a link layer (WireGuard, TUN): the IP header at offset 0, no ARP check.
+pub const VARIANT_L3: Variant = Variant {
+    name: "l3",
+    ingress: "wgfence_ingress",
+    egress: "wgfence_egress",
+    l3_offset: 0,
+};
+
+/// For Ethernet-framed devices (veth): the IP header at offset 14; ARP passes.
+pub const VARIANT_ETHERNET: Variant = Variant {
+    name: "ethernet",
+    ingress: "wgfence_eth_in",
+    egress: "wgfence_eth_eg",
+    l3_offset: 14,
+};
+
+/// Every variant; their program names are distinct within the kernel's 15 characters.
+pub const VARIANTS: [Variant; 2] = [VARIANT_L3, VARIANT_ETHERNET];
+
+impl Variant {
+    /// The variant whose ingress or egress program is called `program` (a kernel program name).
+    pub fn of_program(program: &str) -> Option<Variant> {
+        VARIANTS
+            .into_iter()
+            .find(|v| v.ingress == program || v.egress == program)
+    }
+}
 
 /// Peers per address family; also the number of per-peer counter slots.
 pub const MAX_PEERS: u32 = 131_072;
@@ -484,8 +518,10 @@ impl Counter {
     }
 }
 
-/// Per-peer counters, updated with atomic adds (one shared array rather than a per-CPU one:
-/// per-CPU values for 131,072 peers would cost 4 MiB per CPU).
+/// Per-peer counters, one copy per CPU ([`map_names::PEER_STATS`] is a per-CPU array): a packet
+/// writes only its own CPU's copy, with plain adds, so packets of one peer on several CPUs
+/// never write a shared cache line. The price is memory: 32 B per slot per CPU (4 MiB per CPU
+/// for 131,072 slots). Readers sum the copies.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct PeerCounters {
@@ -530,6 +566,21 @@ mod tests {
             );
         }
         assert_eq!(LAYOUT_VERSION, 2);
+    }
+
+    #[test]
+    fn program_names_fit_the_kernel_limit_and_name_one_variant() {
+        for v in VARIANTS {
+            for program in [v.ingress, v.egress] {
+                assert!(
+                    program.len() <= 15,
+                    "{program} is longer than 15 characters"
+                );
+                assert_eq!(Variant::of_program(program), Some(v));
+            }
+        }
+        assert_eq!(VARIANT_L3.l3_offset, 0);
+        assert_eq!(VARIANT_ETHERNET.l3_offset, 14);
     }
 
     #[test]

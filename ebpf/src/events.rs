@@ -1,7 +1,9 @@
 //! Drop events for `wgfence monitor`: a per-CPU token bucket (counted in nanoseconds of credit,
-//! so no division runs here) decides, then the event goes to the ring buffer. With nobody
-//! reading, the ring fills and each admitted event costs one failed write: a flood of dropped
-//! packets costs at most the configured event rate.
+//! so no division runs here) decides, then the event goes to the ring buffer. One read of the
+//! monotonic clock (`bpf_ktime_get_ns`, which every supported kernel has; the coarse clock
+//! helper would save a few ns but needs Linux 5.11) serves the bucket and the event's
+//! timestamp. With nobody reading, the ring fills and each admitted event costs one failed
+//! write: a flood of dropped packets costs at most the configured event rate.
 
 use aya_ebpf::programs::TcContext;
 use wgfence_common::{Config, Counter, DropEvent, NO_SLOT};

@@ -21,7 +21,7 @@ use wgfence_common::{
     PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
 };
 
-use crate::{count, count_made, now_ns, under_quota, Drop, Pass};
+use crate::{count, count_made, load, now_ns, under_quota, Drop, Pass};
 
 pub(crate) type Flows<K> = HashMap<K, FlowValue, { MAX_FLOWS as usize }>;
 
@@ -31,6 +31,14 @@ const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 /// Offset of the flags byte in a TCP header.
 const TCP_FLAGS_OFFSET: usize = 13;
+
+/// The flags of the TCP header at `l4`. Read as the two bytes that end with them: the compiler
+/// turns a one-byte bounds check (`p + 1 <= end`) into `p < end`, which the verifier does not
+/// take as a bound; both reads end at the same byte, so the same packets have flags.
+#[inline(always)]
+fn tcp_flags(ctx: &TcContext, l4: usize) -> Option<u8> {
+    load::<[u8; 2]>(ctx, l4 + TCP_FLAGS_OFFSET - 1).map(|b| b[1])
+}
 
 /// A TCP segment that opens a connection: SYN without ACK (a SYN-ACK answers one).
 #[inline(always)]
@@ -230,7 +238,7 @@ pub(crate) fn toward_peer(
     protocol: u8,
     icmp: &Icmp,
 ) -> Option<(u16, u16)> {
-    let h = ctx.load::<[u8; 6]>(l4).ok()?;
+    let h = load::<[u8; 6]>(ctx, l4)?;
     match protocol {
         PROTO_TCP | PROTO_UDP => Some((
             u16::from_be_bytes([h[2], h[3]]),
@@ -247,7 +255,7 @@ pub(crate) fn toward_peer(
 #[inline(always)]
 pub(crate) fn effect(ctx: &TcContext, l4: usize, protocol: u8) -> Option<ToPeer> {
     let (start, close) = if protocol == PROTO_TCP {
-        let flags = ctx.load::<u8>(l4 + TCP_FLAGS_OFFSET).ok()?;
+        let flags = tcp_flags(ctx, l4)?;
         (tcp_opens(flags), tcp_closes(flags))
     } else {
         (true, false)
@@ -284,7 +292,7 @@ pub(crate) fn answer(
 ) -> Option<Answer> {
     match (protocol, ports) {
         (PROTO_TCP, Some((src, dst))) => {
-            let flags = ctx.load::<u8>(l4 + TCP_FLAGS_OFFSET).ok()?;
+            let flags = tcp_flags(ctx, l4)?;
             Some(Answer::Flow {
                 peer_port: src,
                 remote_port: dst,
@@ -301,7 +309,7 @@ pub(crate) fn answer(
             close: Seen::Answer,
         }),
         (p, _) if p == icmp.protocol => {
-            let h = ctx.load::<[u8; 6]>(l4).ok()?;
+            let h = load::<[u8; 6]>(ctx, l4)?;
             if h[0] == icmp.echo_reply {
                 Some(Answer::Flow {
                     peer_port: u16::from_be_bytes([h[4], h[5]]),

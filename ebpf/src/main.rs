@@ -28,13 +28,15 @@ mod flow;
 mod v4;
 mod v6;
 
-use core::intrinsics::{atomic_xadd, AtomicOrdering};
+use core::{
+    intrinsics::{atomic_xadd, AtomicOrdering},
+    mem::size_of,
+};
 
 use aya_ebpf::{
     btf_maps::{Array, HashMap, LpmTrie, PerCpuArray, RingBuf},
     macros::{btf_map, classifier},
     programs::TcContext,
-    Global,
 };
 use aya_log_ebpf::debug;
 use wgfence_common::{
@@ -48,11 +50,6 @@ use wgfence_common::{
 const TCX_NEXT: i32 = -1;
 /// tcx: drop the packet.
 const TCX_DROP: i32 = 2;
-
-/// Offset of the IP header in the packet data; set by the loader from the interface type
-/// (0 on WireGuard/TUN, 14 behind an Ethernet header and under `BPF_PROG_TEST_RUN`).
-#[unsafe(no_mangle)]
-static WGFENCE_L3_OFFSET: Global<u32> = Global::new(0);
 
 #[btf_map(name = "wgf2_peers_v4")]
 static PEERS_V4: HashMap<PeerKeyV4, PeerEntry, { MAX_PEERS as usize }> = HashMap::new();
@@ -72,7 +69,7 @@ static POLICY_V6: LpmTrie<PolicyKeyV6, PolicyValue, { MAX_POLICY_ENTRIES as usiz
 static STATS: PerCpuArray<u64, { COUNTERS_LEN as usize }> = PerCpuArray::new();
 
 #[btf_map(name = "wgf2_peer_stats")]
-static PEER_STATS: Array<PeerCounters, { MAX_PEERS as usize }> = Array::new();
+static PEER_STATS: PerCpuArray<PeerCounters, { MAX_PEERS as usize }> = PerCpuArray::new();
 
 #[btf_map(name = "wgf2_flows_v4")]
 static FLOWS_V4: HashMap<FlowKeyV4, FlowValue, { MAX_FLOWS as usize }> = HashMap::new();
@@ -95,16 +92,35 @@ static EVENTS: RingBuf<DropEvent, { EVENTS_BYTES as usize }> = RingBuf::new();
 #[btf_map(name = "wgf2_ev_bucket")]
 static EVENT_BUCKET: PerCpuArray<EventBucket, 1> = PerCpuArray::new();
 
-/// Length of an Ethernet header; the ethertype is its last two bytes.
+/// Where the IP header starts in the two program variants: on WireGuard and TUN devices (no
+/// link layer), and behind an Ethernet header (veth; `BPF_PROG_TEST_RUN` with a frame).
+const L3_NONE: usize = 0;
 const ETH_HLEN: usize = 14;
 const ETH_P_ARP: u16 = 0x0806;
 
-/// On an Ethernet-framed device, ARP must pass or the device stops working; it carries no
-/// peer traffic. (WireGuard devices have no link layer: `l3` is 0 there.)
+/// Reads a `T` at `offset` of the packet: directly from the packet's linear part when it is
+/// there (no helper call), else with `bpf_skb_load_bytes`, which also reads paged data. Both
+/// fail only when the packet is shorter than `offset + size_of::<T>()`, so the verdict never
+/// depends on how the kernel laid the packet out.
 #[inline(always)]
-fn is_arp(ctx: &TcContext, l3: usize) -> bool {
-    ctx.load::<[u8; 2]>(l3 - 2)
-        .is_ok_and(|t| u16::from_be_bytes(t) == ETH_P_ARP)
+pub(crate) fn load<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
+    let start = ctx.data();
+    let end = ctx.data_end();
+    if start + offset + size_of::<T>() <= end {
+        // SAFETY: the bounds check above keeps the read inside the packet's linear data; the
+        // verifier checks it again.
+        Some(unsafe { core::ptr::read_unaligned((start + offset) as *const T) })
+    } else {
+        ctx.load(offset).ok()
+    }
+}
+
+/// On an Ethernet-framed device, ARP must pass or the device stops working; it carries no
+/// peer traffic. Only the Ethernet variant has this check: WireGuard devices have no link layer.
+#[inline(always)]
+fn is_arp<const L3: usize>(ctx: &TcContext) -> bool {
+    L3 == ETH_HLEN
+        && load::<[u8; 2]>(ctx, L3 - 2).is_some_and(|t| u16::from_be_bytes(t) == ETH_P_ARP)
 }
 
 /// Bytes read at the IP header before the version is known.
@@ -132,21 +148,46 @@ impl Drop {
     }
 }
 
+/// Packets from peers on a WireGuard or TUN device (the IP header at offset 0).
 #[classifier]
 pub fn wgfence_ingress(ctx: TcContext) -> i32 {
-    let l3 = WGFENCE_L3_OFFSET.load() as usize;
-    if l3 >= ETH_HLEN && is_arp(&ctx, l3) {
+    ingress::<L3_NONE>(&ctx)
+}
+
+/// Packets from peers on an Ethernet-framed device (the IP header at offset 14).
+#[classifier]
+pub fn wgfence_eth_in(ctx: TcContext) -> i32 {
+    ingress::<ETH_HLEN>(&ctx)
+}
+
+/// Packets to peers on a WireGuard or TUN device.
+#[classifier]
+pub fn wgfence_egress(ctx: TcContext) -> i32 {
+    egress::<L3_NONE>(&ctx)
+}
+
+/// Packets to peers on an Ethernet-framed device.
+#[classifier]
+pub fn wgfence_eth_eg(ctx: TcContext) -> i32 {
+    egress::<ETH_HLEN>(&ctx)
+}
+
+/// The ingress verdict; `L3` is where the IP header starts, a constant of each variant, so
+/// every header read below has a constant or bounded offset and reads the packet directly.
+#[inline(always)]
+fn ingress<const L3: usize>(ctx: &TcContext) -> i32 {
+    if is_arp::<L3>(ctx) {
         count(Counter::PassArp);
         return TCX_NEXT;
     }
-    // One helper call for the first 20 bytes: all of an IPv4 header without options, the
-    // first half of an IPv6 header. Every IP packet is at least that long.
-    let head: Result<[u8; HEAD_LEN], _> = ctx.load(l3);
+    // The first 20 bytes: all of an IPv4 header without options, the first half of an IPv6
+    // header. Every IP packet is at least that long.
+    let head: Option<[u8; HEAD_LEN]> = load(ctx, L3);
     let outcome = match head {
-        Ok(head) if head[0] >> 4 == 4 => v4::classify(&ctx, l3, &head),
-        Ok(head) if head[0] >> 4 == 6 => v6::classify(&ctx, l3, &head),
-        Ok(_) => Err(Drop::new(Counter::DropNotIp, None)),
-        Err(_) => Err(Drop::new(Counter::DropMalformed, None)),
+        Some(head) if head[0] >> 4 == 4 => v4::classify(ctx, L3, &head),
+        Some(head) if head[0] >> 4 == 6 => v6::classify(ctx, L3, &head),
+        Some(_) => Err(Drop::new(Counter::DropNotIp, None)),
+        None => Err(Drop::new(Counter::DropMalformed, None)),
     };
     let bytes = u64::from(ctx.len());
     match outcome {
@@ -160,10 +201,10 @@ pub fn wgfence_ingress(ctx: TcContext) -> i32 {
             if let Some(slot) = slot {
                 count_peer(slot, false, bytes);
             }
-            events::report(&ctx, l3, head.ok().as_ref(), why, slot);
+            events::report(ctx, L3, head.as_ref(), why, slot);
             // Compiled in, but switched off at load time (AYA_LOG_LEVEL = 0) unless the agent
             // runs with datapath logging enabled; the verifier then removes this branch.
-            debug!(&ctx, "drop: reason {}", why as u32);
+            debug!(ctx, "drop: reason {}", why as u32);
             TCX_DROP
         }
     }
@@ -171,8 +212,8 @@ pub fn wgfence_ingress(ctx: TcContext) -> i32 {
 
 /// Packets to peers: never dropped here; a packet toward a restricted peer that starts or
 /// continues a flow is recorded, so the peer's replies pass its policy.
-#[classifier]
-pub fn wgfence_egress(ctx: TcContext) -> i32 {
+#[inline(always)]
+fn egress<const L3: usize>(ctx: &TcContext) -> i32 {
     // A copy: the agent may rewrite the entry while this packet runs.
     let Some(config) = config().copied() else {
         return TCX_NEXT;
@@ -187,13 +228,12 @@ pub fn wgfence_egress(ctx: TcContext) -> i32 {
     if unsafe { (*ctx.skb.skb).ingress_ifindex == (*ctx.skb.skb).ifindex } {
         return TCX_NEXT;
     }
-    let l3 = WGFENCE_L3_OFFSET.load() as usize;
-    if l3 >= ETH_HLEN && is_arp(&ctx, l3) {
+    if is_arp::<L3>(ctx) {
         return TCX_NEXT;
     }
-    match ctx.load::<[u8; HEAD_LEN]>(l3) {
-        Ok(head) if head[0] >> 4 == 4 => v4::record(&ctx, l3, &head, &config),
-        Ok(head) if head[0] >> 4 == 6 => v6::record(&ctx, l3, &head, &config),
+    match load::<[u8; HEAD_LEN]>(ctx, L3) {
+        Some(head) if head[0] >> 4 == 4 => v4::record(ctx, L3, &head, &config),
+        Some(head) if head[0] >> 4 == 6 => v6::record(ctx, L3, &head, &config),
         _ => {}
     }
     TCX_NEXT
@@ -258,9 +298,7 @@ pub(crate) const fn has_ports(protocol: u8) -> bool {
 /// malformed.
 #[inline(always)]
 pub(crate) fn ports(ctx: &TcContext, offset: usize, slot: u32) -> Result<(u16, u16), Drop> {
-    let ports: [u8; 4] = ctx
-        .load(offset)
-        .map_err(|_| Drop::peer(Counter::DropMalformed, slot))?;
+    let ports: [u8; 4] = load(ctx, offset).ok_or(Drop::peer(Counter::DropMalformed, slot))?;
     Ok((
         u16::from_be_bytes([ports[0], ports[1]]),
         u16::from_be_bytes([ports[2], ports[3]]),
@@ -299,22 +337,16 @@ fn count_peer(slot: u32, pass: bool, bytes: u64) {
     let Some(counters) = PEER_STATS.get_ptr_mut(slot) else {
         return;
     };
-    // SAFETY: `counters` points into a preallocated array element that lives as long as the
-    // map; the fields are 8-byte aligned u64s, updated only with atomic adds.
+    // SAFETY: a per-CPU array element, written only by this CPU (tc programs run with
+    // migration disabled): plain adds, no shared cache line.
     unsafe {
-        let (packets, total) = if pass {
-            (
-                &raw mut (*counters).pass_packets,
-                &raw mut (*counters).pass_bytes,
-            )
+        if pass {
+            (*counters).pass_packets += 1;
+            (*counters).pass_bytes += bytes;
         } else {
-            (
-                &raw mut (*counters).drop_packets,
-                &raw mut (*counters).drop_bytes,
-            )
-        };
-        atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(packets, 1);
-        atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(total, bytes);
+            (*counters).drop_packets += 1;
+            (*counters).drop_bytes += bytes;
+        }
     }
 }
 

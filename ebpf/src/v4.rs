@@ -10,7 +10,7 @@ use wgfence_common::{
 use crate::{
     config, decide,
     flow::{self, Answer, ICMP_ERROR_LEN, ICMP_V4},
-    has_ports, ports, unrestricted, Drop, Pass, FLOWS_V4, HEAD_LEN, PEERS_V4, POLICY_V4,
+    has_ports, load, ports, unrestricted, Drop, Pass, FLOWS_V4, HEAD_LEN, PEERS_V4, POLICY_V4,
 };
 
 const MIN_HEADER_LEN: usize = HEAD_LEN;
@@ -137,7 +137,7 @@ fn related(
     peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
     let denied = Err(Drop::peer(Counter::DropPolicy, peer.slot));
-    let Ok(inner) = ctx.load::<[u8; HEAD_LEN]>(quoted) else {
+    let Some(inner) = load::<[u8; HEAD_LEN]>(ctx, quoted) else {
         return denied;
     };
     // The quoted packet must be the error's own direction reversed: from the remote the error
@@ -223,7 +223,7 @@ pub(crate) fn describe(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN], event: &
     event.dst[..4].copy_from_slice(&ip[16..20]);
     let header_len = header_len(ip);
     if header_len >= MIN_HEADER_LEN && first_fragment(ip) && has_ports(ip[9]) {
-        if let Ok(p) = ctx.load::<[u8; 4]>(l3 + header_len) {
+        if let Some(p) = load::<[u8; 4]>(ctx, l3 + header_len) {
             event.src_port = u16::from_be_bytes([p[0], p[1]]);
             event.dst_port = u16::from_be_bytes([p[2], p[3]]);
             event.flags |= EVENT_PORTS;

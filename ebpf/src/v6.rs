@@ -12,7 +12,7 @@ use wgfence_common::{
 use crate::{
     config, decide,
     flow::{self, Answer, ICMP_ERROR_LEN, ICMP_V6},
-    has_ports, ports, unrestricted, Drop, Pass, FLOWS_V6, HEAD_LEN, PEERS_V6, POLICY_V6,
+    has_ports, load, ports, unrestricted, Drop, Pass, FLOWS_V6, HEAD_LEN, PEERS_V6, POLICY_V6,
 };
 
 const HEADER_LEN: usize = 40;
@@ -35,9 +35,8 @@ const fn is_extension_header(next: u8) -> bool {
 #[inline(always)]
 pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Result<Pass, Drop> {
     // The second half of the header: the rest of the source and the destination.
-    let tail: [u8; TAIL_LEN] = ctx
-        .load(l3 + HEAD_LEN)
-        .map_err(|_| Drop::new(Counter::DropMalformed, None))?;
+    let tail: [u8; TAIL_LEN] =
+        load(ctx, l3 + HEAD_LEN).ok_or(Drop::new(Counter::DropMalformed, None))?;
     let mut src = PeerKeyV6::default();
     src.addr[..12].copy_from_slice(&head[8..20]);
     src.addr[12..].copy_from_slice(&tail[..4]);
@@ -49,7 +48,7 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
         return Ok(unrestricted(peer.slot));
     }
     let slot = peer.slot;
-    let malformed = |_| Drop::peer(Counter::DropMalformed, slot);
+    let malformed = || Drop::peer(Counter::DropMalformed, slot);
 
     let mut next = head[6];
     let mut offset = l3 + HEADER_LEN;
@@ -60,7 +59,7 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
         }
         match next {
             FRAGMENT => {
-                let fragment: [u8; 4] = ctx.load(offset).map_err(malformed)?;
+                let fragment: [u8; 4] = load(ctx, offset).ok_or_else(malformed)?;
                 next = fragment[0];
                 offset += 8;
                 if u16::from_be_bytes([fragment[2], fragment[3]]) >> 3 != 0 {
@@ -70,12 +69,12 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
                 }
             }
             AUTHENTICATION => {
-                let header: [u8; 2] = ctx.load(offset).map_err(malformed)?;
+                let header: [u8; 2] = load(ctx, offset).ok_or_else(malformed)?;
                 next = header[0];
                 offset += (usize::from(header[1]) + 2) * 4;
             }
             _ => {
-                let header: [u8; 2] = ctx.load(offset).map_err(malformed)?;
+                let header: [u8; 2] = load(ctx, offset).ok_or_else(malformed)?;
                 next = header[0];
                 offset += (usize::from(header[1]) + 1) * 8;
             }
@@ -188,7 +187,7 @@ fn related(
     peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
     let denied = Err(Drop::peer(Counter::DropPolicy, peer.slot));
-    let Ok(inner) = ctx.load::<[u8; HEADER_LEN]>(quoted) else {
+    let Some(inner) = load::<[u8; HEADER_LEN]>(ctx, quoted) else {
         return denied;
     };
     if inner[0] >> 4 != 6 || inner[8..24] != dst[..] || inner[24..40] != src.addr[..] {
@@ -222,7 +221,7 @@ pub(crate) fn record(
     head: &[u8; HEAD_LEN],
     config: &wgfence_common::Config,
 ) {
-    let Ok(tail) = ctx.load::<[u8; TAIL_LEN]>(l3 + HEAD_LEN) else {
+    let Some(tail) = load::<[u8; TAIL_LEN]>(ctx, l3 + HEAD_LEN) else {
         return;
     };
     let mut dst = PeerKeyV6::default();
@@ -273,14 +272,14 @@ pub(crate) fn record(
 pub(crate) fn describe(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN], event: &mut DropEvent) {
     event.family = 6;
     event.protocol = head[6];
-    let Ok(tail) = ctx.load::<[u8; TAIL_LEN]>(l3 + HEAD_LEN) else {
+    let Some(tail) = load::<[u8; TAIL_LEN]>(ctx, l3 + HEAD_LEN) else {
         return;
     };
     event.src[..12].copy_from_slice(&head[8..20]);
     event.src[12..].copy_from_slice(&tail[..4]);
     event.dst.copy_from_slice(&tail[4..20]);
     if has_ports(head[6]) {
-        if let Ok(p) = ctx.load::<[u8; 4]>(l3 + HEADER_LEN) {
+        if let Some(p) = load::<[u8; 4]>(ctx, l3 + HEADER_LEN) {
             event.src_port = u16::from_be_bytes([p[0], p[1]]);
             event.dst_port = u16::from_be_bytes([p[2], p[3]]);
             event.flags |= EVENT_PORTS;

@@ -46,6 +46,23 @@ pub fn state(peers: Vec<serde_json::Value>) -> String {
 }
 
 /// Fails the test with a clear message unless it runs as root (as CI does).
+/// Pins the calling thread to `cpu` (`BPF_PROG_TEST_RUN` runs the program on the caller's CPU).
+pub fn pin_to_cpu(cpu: usize) {
+    // SAFETY: cpu_set_t is plain data; CPU_SET writes a bit inside it; sched_setaffinity reads
+    // it for the calling thread (pid 0).
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    assert_eq!(
+        rc,
+        0,
+        "sched_setaffinity({cpu}): {}",
+        std::io::Error::last_os_error()
+    );
+}
+
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };

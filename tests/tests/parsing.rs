@@ -330,3 +330,54 @@ fn per_peer_counters_count_packets_and_bytes() {
     assert_eq!(c.drop_packets, 1);
     assert_eq!(c.drop_bytes, drop.len() as u64);
 }
+
+#[test]
+fn per_peer_counters_are_summed_over_cpus_and_reset_on_every_cpu() {
+    if wgfence::settings::online_cpus() < 2 {
+        eprintln!("skipped: needs two CPUs");
+        return;
+    }
+    let mut p = program();
+    let pass = Packet::new(RESTRICTED_V4, "10.2.3.4", TCP, 443).frame();
+    // One peer's packets on two CPUs: each CPU counts in its own copy.
+    for (cpu, n) in [(0, 2u64), (1, 3)] {
+        wgfence_tests::pin_to_cpu(cpu);
+        for _ in 0..n {
+            expect(&mut p, &pass, Counter::PassPolicy);
+        }
+    }
+    let c = p
+        .maps()
+        .peer_counters(RESTRICTED_SLOT)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c.pass_packets, 5);
+    assert_eq!(c.pass_bytes, 5 * pass.len() as u64);
+    // A slot given to a new peer starts from zero on every CPU.
+    p.maps_mut()
+        .reset_peer_counters(RESTRICTED_SLOT)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let c = p
+        .maps()
+        .peer_counters(RESTRICTED_SLOT)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c, wgfence_common::PeerCounters::default());
+    wgfence_tests::pin_to_cpu(1);
+    expect(&mut p, &pass, Counter::PassPolicy);
+    let c = p
+        .maps()
+        .peer_counters(RESTRICTED_SLOT)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((c.pass_packets, c.pass_bytes), (1, pass.len() as u64));
+}
+
+#[test]
+fn the_l3_variant_has_no_arp_check() {
+    // On a device without a link layer, bytes 12-13 are the middle of the IPv4 header (here
+    // the first half of the source address, 8.6.x.x): an unknown source, never ARP.
+    require_root();
+    let mut p = TestProgram::load_variant(wgfence_common::VARIANT_L3)
+        .unwrap_or_else(|e| panic!("loading the L3 variant: {e}"));
+    let ip = Packet::new("8.6.0.1", "10.2.3.4", TCP, 443).ip();
+    assert_eq!(&ip[12..14], &[8, 6]);
+    expect(&mut p, &ip, Counter::DropUnknownSource);
+}

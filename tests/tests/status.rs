@@ -101,6 +101,8 @@ fn status_reports_the_datapath_the_agent_and_per_peer_counters() {
     assert_eq!(before["interface"], gw.interface());
     assert_eq!(before["attached"], true);
     assert_eq!(before["layoutVersion"], wgfence_common::LAYOUT_VERSION);
+    // wireguard-go's TUN device has no link layer: the L3 variant runs there.
+    assert_eq!(before["programVariant"], "l3", "{before:#}");
     let pin_dir = gw.bpffs.join("wgfence").join(gw.interface());
     assert_eq!(before["pinDir"], pin_dir.to_string_lossy().as_ref());
     assert_eq!(
@@ -210,7 +212,7 @@ fn status_reports_the_datapath_the_agent_and_per_peer_counters() {
     let expect_lines = [
         format!("interface        {}", gw.interface()),
         format!(
-            "datapath         attached (layout v{}, pins in {})",
+            "datapath         attached (layout v{}, l3 programs, pins in {})",
             wgfence_common::LAYOUT_VERSION,
             pin_dir.display()
         ),

@@ -1,6 +1,9 @@
-//! What the loader needs to know about the interface: its index and where the IP header starts.
+//! What the loader needs to know about the interface: its index and which program variant
+//! fits it (where the IP header starts).
 
 use std::{ffi::CString, io, mem, os::fd::FromRawFd as _};
+
+use wgfence_common::{Variant, VARIANT_ETHERNET, VARIANT_L3};
 
 use super::error::{DataplaneError, Result};
 
@@ -8,14 +11,14 @@ const ARPHRD_ETHER: u16 = 1;
 const ARPHRD_LOOPBACK: u16 = 772;
 const ARPHRD_NONE: u16 = 0xfffe;
 
-/// Offset of the IP header in the packet data of a tc program on `interface`, looked up in the
-/// calling thread's network namespace (ioctl on a socket of that namespace, not /sys, which
-/// shows the namespace of whoever mounted it).
-pub(crate) fn l3_offset(interface: &str) -> Result<u32> {
+/// The program variant for `interface` (where the IP header starts in a tc program's packet
+/// data), looked up in the calling thread's network namespace (ioctl on a socket of that
+/// namespace, not /sys, which shows the namespace of whoever mounted it).
+pub(crate) fn variant(interface: &str) -> Result<Variant> {
     match link_type(interface)? {
         // WireGuard (kernel) and TUN (wireguard-go) devices: packets start at the IP header.
-        ARPHRD_NONE => Ok(0),
-        ARPHRD_ETHER | ARPHRD_LOOPBACK => Ok(14),
+        ARPHRD_NONE => Ok(VARIANT_L3),
+        ARPHRD_ETHER | ARPHRD_LOOPBACK => Ok(VARIANT_ETHERNET),
         link_type => Err(DataplaneError::UnsupportedLinkType {
             interface: interface.to_owned(),
             link_type,

@@ -82,7 +82,7 @@ pub(crate) fn expected(name: &str) -> Option<Layout> {
             0,
         ),
         map_names::PEER_STATS => layout(
-            MapType::Array,
+            MapType::PerCpuArray,
             size_of::<u32>(),
             size_of::<PeerCounters>(),
             MAX_PEERS,

@@ -9,7 +9,9 @@ use std::{
 };
 
 use aya::{
-    maps::{lpm_trie::Key, Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray},
+    maps::{
+        lpm_trie::Key, Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, PerCpuValues,
+    },
     Ebpf,
 };
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
@@ -79,7 +81,7 @@ pub struct Maps {
     policy_v4: LpmTrie<MapData, PolicyKeyV4, PolicyValue>,
     policy_v6: LpmTrie<MapData, PolicyKeyV6, PolicyValue>,
     stats: PerCpuArray<MapData, u64>,
-    peer_stats: Array<MapData, PeerCounters>,
+    peer_stats: PerCpuArray<MapData, PeerCounters>,
     flows_v4: HashMap<MapData, FlowKeyV4, FlowValue>,
     flows_v6: HashMap<MapData, FlowKeyV6, FlowValue>,
     flow_made: Array<MapData, u64>,
@@ -294,11 +296,13 @@ impl Maps {
         Ok(counters)
     }
 
-    /// Counters of one peer slot.
+    /// Counters of one peer slot, summed over all CPUs.
     pub fn peer_counters(&self, slot: u32) -> Result<PeerCounters> {
-        self.peer_stats
+        let per_cpu = self
+            .peer_stats
             .get(&slot, 0)
-            .map_err(map_err(map_names::PEER_STATS))
+            .map_err(map_err(map_names::PEER_STATS))?;
+        Ok(sum_peer_counters(per_cpu.iter()))
     }
 
     /// The datapath's settings as the kernel has them (all zero before the agent writes them).
@@ -474,13 +478,48 @@ impl Maps {
         }
     }
 
-    /// Zeroes one peer slot's counters, e.g. before the slot is given to a new peer.
+    /// Zeroes one peer slot's counters on every CPU (one write), e.g. before the slot is given
+    /// to a new peer.
     pub fn reset_peer_counters(&mut self, slot: u32) -> Result<()> {
         self.writes += 1;
+        let zeros = per_cpu(PeerCounters::default()).map_err(map_err(map_names::PEER_STATS))?;
         self.peer_stats
-            .set(slot, PeerCounters::default(), 0)
+            .set(slot, zeros, 0)
             .map_err(map_err(map_names::PEER_STATS))
     }
+}
+
+/// The sum of one slot's per-CPU counters.
+pub(crate) fn sum_peer_counters<'a>(
+    per_cpu: impl IntoIterator<Item = &'a PeerCounters>,
+) -> PeerCounters {
+    per_cpu
+        .into_iter()
+        .fold(PeerCounters::default(), |sum, c| PeerCounters {
+            pass_packets: sum.pass_packets.wrapping_add(c.pass_packets),
+            pass_bytes: sum.pass_bytes.wrapping_add(c.pass_bytes),
+            drop_packets: sum.drop_packets.wrapping_add(c.drop_packets),
+            drop_bytes: sum.drop_bytes.wrapping_add(c.drop_bytes),
+        })
+}
+
+/// A per-CPU value holding `first` on CPU 0 and zeros on every other possible CPU: what a
+/// per-CPU counter must be set to so that its sum is `first`.
+pub(crate) fn per_cpu<T: aya::Pod + Default>(
+    first: T,
+) -> std::result::Result<PerCpuValues<T>, MapError> {
+    let syscall_err = |io_error| {
+        MapError::SyscallError(aya::sys::SyscallError {
+            call: "nr_cpus",
+            io_error,
+        })
+    };
+    let cpus = aya::util::nr_cpus().map_err(|(_, e)| syscall_err(e))?;
+    let mut values: Vec<T> = std::iter::repeat_with(T::default).take(cpus).collect();
+    if let Some(slot) = values.first_mut() {
+        *slot = first;
+    }
+    PerCpuValues::try_from(values).map_err(syscall_err)
 }
 
 enum FlowKey {

@@ -49,18 +49,22 @@ use aya::{
     },
     Ebpf, EbpfLoader,
 };
-use wgfence_common::{map_names, EGRESS_PROGRAM, INGRESS_PROGRAM, L3_OFFSET_GLOBAL};
+use wgfence_common::{map_names, Variant, VARIANTS};
 
 pub use error::{DataplaneError, Result};
 pub use hook::{HookKind, HookMode};
 use lock::{Acquired, PinDirLock};
 pub use maps::{Counters, Flow, Maps, PolicyEntry};
 use sys::HeldLink;
-pub use test_run::{TestProgram, TestRun};
+pub use test_run::{test_run, TestProgram, TestRun, ETH_HLEN, MIN_TEST_INPUT};
 pub use upgrade::UpgradeReport;
 
 /// The datapath object, built from `ebpf/` by `build.rs`.
 pub(crate) static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WGFENCE_BPF_OBJECT"));
+
+/// Where the build left the benchmark's floor programs (`ebpf/src/floor.rs`): a path, read
+/// by `cargo xtask bench` on the machine that built it. The agent never loads them.
+pub const FLOOR_OBJECT_PATH: &str = env!("WGFENCE_FLOOR_OBJECT");
 
 /// Where bpffs is normally mounted.
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
@@ -79,23 +83,27 @@ struct Hook {
     direction: &'static str,
 }
 
-/// Egress first: on a first start, flows are recorded before the ingress side judges replies.
-const HOOKS: [Hook; 2] = [
-    Hook {
-        program: EGRESS_PROGRAM,
-        attach_type: TcAttachType::Egress,
-        bpf_attach_type: sys::BPF_TCX_EGRESS,
-        link_pin: LINK_PIN_EGRESS,
-        direction: "egress",
-    },
-    Hook {
-        program: INGRESS_PROGRAM,
-        attach_type: TcAttachType::Ingress,
-        bpf_attach_type: sys::BPF_TCX_INGRESS,
-        link_pin: LINK_PIN,
-        direction: "ingress",
-    },
-];
+/// The programs of `variant` and their hooks. Egress first: on a first start, flows are
+/// recorded before the ingress side judges replies.
+const fn hooks(variant: &Variant) -> [Hook; 2] {
+    [
+        Hook {
+            program: variant.egress,
+            attach_type: TcAttachType::Egress,
+            bpf_attach_type: sys::BPF_TCX_EGRESS,
+            link_pin: LINK_PIN_EGRESS,
+            direction: "egress",
+        },
+        Hook {
+            program: variant.ingress,
+            attach_type: TcAttachType::Ingress,
+            bpf_attach_type: sys::BPF_TCX_INGRESS,
+            link_pin: LINK_PIN,
+            direction: "ingress",
+        },
+    ]
+}
+
 /// aya-log's global log level: 0 switches datapath logging off.
 const AYA_LOG_LEVEL: &str = "AYA_LOG_LEVEL";
 /// aya-log's `Level::Debug`.
@@ -249,7 +257,7 @@ pub struct Dataplane {
     /// The loaded object; kept so the datapath's log ring buffer stays readable and the
     /// programs can be attached again.
     ebpf: Ebpf,
-    /// The tcx links, one per [`HOOKS`] entry, held open: pins removed by hand do not detach
+    /// The tcx links, one per [`hooks`] entry, held open: pins removed by hand do not detach
     /// the programs while the agent runs, and can be pinned again from here. `None` on the tc
     /// hook (a filter has no link: it stays until deleted).
     links: Vec<Option<HeldLink>>,
@@ -269,8 +277,8 @@ pub struct Dataplane {
     unpinned: Option<String>,
     /// The interface index the links were made for.
     ifindex: u32,
-    /// Where the IP header starts on that interface: a load-time constant of the programs.
-    l3_offset: u32,
+    /// The program variant loaded for that interface (where the IP header starts).
+    variant: Variant,
     /// The maps, opened a second time to pin them again if their pins are removed.
     map_pins: Vec<(&'static str, MapData)>,
     /// What this attach carried over from a datapath of an older layout, if it upgraded one.
@@ -285,7 +293,8 @@ impl Dataplane {
     /// Must run in the interface's network namespace.
     pub fn attach(options: &AttachOptions) -> Result<Self> {
         let interface = options.interface.as_str();
-        let l3_offset = iface::l3_offset(interface)?;
+        let variant = iface::variant(interface)?;
+        let hooks = hooks(&variant);
         ensure_bpffs(&options.bpffs)?;
         // Before anything changes: a kernel that cannot run the datapath, a hook it lacks, or
         // a foreign filter where the agent's must go is an error.
@@ -293,7 +302,7 @@ impl Dataplane {
         let ifindex = iface::index(interface)?;
         let kind = hook::choose(options.hook, ifindex)?;
         if kind == HookKind::Tc {
-            for hook in &HOOKS {
+            for hook in &hooks {
                 if let tc::Place::Foreign(filter) =
                     tc::place(ifindex, hook.attach_type, hook.program).map_err(|source| {
                         DataplaneError::Qdisc {
@@ -340,9 +349,7 @@ impl Dataplane {
             0
         };
         let mut loader = EbpfLoader::new();
-        loader
-            .override_global(L3_OFFSET_GLOBAL, &l3_offset, true)
-            .override_global(AYA_LOG_LEVEL, &log_level, false);
+        loader.override_global(AYA_LOG_LEVEL, &log_level, false);
         for (name, path) in &pins {
             // Reuses the pinned map if there is one, else creates and pins it.
             loader.map_pin_path(name, path.as_path());
@@ -360,15 +367,16 @@ impl Dataplane {
             .collect::<Result<Vec<_>>>()?;
 
         // Both programs are verified before either is switched: the two link updates (or
-        // filter replacements) follow each other without a verifier run between them.
-        for hook in &HOOKS {
+        // filter replacements) follow each other without a verifier run between them. Only
+        // the variant's two programs are loaded; the other variant's stay in the object.
+        for hook in &hooks {
             let program = classifier(&mut ebpf, hook.program)?;
             program.load().map_err(program_err(hook.program))?;
         }
         if let Some(upgrade) = upgrade.as_mut() {
             upgrade.fill(&pin_dir)?;
-            let mut ids = Vec::with_capacity(HOOKS.len());
-            for hook in &HOOKS {
+            let mut ids = Vec::with_capacity(hooks.len());
+            for hook in &hooks {
                 let program = classifier(&mut ebpf, hook.program)?;
                 ids.push(program.info().map_err(program_err(hook.program))?.id());
             }
@@ -376,7 +384,7 @@ impl Dataplane {
         }
 
         let mut attachment = Attachment::Created;
-        let mut links = Vec::with_capacity(HOOKS.len());
+        let mut links = Vec::with_capacity(hooks.len());
         if kind == HookKind::Tc && tc::ensure_clsact(interface)? {
             added_qdisc = true;
         }
@@ -389,7 +397,7 @@ impl Dataplane {
             remove_dir_if_exists(&pin_dir.join(tc::HOOK_MARKER))?;
         }
         let switch = std::time::Instant::now();
-        for hook in &HOOKS {
+        for hook in &hooks {
             let program = classifier(&mut ebpf, hook.program)?;
             let (attached, link) = match kind {
                 HookKind::Tcx => {
@@ -413,7 +421,7 @@ impl Dataplane {
                     (attached, None)
                 }
             };
-            if hook.program == INGRESS_PROGRAM {
+            if hook.program == variant.ingress {
                 attachment = attached;
             }
             links.push(link);
@@ -468,7 +476,7 @@ impl Dataplane {
         tracing::info!(
             interface,
             pin_dir = %pin_dir.display(),
-            l3_offset,
+            variant = variant.name,
             hook = %kind,
             tc_priority = (kind == HookKind::Tc).then_some(tc::TC_PRIORITY),
             tc_handle = (kind == HookKind::Tc).then(|| format!("{:#x}", tc::TC_HANDLE)),
@@ -492,7 +500,7 @@ impl Dataplane {
             detached: false,
             unpinned: None,
             ifindex,
-            l3_offset,
+            variant,
             map_pins,
         })
     }
@@ -568,15 +576,13 @@ impl Dataplane {
         let moved = ifindex != self.ifindex;
         let missing = self.missing_hooks(ifindex)?;
         let reattached = missing.iter().any(|m| *m);
-        if reattached {
-            let l3_offset = iface::l3_offset(&self.interface)?;
-            if l3_offset != self.l3_offset {
-                return Err(DataplaneError::InterfaceChanged {
-                    interface: self.interface.clone(),
-                });
-            }
+        // The device came back as another kind (L3 or Ethernet): this variant does not fit it.
+        if reattached && iface::variant(&self.interface)? != self.variant {
+            return Err(DataplaneError::InterfaceChanged {
+                interface: self.interface.clone(),
+            });
         }
-        for (i, hook) in HOOKS.iter().enumerate() {
+        for (i, hook) in hooks(&self.variant).iter().enumerate() {
             let link_path = self.pin_dir.join(hook.link_pin);
             let hook_missing = missing.get(i).copied().unwrap_or(true);
             if self.hook == HookKind::Tc {
@@ -756,10 +762,12 @@ impl Dataplane {
         Ok(!self.missing_hooks(ifindex)?.contains(&true))
     }
 
-    /// For each of [`HOOKS`], whether its program is missing from that hook of the device.
+    /// For each of the variant's [`hooks`], whether its program is missing from that hook of
+    /// the device.
     fn missing_hooks(&mut self, ifindex: u32) -> Result<Vec<bool>> {
-        let mut missing = Vec::with_capacity(HOOKS.len());
-        for hook in &HOOKS {
+        let hooks = hooks(&self.variant);
+        let mut missing = Vec::with_capacity(hooks.len());
+        for hook in &hooks {
             let interface = self.interface.clone();
             let attached = self.runs(ifindex, hook).map_err(|source| match self.hook {
                 HookKind::Tc => DataplaneError::Qdisc { interface, source },
@@ -791,7 +799,8 @@ impl Dataplane {
     fn prune_retired(&mut self) {
         let retired = std::mem::take(&mut self.retired);
         for r in retired {
-            let Some(hook) = HOOKS.get(r.hook) else {
+            let hooks = hooks(&self.variant);
+            let Some(hook) = hooks.get(r.hook) else {
                 continue;
             };
             match self.runs(r.ifindex, hook) {
@@ -976,15 +985,23 @@ impl Dataplane {
             return Ok(None);
         };
         let mut ids = [None, None];
-        for (id, hook) in ids.iter_mut().zip([&HOOKS[1], &HOOKS[0]]) {
-            let place = tc::place(ifindex, hook.attach_type, hook.program).map_err(|source| {
-                DataplaneError::Qdisc {
-                    interface: interface.to_owned(),
-                    source,
+        // Either variant's programs are the agent's.
+        for variant in &VARIANTS {
+            let [egress, ingress] = hooks(variant);
+            for (id, hook) in ids.iter_mut().zip([&ingress, &egress]) {
+                if id.is_some() {
+                    continue;
                 }
-            })?;
-            if let tc::Place::Ours { program_id } = place {
-                *id = Some(program_id.unwrap_or_default());
+                let place =
+                    tc::place(ifindex, hook.attach_type, hook.program).map_err(|source| {
+                        DataplaneError::Qdisc {
+                            interface: interface.to_owned(),
+                            source,
+                        }
+                    })?;
+                if let tc::Place::Ours { program_id } = place {
+                    *id = Some(program_id.unwrap_or_default());
+                }
             }
         }
         let [ingress, egress] = ids;
@@ -1013,11 +1030,30 @@ impl Dataplane {
         self.upgraded.as_ref()
     }
 
+    /// The program variant this dataplane loaded for its interface.
+    pub fn variant(&self) -> Variant {
+        self.variant
+    }
+
     /// The map layout the datapath pinned for an interface runs, from what its ingress link's
     /// program uses (not from which pins exist); `None` when no link is pinned or it runs a
     /// program that is not wgfence's.
     pub fn running_layout(bpffs: &Path, interface: &str) -> Result<Option<u32>> {
         upgrade::running_layout(&pin_dir(bpffs, interface))
+    }
+
+    /// The program variant the pinned ingress link runs, from its program's name; when the
+    /// program cannot be looked up (no CAP_SYS_ADMIN), the variant the interface's type calls
+    /// for (what an agent loads for it), if the interface is in this network namespace. `None`
+    /// when no link is pinned or it runs a program of neither variant.
+    pub fn running_variant(bpffs: &Path, interface: &str) -> Result<Option<Variant>> {
+        let Some(running) = upgrade::running(&pin_dir(bpffs, interface).join(LINK_PIN))? else {
+            return Ok(None);
+        };
+        Ok(match running.program {
+            Some(name) => Variant::of_program(&name),
+            None => iface::variant(interface).ok(),
+        })
     }
 
     pub fn maps(&self) -> &Maps {
@@ -1038,7 +1074,7 @@ fn program_err(program: &'static str) -> impl Fn(aya::programs::ProgramError) ->
     move |source| DataplaneError::Program { program, source }
 }
 
-/// One of the datapath's classifiers ([`INGRESS_PROGRAM`], [`EGRESS_PROGRAM`]).
+/// One of the datapath's classifiers (a [`Variant`]'s `ingress` or `egress`).
 pub(crate) fn classifier<'a>(
     ebpf: &'a mut Ebpf,
     program: &'static str,
@@ -1319,8 +1355,8 @@ fn remove_marked_dir(dir: &Path) -> Result<()> {
 fn remove_other_hook(kind: HookKind, pin_dir: &Path, interface: &str, ifindex: u32) -> Result<()> {
     match kind {
         HookKind::Tc => {
-            for hook in &HOOKS {
-                remove_if_exists(&pin_dir.join(hook.link_pin))?;
+            for pin in [LINK_PIN, LINK_PIN_EGRESS] {
+                remove_if_exists(&pin_dir.join(pin))?;
             }
         }
         HookKind::Tcx => {
@@ -1330,11 +1366,14 @@ fn remove_other_hook(kind: HookKind, pin_dir: &Path, interface: &str, ifindex: u
     Ok(())
 }
 
-/// Deletes the agent's tc filters (both directions); whether there was any.
+/// Deletes the agent's tc filters (both directions, either variant's programs); whether there
+/// was any.
 fn remove_tc_filters(interface: &str, ifindex: u32) -> Result<bool> {
     let mut removed = false;
-    for hook in &HOOKS {
-        removed |= tc::remove_ours(interface, ifindex, hook.attach_type, hook.program)?;
+    for variant in &VARIANTS {
+        for hook in &hooks(variant) {
+            removed |= tc::remove_ours(interface, ifindex, hook.attach_type, hook.program)?;
+        }
     }
     Ok(removed)
 }

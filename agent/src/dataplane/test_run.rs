@@ -4,12 +4,12 @@
 
 use std::{
     io,
-    os::fd::{AsFd as _, AsRawFd as _},
+    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
 };
 
 use aya::{Ebpf, EbpfLoader};
 use aya_obj::generated::{bpf_attr, bpf_cmd};
-use wgfence_common::{EGRESS_PROGRAM, INGRESS_PROGRAM, L3_OFFSET_GLOBAL};
+use wgfence_common::{Variant, VARIANT_ETHERNET};
 
 use super::{
     classifier,
@@ -18,9 +18,11 @@ use super::{
     program_err, OBJECT,
 };
 
-/// Under `BPF_PROG_TEST_RUN` a tc program's data starts at an Ethernet header, which the kernel
-/// requires in the input.
+/// Length of the Ethernet header the Ethernet variant expects before the IP header.
 pub const ETH_HLEN: usize = 14;
+/// The least input `BPF_PROG_TEST_RUN` takes for a tc program (it parses the input as an
+/// Ethernet header before the program runs; the program still sees every byte from the first).
+pub const MIN_TEST_INPUT: usize = ETH_HLEN;
 
 /// Index of the loopback device, on which `BPF_PROG_TEST_RUN` runs tc programs.
 const LOOPBACK_IFINDEX: u32 = 1;
@@ -43,28 +45,41 @@ impl TestRun {
     }
 }
 
-/// The datapath (both programs, sharing their maps) with private (unpinned) maps, not attached
-/// anywhere.
+/// The datapath (one variant's two programs, sharing their maps) with private (unpinned) maps,
+/// not attached anywhere.
 pub struct TestProgram {
     ebpf: Ebpf,
     maps: Maps,
+    variant: Variant,
 }
 
 impl TestProgram {
-    /// Loads the datapath for packets that start with an Ethernet header.
+    /// Loads the Ethernet variant: its packets start with an Ethernet header.
     pub fn load() -> Result<Self> {
-        let l3_offset = ETH_HLEN as u32;
+        Self::load_variant(VARIANT_ETHERNET)
+    }
+
+    /// Loads `variant`; the L3 variant runs on raw IP packets (at least [`MIN_TEST_INPUT`]
+    /// bytes: the kernel's minimum).
+    pub fn load_variant(variant: Variant) -> Result<Self> {
         let mut ebpf = EbpfLoader::new()
-            .override_global(L3_OFFSET_GLOBAL, &l3_offset, true)
             .override_global("AYA_LOG_LEVEL", &0u8, false)
             .load(OBJECT)?;
         let maps = Maps::from_ebpf(&mut ebpf)?;
-        for program in [INGRESS_PROGRAM, EGRESS_PROGRAM] {
+        for program in [variant.ingress, variant.egress] {
             classifier(&mut ebpf, program)?
                 .load()
                 .map_err(program_err(program))?;
         }
-        Ok(Self { ebpf, maps })
+        Ok(Self {
+            ebpf,
+            maps,
+            variant,
+        })
+    }
+
+    pub fn variant(&self) -> Variant {
+        self.variant
     }
 
     pub fn maps(&self) -> &Maps {
@@ -76,7 +91,7 @@ impl TestProgram {
     }
 
     /// Runs the ingress program (packets from peers) once on `frame` (Ethernet header
-    /// included).
+    /// included for the Ethernet variant, raw IP for the L3 variant).
     pub fn run(&mut self, frame: &[u8]) -> Result<TestRun> {
         self.run_repeat(frame, 1)
     }
@@ -84,19 +99,19 @@ impl TestProgram {
     /// Runs the ingress program `repeat` times on `frame`; the kernel reports the average
     /// duration.
     pub fn run_repeat(&mut self, frame: &[u8], repeat: u32) -> Result<TestRun> {
-        self.run_program(INGRESS_PROGRAM, frame, repeat, None)
+        self.run_program(self.variant.ingress, frame, repeat, None)
     }
 
     /// Runs the egress program (packets to peers) `repeat` times on `frame`.
     pub fn run_egress(&mut self, frame: &[u8], repeat: u32) -> Result<TestRun> {
-        self.run_program(EGRESS_PROGRAM, frame, repeat, None)
+        self.run_program(self.variant.egress, frame, repeat, None)
     }
 
     /// Runs the egress program once on `frame` as a packet that came in on the interface the
     /// program runs on (`__sk_buff.ingress_ifindex == ifindex`, the loopback device under
     /// `BPF_PROG_TEST_RUN`): a peer's packet the node sent back into the tunnel.
     pub fn run_egress_hairpin(&mut self, frame: &[u8]) -> Result<TestRun> {
-        self.run_program(EGRESS_PROGRAM, frame, 1, Some(LOOPBACK_IFINDEX))
+        self.run_program(self.variant.egress, frame, 1, Some(LOOPBACK_IFINDEX))
     }
 
     fn run_program(
@@ -109,45 +124,66 @@ impl TestProgram {
         let fd = classifier(&mut self.ebpf, program)?
             .fd()
             .map_err(program_err(program))?;
-        let prog_fd = fd.as_fd().as_raw_fd();
-        let data_size_in = u32::try_from(frame.len()).map_err(|_| DataplaneError::OutOfRange {
-            field: "test packet length",
-            value: frame.len() as u64,
-        })?;
-
-        // SAFETY: bpf_attr is a plain C union; all-zero is its documented initial state.
-        let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
-        attr.test.prog_fd = prog_fd as u32;
-        attr.test.data_in = frame.as_ptr() as u64;
-        attr.test.data_size_in = data_size_in;
-        attr.test.repeat = repeat;
-        // The start of a `struct __sk_buff`, up to and including `ifindex`: the kernel takes
-        // `ingress_ifindex` from it, and an `ifindex` of 0 leaves the loopback device.
-        let mut skb = [0u32; SKB_IFINDEX + 1];
-        if let Some(index) = ingress_ifindex {
-            skb[SKB_INGRESS_IFINDEX] = index;
-            attr.test.ctx_in = skb.as_ptr() as u64;
-            attr.test.ctx_size_in = std::mem::size_of_val(&skb) as u32;
-        }
-        // SAFETY: BPF_PROG_TEST_RUN reads `frame` (valid for data_size_in bytes) and `skb`
-        // (valid for ctx_size_in bytes) and writes retval and duration into `attr`; no output
-        // buffers are given.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                bpf_cmd::BPF_PROG_TEST_RUN as libc::c_long,
-                &mut attr as *mut bpf_attr,
-                std::mem::size_of::<bpf_attr>(),
-            )
-        };
-        if rc < 0 {
-            return Err(DataplaneError::TestRun(io::Error::last_os_error()));
-        }
-        // SAFETY: the kernel filled the `test` member.
-        let (retval, duration_ns) = unsafe { (attr.test.retval as i32, attr.test.duration) };
-        Ok(TestRun {
-            retval,
-            duration_ns,
-        })
+        test_run(fd.as_fd(), frame, repeat, ingress_ifindex)
     }
+
+    /// The loaded ingress program, e.g. to run it from several threads at once with
+    /// [`test_run`].
+    pub fn ingress_fd(&mut self) -> Result<BorrowedFd<'_>> {
+        let program = self.variant.ingress;
+        let fd = classifier(&mut self.ebpf, program)?
+            .fd()
+            .map_err(program_err(program))?;
+        Ok(fd.as_fd())
+    }
+}
+
+/// Runs the loaded tc program `prog` `repeat` times on `frame` with `BPF_PROG_TEST_RUN`, on the
+/// calling thread's CPU; `ingress_ifindex` sets `__sk_buff.ingress_ifindex`.
+pub fn test_run(
+    prog: BorrowedFd<'_>,
+    frame: &[u8],
+    repeat: u32,
+    ingress_ifindex: Option<u32>,
+) -> Result<TestRun> {
+    let prog_fd = prog.as_raw_fd();
+    let data_size_in = u32::try_from(frame.len()).map_err(|_| DataplaneError::OutOfRange {
+        field: "test packet length",
+        value: frame.len() as u64,
+    })?;
+
+    // SAFETY: bpf_attr is a plain C union; all-zero is its documented initial state.
+    let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+    attr.test.prog_fd = prog_fd as u32;
+    attr.test.data_in = frame.as_ptr() as u64;
+    attr.test.data_size_in = data_size_in;
+    attr.test.repeat = repeat;
+    // The start of a `struct __sk_buff`, up to and including `ifindex`: the kernel takes
+    // `ingress_ifindex` from it, and an `ifindex` of 0 leaves the loopback device.
+    let mut skb = [0u32; SKB_IFINDEX + 1];
+    if let Some(index) = ingress_ifindex {
+        skb[SKB_INGRESS_IFINDEX] = index;
+        attr.test.ctx_in = skb.as_ptr() as u64;
+        attr.test.ctx_size_in = std::mem::size_of_val(&skb) as u32;
+    }
+    // SAFETY: BPF_PROG_TEST_RUN reads `frame` (valid for data_size_in bytes) and `skb`
+    // (valid for ctx_size_in bytes) and writes retval and duration into `attr`; no output
+    // buffers are given.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            bpf_cmd::BPF_PROG_TEST_RUN as libc::c_long,
+            &mut attr as *mut bpf_attr,
+            std::mem::size_of::<bpf_attr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(DataplaneError::TestRun(io::Error::last_os_error()));
+    }
+    // SAFETY: the kernel filled the `test` member.
+    let (retval, duration_ns) = unsafe { (attr.test.retval as i32, attr.test.duration) };
+    Ok(TestRun {
+        retval,
+        duration_ns,
+    })
 }

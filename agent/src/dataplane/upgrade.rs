@@ -50,7 +50,10 @@ use aya::{
 };
 use wgfence_common::{map_names, LAYOUT_VERSION};
 
-use super::error::{DataplaneError, Result};
+use super::{
+    error::{DataplaneError, Result},
+    maps::per_cpu,
+};
 
 /// The map layout 1, as main left it at commit 02c7ddc: the only layout this agent upgrades
 /// from. Private copies, so that a change to the current layout can never change how the old
@@ -277,6 +280,8 @@ pub(crate) struct Running {
     /// `None`: the program uses no `wgf<N>_` map, or maps of several layouts (not ours).
     pub layout: Option<u32>,
     pub maps: BTreeMap<String, u32>,
+    /// The program's name as the kernel has it; `None` when it cannot be looked up.
+    pub program: Option<String>,
 }
 
 /// What the link pinned at `link_path` runs; `None` if nothing is pinned there.
@@ -322,6 +327,7 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
             program_id,
             layout,
             maps: BTreeMap::new(),
+            program: None,
         }));
     };
     let mut maps = BTreeMap::new();
@@ -344,6 +350,7 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
         program_id,
         layout,
         maps,
+        program: info.name_as_str().map(str::to_owned),
     }))
 }
 
@@ -581,7 +588,7 @@ struct V2Maps {
     policy_v4: LpmTrie<MapData, wgfence_common::PolicyKeyV4, wgfence_common::PolicyValue>,
     policy_v6: LpmTrie<MapData, wgfence_common::PolicyKeyV6, wgfence_common::PolicyValue>,
     stats: PerCpuArray<MapData, u64>,
-    peer_stats: Array<MapData, wgfence_common::PeerCounters>,
+    peer_stats: PerCpuArray<MapData, wgfence_common::PeerCounters>,
     flows_v4: HashMap<MapData, wgfence_common::FlowKeyV4, wgfence_common::FlowValue>,
     flows_v6: HashMap<MapData, wgfence_common::FlowKeyV6, wgfence_common::FlowValue>,
     flow_made: Array<MapData, u64>,
@@ -956,9 +963,12 @@ impl Upgrade {
                     .map_err(map_err(map_names::STATS))?;
             }
             self.peer_stats = self.v1.peer_stats(&slots)?;
+            // Layout 1 kept one shared copy per slot: it goes to CPU 0's copy (readers sum
+            // over the CPUs).
             for (slot, c) in &self.peer_stats {
+                let values = per_cpu(peer_counters(c)).map_err(map_err(map_names::PEER_STATS))?;
                 v2.peer_stats
-                    .set(*slot, peer_counters(c), 0)
+                    .set(*slot, values, 0)
                     .map_err(map_err(map_names::PEER_STATS))?;
             }
         }
@@ -1067,20 +1077,29 @@ impl Upgrade {
                 if now == *before {
                     continue;
                 }
-                let c = v2
+                // The layout-2 programs count on every CPU by now: the late layout-1 counts go
+                // onto CPU 0's copy, the other CPUs' copies are written back as read.
+                let mut values = v2
                     .peer_stats
                     .get(&slot, 0)
-                    .map_err(map_err(map_names::PEER_STATS))?;
-                let sum = wgfence_common::PeerCounters {
-                    pass_packets: c.pass_packets
-                        + now.pass_packets.saturating_sub(before.pass_packets),
-                    pass_bytes: c.pass_bytes + now.pass_bytes.saturating_sub(before.pass_bytes),
-                    drop_packets: c.drop_packets
-                        + now.drop_packets.saturating_sub(before.drop_packets),
-                    drop_bytes: c.drop_bytes + now.drop_bytes.saturating_sub(before.drop_bytes),
-                };
+                    .map_err(map_err(map_names::PEER_STATS))?
+                    .to_vec();
+                if let Some(c) = values.first_mut() {
+                    *c = wgfence_common::PeerCounters {
+                        pass_packets: c.pass_packets
+                            + now.pass_packets.saturating_sub(before.pass_packets),
+                        pass_bytes: c.pass_bytes + now.pass_bytes.saturating_sub(before.pass_bytes),
+                        drop_packets: c.drop_packets
+                            + now.drop_packets.saturating_sub(before.drop_packets),
+                        drop_bytes: c.drop_bytes + now.drop_bytes.saturating_sub(before.drop_bytes),
+                    };
+                }
+                let values = PerCpuValues::try_from(values).map_err(|e| DataplaneError::Map {
+                    map: map_names::PEER_STATS,
+                    source: MapError::IoError(e),
+                })?;
                 v2.peer_stats
-                    .set(slot, sum, 0)
+                    .set(slot, values, 0)
                     .map_err(map_err(map_names::PEER_STATS))?;
             }
         }

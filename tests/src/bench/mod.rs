@@ -3,6 +3,7 @@
 //! machines are shared and noisy, so no figure here is a test assertion.
 
 pub mod baseline;
+pub mod floor;
 pub mod gen;
 pub mod replies;
 pub mod report;

@@ -11,7 +11,7 @@ use wgfence::{
     settings::{online_cpus, DatapathSettings},
     state::DesiredState,
 };
-use wgfence_common::{Counter, PROTO_ICMP, PROTO_TCP, PROTO_UDP};
+use wgfence_common::{Counter, Variant, PROTO_ICMP, PROTO_TCP, PROTO_UDP, VARIANT_ETHERNET};
 
 use super::{
     median,
@@ -23,8 +23,9 @@ use crate::packet::{Packet, TCP, TCP_ACK, TCP_SYN, UDP};
 const NODE: &str = "192.0.2.250";
 const REPEAT: u32 = 1_000_000;
 
-fn loaded(desired: &DesiredState) -> TestProgram {
-    let mut program = TestProgram::load().unwrap_or_else(|e| panic!("{e}"));
+/// `variant` loaded with private maps holding `desired`, written as the reconciler writes them.
+pub fn loaded_variant(desired: &DesiredState, variant: Variant) -> TestProgram {
+    let mut program = TestProgram::load_variant(variant).unwrap_or_else(|e| panic!("{e}"));
     for op in plan(desired, &Actual::default())
         .unwrap_or_else(|e| panic!("{e}"))
         .ops
@@ -34,7 +35,13 @@ fn loaded(desired: &DesiredState) -> TestProgram {
     program
 }
 
-fn configure(program: &mut TestProgram, replies: bool, events_per_second: u32) {
+fn loaded(desired: &DesiredState) -> TestProgram {
+    loaded_variant(desired, VARIANT_ETHERNET)
+}
+
+/// The datapath's settings as the agent writes them: reply flows on or off, drop events at
+/// `events_per_second` node-wide (0: off).
+pub fn configure(program: &mut TestProgram, replies: bool, events_per_second: u32) {
     let settings = DatapathSettings {
         events_per_second,
         ..DatapathSettings::default()

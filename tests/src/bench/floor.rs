@@ -1,0 +1,434 @@
+//! Scenario 1 of `cargo xtask bench`: wgfence's per-packet paths beside floor programs the bench
+//! loads itself (`ebpf/src/floor.rs`: an empty classifier, one hash lookup with the key and
+//! value sizes of `wgf2_peers_v4`, that lookup plus one LPM lookup with the key and value sizes
+//! of `wgf2_policy_v4`), with the same entries in their maps, on the same raw IPv4 packets,
+//! under `BPF_PROG_TEST_RUN`, in one run: reported as ratios. Then one peer's packets on two
+//! CPUs at once against two peers' packets.
+
+use std::{
+    net::IpAddr,
+    os::fd::{AsFd as _, BorrowedFd},
+    time::Duration,
+};
+
+use aya::{
+    maps::{lpm_trie::Key, HashMap, LpmTrie},
+    programs::SchedClassifier,
+    Ebpf, EbpfLoader,
+};
+use ipnet::IpNet;
+use serde_json::json;
+use wgfence::{
+    dataplane::{test_run, TestProgram, FLOOR_OBJECT_PATH},
+    settings::online_cpus,
+    state::DesiredState,
+};
+use wgfence_common::{PeerEntry, PeerKeyV4, PolicyKeyV4, PolicyValue, POLICY_ID_BITS, VARIANT_L3};
+
+use super::{
+    median,
+    replies::{configure, loaded_variant},
+    report::{f, verdict, Report},
+};
+
+/// Runs per measurement, as the kernel averages them.
+pub const REPEAT: u32 = 1_000_000;
+/// Every case once per round, this many rounds; the median is reported (drift on a shared
+/// machine hits every case alike).
+const ROUNDS: usize = 5;
+
+const EMPTY: &str = "floor_empty";
+const LOOKUP: &str = "floor_lookup";
+const LPM: &str = "floor_lpm";
+
+/// The floor programs, loaded, with maps holding what wgfence's IPv4 maps hold.
+pub struct Floor {
+    ebpf: Ebpf,
+}
+
+impl Floor {
+    /// Loads the floor object built beside the datapath and copies `program`'s IPv4 peer
+    /// entries and IPv4 policy trie entries into its maps.
+    pub fn load(program: &TestProgram) -> Self {
+        let mut ebpf = EbpfLoader::new()
+            .load_file(FLOOR_OBJECT_PATH)
+            .unwrap_or_else(|e| panic!("loading {FLOOR_OBJECT_PATH}: {e}"));
+        let maps = program.maps();
+        {
+            let map = ebpf
+                .map_mut("floor_peers")
+                .unwrap_or_else(|| panic!("no floor_peers"));
+            let mut peers: HashMap<_, PeerKeyV4, PeerEntry> =
+                HashMap::try_from(map).unwrap_or_else(|e| panic!("floor_peers: {e}"));
+            for (addr, entry) in maps.peers().unwrap_or_else(|e| panic!("{e}")) {
+                if let IpAddr::V4(a) = addr {
+                    peers
+                        .insert(PeerKeyV4 { addr: a.octets() }, entry, 0)
+                        .unwrap_or_else(|e| panic!("floor_peers: {e}"));
+                }
+            }
+        }
+        {
+            let map = ebpf
+                .map_mut("floor_policy")
+                .unwrap_or_else(|| panic!("no floor_policy"));
+            let mut policy: LpmTrie<_, PolicyKeyV4, PolicyValue> =
+                LpmTrie::try_from(map).unwrap_or_else(|e| panic!("floor_policy: {e}"));
+            for e in maps.policies().unwrap_or_else(|e| panic!("{e}")) {
+                if let IpNet::V4(n) = e.prefix {
+                    let key = Key::new(
+                        POLICY_ID_BITS + u32::from(n.prefix_len()),
+                        PolicyKeyV4 {
+                            policy: e.policy,
+                            addr: n.network().octets(),
+                        },
+                    );
+                    policy
+                        .insert(&key, e.value, 0)
+                        .unwrap_or_else(|e| panic!("floor_policy: {e}"));
+                }
+            }
+        }
+        for name in [EMPTY, LOOKUP, LPM] {
+            let program: &mut SchedClassifier = ebpf
+                .program_mut(name)
+                .unwrap_or_else(|| panic!("no {name}"))
+                .try_into()
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            program.load().unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+        Self { ebpf }
+    }
+
+    fn fd(&self, name: &str) -> BorrowedFd<'_> {
+        let program: &SchedClassifier = self
+            .ebpf
+            .program(name)
+            .unwrap_or_else(|| panic!("no {name}"))
+            .try_into()
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        program
+            .fd()
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+            .as_fd()
+    }
+}
+
+/// The kernel's average ns per run of `repeat` runs of `input`.
+fn time(fd: BorrowedFd<'_>, input: &[u8], repeat: u32, passes: Option<bool>, what: &str) -> f64 {
+    let run = test_run(fd, input, repeat, None).unwrap_or_else(|e| panic!("{what}: {e}"));
+    if let Some(passes) = passes {
+        assert_eq!(run.passed(), passes, "{what}: unexpected verdict");
+    }
+    f64::from(run.duration_ns)
+}
+
+#[derive(Clone, Copy)]
+enum Prog {
+    Floor(&'static str),
+    Wgfence { replies: bool, events: u32 },
+}
+
+struct Case {
+    label: &'static str,
+    key: &'static str,
+    prog: Prog,
+    input: Vec<u8>,
+    passes: Option<bool>,
+    /// For wgfence's paths: the floor case it is compared with, and the goal (the most the
+    /// ratio may be).
+    against: Option<(usize, f64)>,
+}
+
+/// The test packets of scenario 1 as raw IPv4 packets (what the L3 variant reads on a
+/// WireGuard device): unknown source, unrestricted, restricted allowed, restricted denied.
+pub struct Packets {
+    pub unknown: Vec<u8>,
+    pub unrestricted: Vec<u8>,
+    pub allowed: Vec<u8>,
+    pub denied: Vec<u8>,
+    /// A packet of another unrestricted peer (another counter slot).
+    pub other_unrestricted: Vec<u8>,
+}
+
+fn cases(p: &Packets) -> Vec<Case> {
+    let floor = |label, key, name, input: &Vec<u8>| Case {
+        label,
+        key,
+        prog: Prog::Floor(name),
+        input: input.clone(),
+        passes: None,
+        against: None,
+    };
+    let wg = |label, key, replies, events, input: &Vec<u8>, passes, against| Case {
+        label,
+        key,
+        prog: Prog::Wgfence { replies, events },
+        input: input.clone(),
+        passes: Some(passes),
+        against: Some(against),
+    };
+    vec![
+        floor("floor: empty classifier", "floor_empty", EMPTY, &p.unknown),
+        floor(
+            "floor: one hash lookup, hit",
+            "floor_lookup_hit",
+            LOOKUP,
+            &p.unrestricted,
+        ),
+        floor(
+            "floor: one hash lookup, miss",
+            "floor_lookup_miss",
+            LOOKUP,
+            &p.unknown,
+        ),
+        floor(
+            "floor: lookup + LPM, allowed packet",
+            "floor_lpm_allowed",
+            LPM,
+            &p.allowed,
+        ),
+        floor(
+            "floor: lookup + LPM, denied packet",
+            "floor_lpm_denied",
+            LPM,
+            &p.denied,
+        ),
+        wg(
+            "unrestricted peer (pass)",
+            "unrestricted",
+            true,
+            1000,
+            &p.unrestricted,
+            true,
+            (1, 1.15),
+        ),
+        wg(
+            "restricted, allowed (replies and events on)",
+            "allowed",
+            true,
+            1000,
+            &p.allowed,
+            true,
+            (3, 1.25),
+        ),
+        wg(
+            "restricted, denied (replies and events off)",
+            "denied_off",
+            false,
+            0,
+            &p.denied,
+            false,
+            (4, 1.25),
+        ),
+        wg(
+            "restricted, denied (replies and events on)",
+            "denied_on",
+            true,
+            1000,
+            &p.denied,
+            false,
+            (4, 1.5),
+        ),
+        wg(
+            "unknown source (events off)",
+            "unknown_off",
+            true,
+            0,
+            &p.unknown,
+            false,
+            (2, 1.15),
+        ),
+        wg(
+            "unknown source (events on)",
+            "unknown_on",
+            true,
+            1000,
+            &p.unknown,
+            false,
+            (2, 1.4),
+        ),
+    ]
+}
+
+/// Medians of every case for one state: (ns per case).
+fn measure(program: &mut TestProgram, floor: &Floor, cases: &[Case]) -> Vec<f64> {
+    let mut samples = vec![Vec::new(); cases.len()];
+    for _ in 0..ROUNDS {
+        for (i, c) in cases.iter().enumerate() {
+            let ns = match c.prog {
+                Prog::Floor(name) => time(floor.fd(name), &c.input, REPEAT, c.passes, c.label),
+                Prog::Wgfence { replies, events } => {
+                    configure(program, replies, events);
+                    let fd = program.ingress_fd().unwrap_or_else(|e| panic!("{e}"));
+                    time(fd, &c.input, REPEAT, c.passes, c.label)
+                }
+            };
+            samples[i].push(Duration::from_nanos(ns as u64));
+        }
+    }
+    samples
+        .iter()
+        .map(|s| median(s).as_nanos() as f64)
+        .collect()
+}
+
+/// ns per packet on each CPU while CPU 0 runs `a` and CPU 1 runs `b` at the same time (the
+/// mean of the two), or CPU 0 alone when `b` is `None`.
+fn concurrent(fd: BorrowedFd<'_>, a: &[u8], b: Option<&[u8]>) -> f64 {
+    std::thread::scope(|s| {
+        let first = s.spawn(move || {
+            crate::pin_to_cpu(0);
+            time(fd, a, REPEAT, Some(true), "CPU 0")
+        });
+        let second = b.map(|b| {
+            s.spawn(move || {
+                crate::pin_to_cpu(1);
+                time(fd, b, REPEAT, Some(true), "CPU 1")
+            })
+        });
+        let x = first.join().unwrap_or_else(|_| panic!("CPU 0 thread"));
+        match second {
+            Some(t) => (x + t.join().unwrap_or_else(|_| panic!("CPU 1 thread"))) / 2.0,
+            None => x,
+        }
+    })
+}
+
+/// Runs scenario 1 for each state; writes the section's tables and goals.
+pub fn run(report: &mut Report, command: &str, states: &[(usize, DesiredState, Packets)]) {
+    let mut results = Vec::new();
+    let mut per_n: Vec<(usize, Vec<Case>, Vec<f64>)> = Vec::new();
+    let mut scaling = None;
+    for (n, desired, packets) in states {
+        eprintln!("bench: per-packet cost beside the floor, N={n}");
+        let mut program = loaded_variant(desired, VARIANT_L3);
+        let floor = Floor::load(&program);
+        let cases = cases(packets);
+        let ns = measure(&mut program, &floor, &cases);
+        let mut entry = json!({ "peers": n });
+        for (c, ns) in cases.iter().zip(&ns) {
+            entry[c.key] = json!(ns);
+        }
+        results.push(entry);
+        if online_cpus() >= 2 {
+            // The largest state's program, as the agent configures it.
+            configure(&mut program, true, 1000);
+            let fd = program.ingress_fd().unwrap_or_else(|e| panic!("{e}"));
+            let mut alone = Vec::new();
+            let mut same = Vec::new();
+            let mut two = Vec::new();
+            for _ in 0..ROUNDS {
+                let d = |x: f64| Duration::from_nanos(x as u64);
+                alone.push(d(concurrent(fd, &packets.unrestricted, None)));
+                same.push(d(concurrent(
+                    fd,
+                    &packets.unrestricted,
+                    Some(&packets.unrestricted),
+                )));
+                two.push(d(concurrent(
+                    fd,
+                    &packets.unrestricted,
+                    Some(&packets.other_unrestricted),
+                )));
+            }
+            let m = |s: &[Duration]| median(s).as_nanos() as f64;
+            scaling = Some((*n, m(&alone), m(&same), m(&two)));
+        }
+        per_n.push((*n, cases, ns));
+    }
+
+    report.section(
+        "1. Per-packet cost beside the floor",
+        &format!(
+            "ns per packet under `BPF_PROG_TEST_RUN` (repeat {REPEAT}; the median of {ROUNDS} \
+             rounds, each running every row once in turn), the L3 variant (the program a \
+             WireGuard device gets) on raw IPv4 packets, with N generated peers in the maps. \
+             Beside it, in the same run, on the same packets, the floor programs this bench \
+             loads itself (`ebpf/src/floor.rs`, never loaded by the agent): an empty \
+             classifier; one hash lookup with the key and value sizes and the entries of \
+             `wgf2_peers_v4`; that lookup plus one LPM lookup with the key and value sizes and \
+             the entries of `wgf2_policy_v4`. Each wgfence path is divided by the floor that \
+             does its essential work on the same packet (a hit or a miss). Every figure \
+             includes the harness's own per-run cost (the empty classifier's row), which the \
+             ratios do not subtract. Packets from the last peer of each kind; events on means \
+             the agent's default 1,000/s node-wide, so a steady stream of drops is rate-limited. \
+             Command: `{command}`."
+        ),
+    );
+    let mut flat = Vec::new();
+    for (n, cases, ns) in &per_n {
+        let mut rows = Vec::new();
+        for (c, x) in cases.iter().zip(ns) {
+            let (floor_ns, ratio, goal) = match c.against {
+                Some((i, goal)) => {
+                    let floor = ns[i];
+                    (f(floor, 0), format!("{:.2}×", x / floor), {
+                        let met = x / floor <= goal;
+                        format!("≤ {goal}×: {}", verdict(met))
+                    })
+                }
+                None => ("".into(), "".into(), "".into()),
+            };
+            rows.push(vec![c.label.to_owned(), f(*x, 0), floor_ns, ratio, goal]);
+        }
+        report.paragraph(&format!("N = {n}:"));
+        report.table(
+            &["path", "ns", "its floor (ns)", "wgfence / floor", "goal"],
+            &rows,
+        );
+        flat.push((*n, ns.clone()));
+    }
+    if let (Some((n0, first)), Some((n1, last))) = (flat.first(), flat.last()) {
+        if n0 != n1 {
+            let mut rows = Vec::new();
+            if let Some((_, cases, _)) = per_n.first() {
+                for (i, c) in cases.iter().enumerate() {
+                    let r = last[i] / first[i];
+                    let goal = if c.against.is_some() {
+                        format!("≤ 1.2×: {}", verdict(r <= 1.2))
+                    } else {
+                        String::new()
+                    };
+                    rows.push(vec![c.label.to_owned(), format!("{r:.2}×"), goal]);
+                }
+            }
+            report.paragraph(&format!("Flat in N: ns at N = {n1} / ns at N = {n0}."));
+            report.table(&["path", "ratio", "goal"], &rows);
+        }
+    }
+    let mut record = json!({ "by_peers": results });
+    if let Some((n, alone, same, two)) = scaling {
+        report.paragraph(&format!(
+            "One peer on two CPUs (N = {n}, the unrestricted packet; a thread pinned to each \
+             CPU, both running at once, the mean of the two): ns per packet on one CPU alone, \
+             with one peer's packets on both CPUs, with two peers' packets (two counter slots)."
+        ));
+        report.table(
+            &[
+                "one CPU alone (ns)",
+                "one peer, two CPUs (ns)",
+                "two peers, two CPUs (ns)",
+                "one peer / two peers",
+            ],
+            &[vec![
+                f(alone, 0),
+                f(same, 0),
+                f(two, 0),
+                format!("{:.2}×", same / two),
+            ]],
+        );
+        report.paragraph(&format!(
+            "Goal: one peer's packets on two CPUs scale like two peers' (≤ 1.1×): {}.",
+            verdict(same / two <= 1.1)
+        ));
+        record["two_cpus"] =
+            json!({ "peers": n, "alone": alone, "one_peer": same, "two_peers": two });
+    }
+    report.record("per_packet", record);
+}
+
+/// The raw IP packet of an Ethernet frame built by [`crate::packet::Packet::frame`].
+pub fn ip(frame: Vec<u8>) -> Vec<u8> {
+    frame.get(14..).map(<[u8]>::to_vec).unwrap_or_default()
+}
