@@ -265,10 +265,11 @@ fn a_device_recreated_with_the_same_index_is_attached_again() {
     .trim()
     .to_owned();
     let options = AttachOptions::new(name.clone());
+    // Before `dp`, so it drops after it: the detach waits until nothing holds the links.
+    let _pins = Pins(name.clone());
     let mut dp = ns
         .enter(|| Dataplane::attach(&options))
         .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
-    let _pins = Pins(name.clone());
     let intact = ns.enter(|| dp.check());
     assert!(matches!(intact, Ok(Check::Intact)), "{intact:?}");
 
@@ -351,10 +352,11 @@ fn a_detach_that_cannot_release_the_links_fails_naming_the_holder() {
         }
     }
     let options = AttachOptions::new(name.clone());
+    // Before `dp`, so it drops after it: the detach waits until nothing holds the links.
+    let _pins = Pins(name.clone());
     let mut dp = ns
         .enter(|| Dataplane::attach(&options))
         .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
-    let _pins = Pins(name.clone());
     let (link, _) = Dataplane::link_info(bpffs, &name)
         .ok()
         .flatten()
@@ -426,10 +428,11 @@ fn a_flow_quota_off_from_the_tables_is_recounted_at_the_next_attach() {
         "link", "add", &name, "type", "veth", "peer", "name", "other0",
     ]);
     let options = AttachOptions::new(name.clone());
+    // Before `dp`, so it drops after it: the detach waits until nothing holds the links.
+    let _pins = Pins(name.clone());
     let mut dp = ns
         .enter(|| Dataplane::attach(&options))
         .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
-    let _pins = Pins(name.clone());
     let slot = 7;
     let flow = |port| Flow {
         peer: wgfence_tests::ip("10.8.0.2"),

@@ -13,7 +13,7 @@ use std::{
 
 use serde_json::Value;
 use wgfence::{
-    dataplane::{AttachOptions, Dataplane, DEFAULT_BPFFS},
+    dataplane::{AttachOptions, Dataplane},
     policy::{PortRange, Protocol, Rule},
     settings::DatapathSettings,
 };
@@ -159,10 +159,7 @@ impl Bench {
 
 impl Drop for Bench {
     fn drop(&mut self) {
-        let _ = Dataplane::detach(
-            std::path::Path::new(DEFAULT_BPFFS),
-            self.dataplane.interface(),
-        );
+        let _ = self.dataplane.detach_now();
     }
 }
 

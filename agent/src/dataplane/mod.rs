@@ -745,6 +745,15 @@ impl Dataplane {
         Ok(PinDirState::Restored)
     }
 
+    /// Detaches this datapath as `wgfence detach` does, after letting go of its own links and
+    /// lock (a detach waits until nothing holds them, so one issued while this process still
+    /// held them would time out and leave its marker). For the tests and the benchmarks, which
+    /// attach in-process.
+    pub fn detach_now(&mut self) -> Result<bool> {
+        self.let_go();
+        Self::detach(&self.bpffs, &self.interface)
+    }
+
     /// Lets go of the links (the programs detach once nothing else holds them), then of the
     /// lock: in this order, because a `detach` that may not look links up by id takes the
     /// lock's release as the sign that the links are gone.

@@ -346,10 +346,7 @@ impl MapsOnly {
 
 impl Drop for MapsOnly {
     fn drop(&mut self) {
-        let _ = Dataplane::detach(
-            std::path::Path::new(wgfence::dataplane::DEFAULT_BPFFS),
-            self.dataplane.interface(),
-        );
+        let _ = self.dataplane.detach_now();
         let _ = self.ns.name();
     }
 }
@@ -511,10 +508,7 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        let _ = Dataplane::detach(
-            std::path::Path::new(wgfence::dataplane::DEFAULT_BPFFS),
-            &self.interface(),
-        );
+        let _ = self.reconciler.dataplane_mut().detach_now();
     }
 }
 
