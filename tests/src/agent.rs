@@ -8,7 +8,7 @@ use std::{
     net::TcpStream,
     os::unix::fs::symlink,
     path::{Path, PathBuf},
-    process::{Child, Stdio},
+    process::{Child, Command, Stdio},
     sync::atomic::{AtomicU32, Ordering},
     time::{Duration, Instant},
 };
@@ -20,6 +20,22 @@ use crate::{
 
 /// Where the agent serves `/metrics`, `/healthz` and `/readyz` (in the gateway's node namespace).
 pub const METRICS: &str = "127.0.0.1:9586";
+
+/// `BIN run --interface IF --no-metrics --state STATE` in the gateway's node namespace: an
+/// agent run the tests expect to be refused (a second agent, a rollback, a failpoint).
+pub fn run_command(bin: &Path, gw: &Gateway, state: &Path) -> Command {
+    let mut command = gw.node.command(bin);
+    command
+        .args([
+            "run",
+            "--interface",
+            gw.interface(),
+            "--no-metrics",
+            "--state",
+        ])
+        .arg(state);
+    command
+}
 
 /// The agent binary: `WGFENCE_BIN`, else `wgfence` in the target directory of the running
 /// executable (`target/<profile>/` for a binary, `target/<profile>/deps/` for a test); `cargo

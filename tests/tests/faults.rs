@@ -425,7 +425,7 @@ fn a_state_file_others_can_write_is_refused() {
 
     fs::set_permissions(&agent.state, fs::Permissions::from_mode(0o666))
         .unwrap_or_else(|e| panic!("{e}"));
-    let out = run_command(&gw, &agent.state)
+    let out = wgfence_tests::agent::run_command(&binary(), &gw, &agent.state)
         .output()
         .unwrap_or_else(|e| panic!("wgfence run: {e}"));
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -987,21 +987,6 @@ fn a_removed_wgfence_directory_and_a_remounted_bpffs_are_repaired() {
     assert_detach_releases(&gw, &agent, &[]);
 }
 
-/// `wgfence run --no-metrics` on the gateway's interface with this state file.
-fn run_command(gw: &Gateway, state: &std::path::Path) -> Command {
-    let mut command = gw.node.command(binary());
-    command
-        .args([
-            "run",
-            "--interface",
-            gw.interface(),
-            "--no-metrics",
-            "--state",
-        ])
-        .arg(state);
-    command
-}
-
 /// Runs `wgfence run --no-metrics` on the gateway's interface with `state` (in a directory
 /// of its own) and waits up to 5 s for it to exit; a second agent that keeps running fails the
 /// test.
@@ -1010,7 +995,7 @@ fn second_agent(gw: &Gateway, state: &str, extra: &[&str]) -> std::process::Outp
     fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
     let path = dir.join("state.json");
     fs::write(&path, state).unwrap_or_else(|e| panic!("{e}"));
-    let mut child = run_command(gw, &path)
+    let mut child = wgfence_tests::agent::run_command(&binary(), gw, &path)
         .args(extra)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())

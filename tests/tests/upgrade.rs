@@ -279,17 +279,9 @@ fn run_to_exit(
     state: &std::path::Path,
     env: &[(&str, &str)],
 ) -> Output {
-    let mut command = gw.node.command(bin);
-    command.envs(env.iter().copied());
+    let mut command = wgfence_tests::agent::run_command(bin, gw, state);
     command
-        .args([
-            "run",
-            "--interface",
-            gw.interface(),
-            "--no-metrics",
-            "--state",
-        ])
-        .arg(state)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
