@@ -823,6 +823,7 @@ fn plan_scope(
                         policy,
                         slot,
                         owner,
+                        ..PeerEntry::default()
                     },
                 ),
             );

@@ -13,46 +13,49 @@
 use bytemuck::{Pod, Zeroable};
 
 /// Version of the map layout below. Bumped on any change to a key, a value or a map's meaning.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 
 /// Map names. Each carries the layout version and fits the kernel's 15-character limit
 /// (`BPF_OBJ_NAME_LEN` - 1), so `bpftool map show` prints them whole.
 pub mod map_names {
     /// IPv4 peer address -> [`super::PeerEntry`].
-    pub const PEERS_V4: &str = "wgf2_peers_v4";
+    pub const PEERS_V4: &str = "wgf3_peers_v4";
     /// IPv6 peer address -> [`super::PeerEntry`].
-    pub const PEERS_V6: &str = "wgf2_peers_v6";
+    pub const PEERS_V6: &str = "wgf3_peers_v6";
     /// LPM trie: (policy id, IPv4 destination prefix) -> [`super::PolicyValue`].
-    pub const POLICY_V4: &str = "wgf2_policy_v4";
+    pub const POLICY_V4: &str = "wgf3_policy_v4";
     /// LPM trie: (policy id, IPv6 destination prefix) -> [`super::PolicyValue`].
-    pub const POLICY_V6: &str = "wgf2_policy_v6";
+    pub const POLICY_V6: &str = "wgf3_policy_v6";
     /// Per-CPU array of packet counters indexed by [`super::Counter`].
-    pub const STATS: &str = "wgf2_stats";
+    pub const STATS: &str = "wgf3_stats";
     /// Per-CPU array of [`super::PeerCounters`] indexed by [`super::PeerEntry::slot`]: each CPU
     /// writes only its own copy; readers sum over the CPUs.
-    pub const PEER_STATS: &str = "wgf2_peer_stats";
+    pub const PEER_STATS: &str = "wgf3_peer_stats";
 
     /// Hash: IPv4 flow the network started toward a peer ([`super::FlowKeyV4`]) ->
     /// [`super::FlowValue`].
-    pub const FLOWS_V4: &str = "wgf2_flows_v4";
+    pub const FLOWS_V4: &str = "wgf3_flows_v4";
     /// Hash: IPv6 flow the network started toward a peer ([`super::FlowKeyV6`]) ->
     /// [`super::FlowValue`].
-    pub const FLOWS_V6: &str = "wgf2_flows_v6";
+    pub const FLOWS_V6: &str = "wgf3_flows_v6";
     /// Array of u64 indexed by [`super::PeerEntry::slot`]: flows the datapath recorded for
     /// the slot (atomic adds, datapath only).
-    pub const FLOW_MADE: &str = "wgf2_flow_made";
+    pub const FLOW_MADE: &str = "wgf3_flow_made";
     /// Array of u64 indexed by [`super::PeerEntry::slot`]: flows of the slot the agent deleted
     /// (agent only). A slot's live flows are `made - freed`.
-    pub const FLOW_FREED: &str = "wgf2_flow_freed";
+    pub const FLOW_FREED: &str = "wgf3_flow_freed";
     /// Array of one [`super::Config`]: the settings the agent gives the datapath.
-    pub const CONFIG: &str = "wgf2_config";
+    pub const CONFIG: &str = "wgf3_config";
     /// Ring buffer of [`super::DropEvent`]s, read by `wgfence monitor`.
-    pub const EVENTS: &str = "wgf2_events";
+    pub const EVENTS: &str = "wgf3_events";
     /// Per-CPU array of one [`super::EventBucket`]: the drop event rate limiter.
-    pub const EVENT_BUCKET: &str = "wgf2_ev_bucket";
+    pub const EVENT_BUCKET: &str = "wgf3_ev_bucket";
+    /// Per-CPU array of [`super::RuleCounters`]: a policy pass counts at the index
+    /// [`super::PeerEntry::rules`] + [`super::Allow::rule`] of the entry that matched.
+    pub const RULE_STATS: &str = "wgf3_rule_stats";
 
     /// Every map the agent pins, in a fixed order.
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 14] = [
         PEERS_V4,
         PEERS_V6,
         POLICY_V4,
@@ -66,6 +69,7 @@ pub mod map_names {
         CONFIG,
         EVENTS,
         EVENT_BUCKET,
+        RULE_STATS,
     ];
 }
 
@@ -126,6 +130,8 @@ pub const MAX_FLOWS: u32 = 131_072;
 pub const DEFAULT_FLOWS_PER_PEER: u32 = 1024;
 /// Bytes of the drop event ring buffer (a power of two, a multiple of the page size).
 pub const EVENTS_BYTES: u32 = 256 * 1024;
+/// Rule counters ([`map_names::RULE_STATS`]): the blocks of every policy's rules together.
+pub const MAX_RULES: u32 = 65_536;
 /// IPv6 extension headers the datapath walks before it gives up (and fails closed).
 pub const MAX_IPV6_EXT_HEADERS: usize = 8;
 
@@ -158,9 +164,19 @@ pub struct PeerKeyV6 {
     pub addr: [u8; 16],
 }
 
+/// [`PeerEntry::flags`]: audit mode. A packet the peer's policy denies passes, counted as a
+/// would-drop ([`Counter::PassAudit`], [`PeerCounters::audit_packets`]) and reported as an
+/// event. Unknown sources, malformed packets and packets outside the window stay dropped.
+pub const PEER_AUDIT: u32 = 1;
+/// [`PeerEntry::flags`]: the peer's packets pass only from [`PeerEntry::not_before_ns`] until
+/// before [`PeerEntry::expires_ns`] ([`Counter::DropExpired`] outside).
+pub const PEER_WINDOWED: u32 = 2;
+/// [`PeerEntry::rules`] of a peer whose policy passes are not counted per rule.
+pub const NO_RULES: u32 = u32::MAX;
+
 /// Value of both peer maps.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct PeerEntry {
     /// Policy id whose trie entries govern this peer, or [`UNRESTRICTED`].
     pub policy: u32,
@@ -171,6 +187,45 @@ pub struct PeerEntry {
     /// WireGuard holder or a new slot, never reused (across restarts too, see
     /// [`Config::owner_high`]). A flow counts only for the entry whose owner recorded it.
     pub owner: u64,
+    /// [`PEER_AUDIT`], [`PEER_WINDOWED`]; 0 for a peer that uses neither, which then costs
+    /// the datapath nothing more than this one test.
+    pub flags: u32,
+    /// First index of the peer's policy's block of [`RuleCounters`] (the policy's rules in
+    /// canonical order), or [`NO_RULES`].
+    pub rules: u32,
+    /// With [`PEER_WINDOWED`]: the window, in `bpf_ktime_get_boot_ns` time (CLOCK_BOOTTIME:
+    /// monotonic, counts suspend, and setting the wall clock does not move it). The agent
+    /// converts the state file's RFC 3339 times when it writes the entry.
+    pub not_before_ns: u64,
+    /// With [`PEER_WINDOWED`]: the first instant the peer's packets no longer pass.
+    pub expires_ns: u64,
+}
+
+impl Default for PeerEntry {
+    fn default() -> Self {
+        Self {
+            policy: 0,
+            slot: 0,
+            owner: 0,
+            flags: 0,
+            rules: NO_RULES,
+            not_before_ns: 0,
+            expires_ns: u64::MAX,
+        }
+    }
+}
+
+impl PeerEntry {
+    /// Whether the window lets a packet through at `now_ns` (always, without [`PEER_WINDOWED`]).
+    #[inline(always)]
+    pub const fn in_window(&self, now_ns: u64) -> bool {
+        self.flags & PEER_WINDOWED == 0
+            || (self.not_before_ns <= now_ns && now_ns < self.expires_ns)
+    }
+
+    pub const fn audit(&self) -> bool {
+        self.flags & PEER_AUDIT != 0
+    }
 }
 
 /// Data part of an IPv4 policy trie key. The trie key's prefix length counts the 32 bits of
@@ -196,7 +251,9 @@ pub const POLICY_ID_BITS: u32 = 32;
 
 /// One allowed (protocol, destination port range). `protocol` is an IP protocol number or
 /// [`PROTO_ANY`]. A packet whose destination port is unknown (not TCP/UDP, or a non-first
-/// fragment) matches only entries that cover every port (`0..=65535`).
+/// fragment) matches only entries that cover every port (`0..=65535`). `rule` is the index,
+/// in canonical order, of the policy's rule this entry came from: the datapath scans the
+/// entries in order and credits the first that matches ([`PeerEntry::rules`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
 pub struct Allow {
@@ -204,15 +261,22 @@ pub struct Allow {
     pub _pad: u8,
     pub port_lo: u16,
     pub port_hi: u16,
+    pub rule: u16,
 }
 
 impl Allow {
     pub const fn new(protocol: u8, port_lo: u16, port_hi: u16) -> Self {
+        Self::of_rule(0, protocol, port_lo, port_hi)
+    }
+
+    /// An entry credited to the policy's rule `rule` (canonical order).
+    pub const fn of_rule(rule: u16, protocol: u8, port_lo: u16, port_hi: u16) -> Self {
         Self {
             protocol,
             _pad: 0,
             port_lo,
             port_hi,
+            rule,
         }
     }
 
@@ -441,19 +505,25 @@ pub enum Counter {
     /// Not a verdict: a flow the egress program did not record because the peer's quota
     /// ([`Config::flows_per_peer`]) or the flow table was full.
     FlowRefused = 13,
+    /// Dropped: the peer's packet is outside its window ([`PEER_WINDOWED`]).
+    DropExpired = 14,
+    /// Passed: an audited peer's ([`PEER_AUDIT`]) policy denies the packet: a would-drop.
+    PassAudit = 15,
 }
 
 /// Length of the counter array; leaves room for new counters without a layout change.
-pub const COUNTERS_LEN: u32 = 16;
+pub const COUNTERS_LEN: u32 = 32;
 
 impl Counter {
     /// Every verdict counter: each packet the ingress program sees counts in exactly one.
-    pub const ALL: [Counter; 9] = [
+    pub const ALL: [Counter; 11] = [
         Counter::PassUnrestricted,
         Counter::PassPolicy,
         Counter::PassReply,
         Counter::PassArp,
+        Counter::PassAudit,
         Counter::DropUnknownSource,
+        Counter::DropExpired,
         Counter::DropPolicy,
         Counter::DropMalformed,
         Counter::DropNotIp,
@@ -472,7 +542,11 @@ impl Counter {
     pub const fn is_pass(self) -> bool {
         matches!(
             self,
-            Counter::PassUnrestricted | Counter::PassPolicy | Counter::PassReply | Counter::PassArp
+            Counter::PassUnrestricted
+                | Counter::PassPolicy
+                | Counter::PassReply
+                | Counter::PassArp
+                | Counter::PassAudit
         )
     }
 
@@ -493,6 +567,8 @@ impl Counter {
             11 => Counter::EventSent,
             12 => Counter::FlowRecorded,
             13 => Counter::FlowRefused,
+            14 => Counter::DropExpired,
+            15 => Counter::PassAudit,
             _ => return None,
         })
     }
@@ -514,13 +590,15 @@ impl Counter {
             Counter::EventSent => "sent",
             Counter::FlowRecorded => "flow_recorded",
             Counter::FlowRefused => "flow_refused",
+            Counter::DropExpired => "expired",
+            Counter::PassAudit => "audit",
         }
     }
 }
 
 /// Per-peer counters, one copy per CPU ([`map_names::PEER_STATS`] is a per-CPU array): a packet
 /// writes only its own CPU's copy, with plain adds, so packets of one peer on several CPUs
-/// never write a shared cache line. The price is memory: 32 B per slot per CPU (4 MiB per CPU
+/// never write a shared cache line. The price is memory: 48 B per slot per CPU (6 MiB per CPU
 /// for 131,072 slots). Readers sum the copies.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
@@ -529,6 +607,21 @@ pub struct PeerCounters {
     pub pass_bytes: u64,
     pub drop_packets: u64,
     pub drop_bytes: u64,
+    /// Would-drops of an audited peer ([`PEER_AUDIT`]): denied by its policy, passed.
+    pub audit_packets: u64,
+    pub audit_bytes: u64,
+}
+
+/// Per-rule counters, one copy per CPU ([`map_names::RULE_STATS`]): policy passes credited to
+/// the rule (see [`Allow::rule`]). 24 B per rule per CPU (1.5 MiB per CPU for [`MAX_RULES`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct RuleCounters {
+    pub packets: u64,
+    pub bytes: u64,
+    /// `bpf_ktime_get_boot_ns` of the last packet credited on this CPU; readers take the
+    /// largest over the CPUs.
+    pub last_hit_ns: u64,
 }
 
 #[cfg(feature = "user")]
@@ -544,6 +637,7 @@ mod user {
     unsafe impl aya::Pod for PolicyKeyV6 {}
     unsafe impl aya::Pod for PolicyValue {}
     unsafe impl aya::Pod for PeerCounters {}
+    unsafe impl aya::Pod for RuleCounters {}
     unsafe impl aya::Pod for FlowKeyV4 {}
     unsafe impl aya::Pod for FlowKeyV6 {}
     unsafe impl aya::Pod for FlowValue {}
@@ -561,11 +655,11 @@ mod tests {
         for name in map_names::ALL {
             assert!(name.len() <= 15, "{name} is longer than 15 characters");
             assert!(
-                name.starts_with("wgf2_"),
-                "{name} does not carry layout version 2"
+                name.starts_with("wgf3_"),
+                "{name} does not carry layout version 3"
             );
         }
-        assert_eq!(LAYOUT_VERSION, 2);
+        assert_eq!(LAYOUT_VERSION, 3);
     }
 
     #[test]
@@ -587,12 +681,13 @@ mod tests {
     fn sizes_are_stable() {
         assert_eq!(core::mem::size_of::<PeerKeyV4>(), 4);
         assert_eq!(core::mem::size_of::<PeerKeyV6>(), 16);
-        assert_eq!(core::mem::size_of::<PeerEntry>(), 16);
+        assert_eq!(core::mem::size_of::<PeerEntry>(), 40);
         assert_eq!(core::mem::size_of::<PolicyKeyV4>(), 8);
         assert_eq!(core::mem::size_of::<PolicyKeyV6>(), 20);
-        assert_eq!(core::mem::size_of::<Allow>(), 6);
-        assert_eq!(core::mem::size_of::<PolicyValue>(), 4 + 6 * MAX_ALLOWS);
-        assert_eq!(core::mem::size_of::<PeerCounters>(), 32);
+        assert_eq!(core::mem::size_of::<Allow>(), 8);
+        assert_eq!(core::mem::size_of::<PolicyValue>(), 4 + 8 * MAX_ALLOWS);
+        assert_eq!(core::mem::size_of::<PeerCounters>(), 48);
+        assert_eq!(core::mem::size_of::<RuleCounters>(), 24);
         assert_eq!(core::mem::size_of::<FlowKeyV4>(), 16);
         assert_eq!(core::mem::size_of::<FlowKeyV6>(), 40);
         assert_eq!(core::mem::size_of::<FlowValue>(), 24);
@@ -640,6 +735,22 @@ mod tests {
         assert!(Allow::new(PROTO_TCP, 0, u16::MAX).matches(PROTO_TCP, None));
         assert!(Allow::new(PROTO_ANY, 0, u16::MAX).matches(PROTO_UDP, Some(53)));
         assert!(Allow::new(PROTO_ICMP, 0, u16::MAX).matches(PROTO_ICMP, None));
+    }
+
+    #[test]
+    fn only_a_windowed_entry_checks_its_window() {
+        let mut e = PeerEntry {
+            not_before_ns: 100,
+            expires_ns: 200,
+            ..PeerEntry::default()
+        };
+        assert!(e.in_window(0) && e.in_window(300));
+        e.flags = PEER_WINDOWED;
+        assert!(!e.in_window(99));
+        assert!(e.in_window(100));
+        assert!(e.in_window(199));
+        assert!(!e.in_window(200));
+        assert!(PeerEntry::default().in_window(u64::MAX - 1));
     }
 
     #[test]

@@ -4,9 +4,9 @@
 //! ratios to them:
 //! - [`floor_empty`]: nothing, the harness's own cost;
 //! - [`floor_lookup`]: the source address looked up in a hash map with the key and value sizes
-//!   of `wgf2_peers_v4`;
+//!   of `wgf3_peers_v4`;
 //! - [`floor_lpm`]: that lookup, then the destination in an LPM trie with the key and value
-//!   sizes of `wgf2_policy_v4`.
+//!   sizes of `wgf3_policy_v4`.
 //!
 //! Packets are read directly (no helper); a short packet is dropped.
 #![no_std]

@@ -194,10 +194,7 @@ pub(crate) fn reply<K>(
             Seen::Answer | Seen::Related => {}
         }
     }
-    Ok(Pass {
-        why: Counter::PassReply,
-        slot,
-    })
+    Ok(Pass::new(Counter::PassReply, slot))
 }
 
 /// The ICMP numbers of one address family.

@@ -41,8 +41,9 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use wgfence_common::{
     Config, Counter, DropEvent, EventBucket, FlowKeyV4, FlowKeyV6, FlowValue, PeerCounters,
-    PeerEntry, PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, COUNTERS_LEN,
-    EVENTS_BYTES, MAX_ALLOWS, MAX_FLOWS, MAX_PEERS, MAX_POLICY_ENTRIES, PROTO_TCP, PROTO_UDP,
+    PeerEntry, PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, RuleCounters,
+    COUNTERS_LEN, EVENTS_BYTES, MAX_ALLOWS, MAX_FLOWS, MAX_PEERS, MAX_POLICY_ENTRIES, MAX_RULES,
+    NO_RULES, PEER_WINDOWED, PROTO_TCP, PROTO_UDP,
 };
 
 /// tcx: let the next program (or the stack) decide; passing is never final, so wgfence composes
@@ -51,46 +52,49 @@ const TCX_NEXT: i32 = -1;
 /// tcx: drop the packet.
 const TCX_DROP: i32 = 2;
 
-#[btf_map(name = "wgf2_peers_v4")]
+#[btf_map(name = "wgf3_peers_v4")]
 static PEERS_V4: HashMap<PeerKeyV4, PeerEntry, { MAX_PEERS as usize }> = HashMap::new();
 
-#[btf_map(name = "wgf2_peers_v6")]
+#[btf_map(name = "wgf3_peers_v6")]
 static PEERS_V6: HashMap<PeerKeyV6, PeerEntry, { MAX_PEERS as usize }> = HashMap::new();
 
-#[btf_map(name = "wgf2_policy_v4")]
+#[btf_map(name = "wgf3_policy_v4")]
 static POLICY_V4: LpmTrie<PolicyKeyV4, PolicyValue, { MAX_POLICY_ENTRIES as usize }> =
     LpmTrie::new();
 
-#[btf_map(name = "wgf2_policy_v6")]
+#[btf_map(name = "wgf3_policy_v6")]
 static POLICY_V6: LpmTrie<PolicyKeyV6, PolicyValue, { MAX_POLICY_ENTRIES as usize }> =
     LpmTrie::new();
 
-#[btf_map(name = "wgf2_stats")]
+#[btf_map(name = "wgf3_stats")]
 static STATS: PerCpuArray<u64, { COUNTERS_LEN as usize }> = PerCpuArray::new();
 
-#[btf_map(name = "wgf2_peer_stats")]
+#[btf_map(name = "wgf3_peer_stats")]
 static PEER_STATS: PerCpuArray<PeerCounters, { MAX_PEERS as usize }> = PerCpuArray::new();
 
-#[btf_map(name = "wgf2_flows_v4")]
+#[btf_map(name = "wgf3_flows_v4")]
 static FLOWS_V4: HashMap<FlowKeyV4, FlowValue, { MAX_FLOWS as usize }> = HashMap::new();
 
-#[btf_map(name = "wgf2_flows_v6")]
+#[btf_map(name = "wgf3_flows_v6")]
 static FLOWS_V6: HashMap<FlowKeyV6, FlowValue, { MAX_FLOWS as usize }> = HashMap::new();
 
-#[btf_map(name = "wgf2_flow_made")]
+#[btf_map(name = "wgf3_flow_made")]
 static FLOW_MADE: Array<u64, { MAX_PEERS as usize }> = Array::new();
 
-#[btf_map(name = "wgf2_flow_freed")]
+#[btf_map(name = "wgf3_flow_freed")]
 static FLOW_FREED: Array<u64, { MAX_PEERS as usize }> = Array::new();
 
-#[btf_map(name = "wgf2_config")]
+#[btf_map(name = "wgf3_config")]
 static CONFIG: Array<Config, 1> = Array::new();
 
-#[btf_map(name = "wgf2_events")]
+#[btf_map(name = "wgf3_events")]
 static EVENTS: RingBuf<DropEvent, { EVENTS_BYTES as usize }> = RingBuf::new();
 
-#[btf_map(name = "wgf2_ev_bucket")]
+#[btf_map(name = "wgf3_ev_bucket")]
 static EVENT_BUCKET: PerCpuArray<EventBucket, 1> = PerCpuArray::new();
+
+#[btf_map(name = "wgf3_rule_stats")]
+static RULE_STATS: PerCpuArray<RuleCounters, { MAX_RULES as usize }> = PerCpuArray::new();
 
 /// Where the IP header starts in the two program variants: on WireGuard and TUN devices (no
 /// link layer), and behind an Ethernet header (veth; `BPF_PROG_TEST_RUN` with a frame).
@@ -126,10 +130,22 @@ fn is_arp<const L3: usize>(ctx: &TcContext) -> bool {
 /// Bytes read at the IP header before the version is known.
 pub(crate) const HEAD_LEN: usize = 20;
 
-/// The packet passes; `slot` is the peer's counter slot.
+/// The packet passes; `slot` is the peer's counter slot, `rule` the index of the rule counter
+/// a policy pass credits (else [`NO_RULES`]).
 pub(crate) struct Pass {
     pub(crate) why: Counter,
     pub(crate) slot: u32,
+    pub(crate) rule: u32,
+}
+
+impl Pass {
+    pub(crate) const fn new(why: Counter, slot: u32) -> Self {
+        Self {
+            why,
+            slot,
+            rule: NO_RULES,
+        }
+    }
 }
 
 /// The packet is dropped; `slot` is the peer's counter slot when the source is a known peer.
@@ -191,9 +207,23 @@ fn ingress<const L3: usize>(ctx: &TcContext) -> i32 {
     };
     let bytes = u64::from(ctx.len());
     match outcome {
-        Ok(Pass { why, slot }) => {
+        Ok(Pass {
+            why: Counter::PassAudit,
+            slot,
+            ..
+        }) => {
+            // Only audited peers get here: a would-drop, counted and reported, that passes.
+            count(Counter::PassAudit);
+            count_audit(slot, bytes);
+            events::report(ctx, L3, head.as_ref(), Counter::PassAudit, Some(slot));
+            TCX_NEXT
+        }
+        Ok(Pass { why, slot, rule }) => {
             count(why);
             count_peer(slot, true, bytes);
+            if rule != NO_RULES {
+                count_rule(rule, bytes);
+            }
             TCX_NEXT
         }
         Err(Drop { why, slot }) => {
@@ -252,40 +282,76 @@ pub(crate) fn now_ns() -> u64 {
     unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() }
 }
 
+/// CLOCK_BOOTTIME in nanoseconds: the clock of peer windows (setting the wall clock does not
+/// move it).
+#[inline(always)]
+pub(crate) fn boot_ns() -> u64 {
+    // SAFETY: a helper without arguments or side effects.
+    unsafe { aya_ebpf::helpers::bpf_ktime_get_boot_ns() }
+}
+
+/// Before anything else of a known peer: outside its window ([`PEER_WINDOWED`]) the packet is
+/// dropped, whatever the policy says. Peers without a window read no clock.
+#[inline(always)]
+pub(crate) fn in_window(peer: &PeerEntry) -> Result<(), Drop> {
+    if peer.flags & PEER_WINDOWED != 0 && !peer.in_window(boot_ns()) {
+        return Err(Drop::peer(Counter::DropExpired, peer.slot));
+    }
+    Ok(())
+}
+
+/// The final verdict of a restricted peer: an audited peer's policy denial passes as a
+/// would-drop; every other verdict stands (malformed packets stay dropped).
+#[inline(always)]
+pub(crate) fn audit(verdict: Result<Pass, Drop>, peer: &PeerEntry) -> Result<Pass, Drop> {
+    match verdict {
+        Err(Drop {
+            why: Counter::DropPolicy,
+            ..
+        }) if peer.audit() => Ok(Pass::new(Counter::PassAudit, peer.slot)),
+        verdict => verdict,
+    }
+}
+
 /// A restricted peer's verdict: the trie value for (policy, destination), if any, must hold an
-/// entry matching the protocol and destination port.
+/// entry matching the protocol and destination port. The first entry that matches is credited
+/// (its rule counter is `rules` + its rule index, unless `rules` is [`NO_RULES`]).
 #[inline(always)]
 pub(crate) fn decide(
     value: Option<&PolicyValue>,
-    slot: u32,
+    peer: &PeerEntry,
     protocol: u8,
     port: Option<u16>,
 ) -> Result<Pass, Drop> {
     let Some(value) = value else {
-        return Err(Drop::peer(Counter::DropPolicy, slot));
+        return Err(Drop::peer(Counter::DropPolicy, peer.slot));
     };
     let count = value.count as usize;
     for i in 0..MAX_ALLOWS {
         if i >= count {
             break;
         }
-        if value.allows[i].matches(protocol, port) {
+        let allow = &value.allows[i];
+        if allow.matches(protocol, port) {
+            let rule = if peer.rules == NO_RULES {
+                NO_RULES
+            } else {
+                peer.rules.wrapping_add(u32::from(allow.rule))
+            };
             return Ok(Pass {
                 why: Counter::PassPolicy,
-                slot,
+                slot: peer.slot,
+                rule,
             });
         }
     }
-    Err(Drop::peer(Counter::DropPolicy, slot))
+    Err(Drop::peer(Counter::DropPolicy, peer.slot))
 }
 
 /// Pass for an unrestricted peer.
 #[inline(always)]
 pub(crate) const fn unrestricted(slot: u32) -> Pass {
-    Pass {
-        why: Counter::PassUnrestricted,
-        slot,
-    }
+    Pass::new(Counter::PassUnrestricted, slot)
 }
 
 /// Whether the protocol carries a destination port the policy can match.
@@ -347,6 +413,33 @@ fn count_peer(slot: u32, pass: bool, bytes: u64) {
             (*counters).drop_packets += 1;
             (*counters).drop_bytes += bytes;
         }
+    }
+}
+
+/// An audited peer's would-drop.
+#[inline(always)]
+fn count_audit(slot: u32, bytes: u64) {
+    let Some(counters) = PEER_STATS.get_ptr_mut(slot) else {
+        return;
+    };
+    // SAFETY: as in `count_peer`.
+    unsafe {
+        (*counters).audit_packets += 1;
+        (*counters).audit_bytes += bytes;
+    }
+}
+
+/// A policy pass credited to rule counter `rule`.
+#[inline(always)]
+fn count_rule(rule: u32, bytes: u64) {
+    let Some(counters) = RULE_STATS.get_ptr_mut(rule) else {
+        return;
+    };
+    // SAFETY: a per-CPU array element, written only by this CPU, as in `count_peer`.
+    unsafe {
+        (*counters).packets += 1;
+        (*counters).bytes += bytes;
+        (*counters).last_hit_ns = boot_ns();
     }
 }
 

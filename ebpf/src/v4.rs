@@ -8,9 +8,10 @@ use wgfence_common::{
 };
 
 use crate::{
-    config, decide,
+    audit, config, decide,
     flow::{self, Answer, ICMP_ERROR_LEN, ICMP_V4},
-    has_ports, load, ports, unrestricted, Drop, Pass, FLOWS_V4, HEAD_LEN, PEERS_V4, POLICY_V4,
+    has_ports, in_window, load, ports, unrestricted, Drop, Pass, FLOWS_V4, HEAD_LEN, PEERS_V4,
+    POLICY_V4,
 };
 
 const MIN_HEADER_LEN: usize = HEAD_LEN;
@@ -39,6 +40,7 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
     let Some(peer) = (unsafe { PEERS_V4.get(&src) }).copied() else {
         return Err(Drop::new(Counter::DropUnknownSource, None));
     };
+    in_window(&peer)?;
     if peer.policy == UNRESTRICTED {
         return Ok(unrestricted(peer.slot));
     }
@@ -65,13 +67,14 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
             addr: addr(ip, 16),
         },
     );
-    match decide(POLICY_V4.get(&key), peer.slot, protocol, ports.map(|p| p.1)) {
+    let verdict = match decide(POLICY_V4.get(&key), &peer, protocol, ports.map(|p| p.1)) {
         Err(Drop {
             why: Counter::DropPolicy,
             ..
         }) if first => reply(ctx, l4, ip, protocol, ports, &peer),
         verdict => verdict,
-    }
+    };
+    audit(verdict, &peer)
 }
 
 /// A denied packet of a restricted peer: does it answer a flow the network started?
@@ -209,7 +212,7 @@ pub(crate) fn record(
             },
         );
         let port = (protocol != PROTO_ICMP).then_some(remote_port);
-        decide(POLICY_V4.get(&policy_key), peer.slot, protocol, port).is_ok()
+        decide(POLICY_V4.get(&policy_key), &peer, protocol, port).is_ok()
     };
     flow::on_egress(&FLOWS_V4, &key, &packet, &peer, config, reply_allowed);
 }

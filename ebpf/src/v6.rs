@@ -10,9 +10,10 @@ use wgfence_common::{
 };
 
 use crate::{
-    config, decide,
+    audit, config, decide,
     flow::{self, Answer, ICMP_ERROR_LEN, ICMP_V6},
-    has_ports, load, ports, unrestricted, Drop, Pass, FLOWS_V6, HEAD_LEN, PEERS_V6, POLICY_V6,
+    has_ports, in_window, load, ports, unrestricted, Drop, Pass, FLOWS_V6, HEAD_LEN, PEERS_V6,
+    POLICY_V6,
 };
 
 const HEADER_LEN: usize = 40;
@@ -44,6 +45,7 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
     let Some(peer) = (unsafe { PEERS_V6.get(&src) }).copied() else {
         return Err(Drop::new(Counter::DropUnknownSource, None));
     };
+    in_window(&peer)?;
     if peer.policy == UNRESTRICTED {
         return Ok(unrestricted(peer.slot));
     }
@@ -99,13 +101,14 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
     // A later fragment's next header is the sender's word (it need not be the first
     // fragment's): such a fragment matches only entries for every protocol.
     let protocol = if first_fragment { next } else { PROTO_UNKNOWN };
-    match decide(POLICY_V6.get(&key), slot, protocol, ports.map(|p| p.1)) {
+    let verdict = match decide(POLICY_V6.get(&key), &peer, protocol, ports.map(|p| p.1)) {
         Err(Drop {
             why: Counter::DropPolicy,
             ..
         }) if first_fragment => reply(ctx, offset, &src, &dst.addr, next, ports, &peer),
         verdict => verdict,
-    }
+    };
+    audit(verdict, &peer)
 }
 
 /// A denied packet of a restricted peer: does it answer a flow the network started?
@@ -261,7 +264,7 @@ pub(crate) fn record(
             },
         );
         let port = (protocol != PROTO_ICMPV6).then_some(remote_port);
-        decide(POLICY_V6.get(&policy_key), peer.slot, protocol, port).is_ok()
+        decide(POLICY_V6.get(&policy_key), &peer, protocol, port).is_ok()
     };
     flow::on_egress(&FLOWS_V6, &key, &packet, &peer, config, reply_allowed);
 }

@@ -97,15 +97,27 @@ pub enum Layout {
 /// The `wgfence` of map layout 1 (commit 02c7ddc), which the upgrade test starts from:
 /// `WGFENCE_V1_BIN`, else where `cargo xtask v1-agent` (and `cargo xtask test`) builds it.
 pub fn v1_binary() -> PathBuf {
-    if let Some(bin) = std::env::var_os("WGFENCE_V1_BIN") {
+    old_binary(1, "02c7ddc")
+}
+
+/// The layout-2 agent (commit b4200bd): `WGFENCE_V2_BIN`, else where `cargo xtask v2-agent`
+/// (and `cargo xtask test`) builds it.
+pub fn v2_binary() -> PathBuf {
+    old_binary(2, "b4200bd")
+}
+
+fn old_binary(layout: u32, commit: &str) -> PathBuf {
+    if let Some(bin) = std::env::var_os(format!("WGFENCE_V{layout}_BIN")) {
         return bin.into();
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let bin = root.join("target/v1-agent/02c7ddc/src/target/debug/wgfence");
+    let bin = root.join(format!(
+        "target/v{layout}-agent/{commit}/src/target/debug/wgfence"
+    ));
     assert!(
         bin.is_file(),
-        "no layout-1 agent at {}: build it with `cargo xtask v1-agent` (cargo xtask test does) \
-         or set WGFENCE_V1_BIN",
+        "no layout-{layout} agent at {}: build it with `cargo xtask v{layout}-agent` (cargo \
+         xtask test does) or set WGFENCE_V{layout}_BIN",
         bin.display()
     );
     bin

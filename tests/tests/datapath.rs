@@ -19,6 +19,7 @@ fn entry(policy: u32, slot: u32) -> PeerEntry {
         policy,
         slot,
         owner: u64::from(slot) + 1,
+        ..PeerEntry::default()
     }
 }
 

@@ -501,6 +501,7 @@ fn fill_peer_map(gw: &Gateway) -> usize {
             policy: UNRESTRICTED,
             slot: (i % max) as u32,
             owner: 0,
+            ..wgfence_common::PeerEntry::default()
         };
         maps.upsert_peer(filler(i), entry)
             .unwrap_or_else(|e| panic!("filling the peer map ({i} of {}): {e}", max - present));
@@ -509,6 +510,7 @@ fn fill_peer_map(gw: &Gateway) -> usize {
         policy: UNRESTRICTED,
         slot: 0,
         owner: 0,
+        ..wgfence_common::PeerEntry::default()
     };
     assert!(
         maps.upsert_peer(filler(max), over).is_err(),

@@ -64,6 +64,7 @@ fn program(settings: DatapathSettings, replies: bool) -> TestProgram {
                 policy: 1,
                 slot: SLOT,
                 owner: OWNER,
+                ..PeerEntry::default()
             },
         )
         .unwrap_or_else(|e| panic!("{e}"));
@@ -74,6 +75,7 @@ fn program(settings: DatapathSettings, replies: bool) -> TestProgram {
             policy: UNRESTRICTED,
             slot: 5,
             owner: OWNER + 1,
+            ..PeerEntry::default()
         },
     )
     .unwrap_or_else(|e| panic!("{e}"));
@@ -415,6 +417,7 @@ fn a_peer_holds_at_most_its_quota_of_flows_and_others_keep_theirs() {
                 policy: 1,
                 slot: OTHER_SLOT,
                 owner: OWNER + 2,
+                ..PeerEntry::default()
             },
         )
         .unwrap_or_else(|e| panic!("{e}"));
@@ -560,6 +563,7 @@ fn a_flow_belongs_to_the_owner_that_recorded_it() {
                     policy: 1,
                     slot,
                     owner,
+                    ..PeerEntry::default()
                 },
             )
             .unwrap_or_else(|e| panic!("{e}"));

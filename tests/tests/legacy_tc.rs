@@ -256,6 +256,7 @@ fn on_the_tc_hook_the_datapath_enforces_like_on_tcx() {
                 policy: UNRESTRICTED,
                 slot: 1,
                 owner: 2,
+                ..wgfence_common::PeerEntry::default()
             },
         )
         .unwrap_or_else(|e| panic!("{e}"));

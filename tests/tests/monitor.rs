@@ -92,6 +92,7 @@ impl Bench {
                     policy,
                     slot,
                     owner: u64::from(slot) + 1,
+                    ..PeerEntry::default()
                 },
             )
             .unwrap_or_else(|e| panic!("{e}"));

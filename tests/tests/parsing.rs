@@ -46,11 +46,13 @@ fn program() -> TestProgram {
         policy: POLICY,
         slot: RESTRICTED_SLOT,
         owner: 1,
+        ..PeerEntry::default()
     };
     let open = PeerEntry {
         policy: UNRESTRICTED,
         slot: 6,
         owner: 2,
+        ..PeerEntry::default()
     };
     for (addr, entry) in [
         (RESTRICTED_V4, restricted),

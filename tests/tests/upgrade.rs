@@ -1,7 +1,9 @@
-//! Map layout upgrade: a datapath of layout 1, made and run by that version's own agent (the
-//! binary of commit 02c7ddc), is upgraded to layout 2 by this agent under 10 ms packet streams
-//! without losing an allowed packet or passing a denied one; a rollback to the layout-1 agent
-//! is refused before it attaches anything, and enforcement goes on unchanged.
+//! Map layout upgrade: a datapath of layout 2, made and run by that version's own agent (the
+//! binary of commit b4200bd), is upgraded to layout 3 by this agent under 10 ms packet streams
+//! without losing an allowed packet or passing a denied one, on tcx and on the legacy TC hook;
+//! a rollback to the layout-2 agent (or the layout-1 one) is refused before it attaches
+//! anything, and enforcement goes on unchanged. A layout-1 datapath is refused with the way
+//! through a layout-2 agent, and keeps enforcing.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -19,7 +21,7 @@ use std::{
 use serde_json::{json, Value};
 use wgfence::dataplane::Dataplane;
 use wgfence_tests::{
-    agent::{binary, v1_binary, Agent, Layout},
+    agent::{binary, v1_binary, v2_binary, Agent, Layout},
     bench::gen,
     map_mismatch,
     net::Netns,
@@ -238,12 +240,16 @@ fn pins(gw: &Gateway) -> BTreeSet<String> {
         .unwrap_or_default()
 }
 
-fn layout_1_pins(gw: &Gateway) -> Vec<String> {
+/// Pins of layouts 1 and 2.
+fn old_pins(gw: &Gateway) -> Vec<String> {
     pins(gw)
         .into_iter()
-        .filter(|p| p.starts_with("wgf1_"))
+        .filter(|p| p.starts_with("wgf1_") || p.starts_with("wgf2_"))
         .collect()
 }
+
+/// What an upgraded datapath keeps of the older layouts: their tombstones.
+const TOMBSTONES: [&str; 2] = ["wgf1_peers_v4", "wgf2_peers_v4"];
 
 /// `bin` with only the capabilities the DaemonSet gives the agent (CAP_BPF, CAP_PERFMON,
 /// CAP_NET_ADMIN; no CAP_SYS_ADMIN, so no looking up programs or maps by id): a script in
@@ -305,8 +311,8 @@ fn run_to_exit(
 }
 
 #[test]
-fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
-    let v1 = v1_binary();
+fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
+    let v1 = v2_binary();
     let gw = Gateway::new(3);
     // 10,000 generated peers (WireGuard peers without sessions, policies from a pool) beside
     // the three real ones: the fill has real work to do, and an agent that attached empty maps
@@ -323,7 +329,7 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let s = generated.to_string();
     let desired = wgfence::state::parse(&s).unwrap_or_else(|e| panic!("{e}"));
 
-    // The layout-1 datapath, made by the layout-1 agent.
+    // The layout-2 datapath, made by the layout-2 agent.
     // Both versions run with the DaemonSet's capabilities, as they would on a node.
     let scripts = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-caps-"));
     fs::create_dir_all(&scripts).unwrap_or_else(|e| panic!("{e}"));
@@ -335,8 +341,8 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         layout,
-        Some(1),
-        "the layout-1 agent did not attach layout 1"
+        Some(2),
+        "the layout-2 agent did not attach layout 2"
     );
     // This version's `status` names the layout the attached programs run.
     let out = Command::new(binary())
@@ -345,11 +351,11 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         .unwrap_or_else(|e| panic!("wgfence status: {e}"));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && stderr.contains("runs map layout 1"),
-        "status on a layout-1 datapath: {out:?}"
+        !out.status.success() && stderr.contains("runs map layout 2"),
+        "status on a layout-2 datapath: {out:?}"
     );
 
-    // A flow the network started toward peer 0 under layout 1: node 10.1.2.3:4000 -> peer 0
+    // A flow the network started toward peer 0 under layout 2: node 10.1.2.3:4000 -> peer 0
     // port 5000. Peer 0's answers to it pass only as replies (its policy denies them).
     let node_sock = gw
         .node
@@ -378,34 +384,37 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     thread::sleep(Duration::from_millis(200));
     assert!(
         reply_arrives(&peer_sock),
-        "layout 1: the reply to the flow did not pass"
+        "layout 2: the reply to the flow did not pass"
     );
     assert!(
         !reply_arrives(&stranger),
-        "layout 1: a packet of no flow passed"
+        "layout 2: a packet of no flow passed"
     );
 
-    // Peer 2 sends only now, under layout 1: its counters must come through unchanged.
+    // Peer 2 sends only now, under layout 2: its counters must come through unchanged.
     let out = gw.peers[2]
         .ns
         .try_exec(&["ping", "-n", "-q", "-i", "0.002", "-c", "500", "10.1.2.3"]);
     assert!(out.status.success(), "{out:?}");
 
-    // Not while the layout-1 agent still runs: it would attach its programs again.
+    // Not while the layout-2 agent still runs: it would attach its programs again. (It locks
+    // the pin directory as this agent does, so the lock refuses first, naming it.)
     let out = run_refused(&v2, &gw, &agent.state);
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!(
-        "started next to the layout-1 agent: {:?}\n{stderr}",
+        "started next to the layout-2 agent: {:?}\n{stderr}",
         out.status
     );
     let pid = agent.pid().unwrap_or_default();
     assert!(
-        !out.status.success() && stderr.contains(&format!("pid [{pid}] holds the link")),
-        "started next to the running layout-1 agent: {out:?}"
+        !out.status.success()
+            && (stderr.contains(&format!("pid [{pid}] holds the link"))
+                || stderr.contains(&format!("locked by another wgfence agent (pid {pid})"))),
+        "started next to the running layout-2 agent: {out:?}"
     );
     assert_eq!(
         Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
-        Some(1)
+        Some(2)
     );
 
     // 10 ms streams across the upgrade.
@@ -415,21 +424,22 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let stopped = agent.stop();
     assert!(
         stopped.is_some_and(|s| s.success()),
-        "the layout-1 agent did not stop cleanly"
+        "the layout-2 agent did not stop cleanly"
     );
     let v1_final = status_json(&v1, &gw);
     assert!(v1_final["packets"]["pass"].as_u64() >= v1_status["packets"]["pass"].as_u64());
     let (link_v1, prog_v1) = Dataplane::link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
-        .unwrap_or_else(|| panic!("no pinned link under layout 1"));
+        .unwrap_or_else(|| panic!("no pinned link under layout 2"));
 
     agent.binary = v2.clone();
     let t = Instant::now();
     agent.restart(&gw, &[]);
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(120));
     let ready = t.elapsed();
-    // Right after the upgrade, before the streams have added much: the counters are v1's plus.
+    // Right after the upgrade, before the streams have added much: the counters are the
+    // layout-2 ones plus.
     let v2_status = status_json(&binary(), &gw);
     let report = streams.check("across the upgrade");
     eprintln!("upgrade (start to ready in {ready:?}): {report}");
@@ -437,13 +447,13 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let log = agent.log_text();
     let line = log
         .lines()
-        .find(|l| l.contains("upgraded the datapath from map layout 1 to 2"))
+        .find(|l| l.contains("upgraded the datapath from map layout 2 to 3"))
         .unwrap_or_else(|| panic!("no upgrade line in the log:\n{log}"));
     eprintln!("{line}");
     assert!(line.contains("switch_us="), "{line}");
 
-    // The programs were replaced through the same links; the layout-1 maps are gone but for
-    // the tombstone.
+    // The programs were replaced through the same links; the layout-2 maps are gone but for
+    // the tombstones.
     let (link_v2, prog_v2) = Dataplane::link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
@@ -455,43 +465,36 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     assert_ne!(prog_v2, prog_v1);
     assert_eq!(
         Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
-        Some(2)
+        Some(3)
     );
-    assert_eq!(
-        layout_1_pins(&gw),
-        ["wgf1_peers_v4"],
-        "pins: {:?}",
-        pins(&gw)
-    );
-    assert_eq!(v2_status["layoutVersion"], 2, "{v2_status:#}");
+    assert_eq!(old_pins(&gw), TOMBSTONES, "pins: {:?}", pins(&gw));
+    assert_eq!(v2_status["layoutVersion"], 3, "{v2_status:#}");
     let text = Command::new(binary())
         .args(["status", "--interface", gw.interface()])
         .output()
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(
-        String::from_utf8_lossy(&text.stdout).contains("(layout v2,"),
+        String::from_utf8_lossy(&text.stdout).contains("(layout v3,"),
         "{text:?}"
     );
 
-    // The layout-2 maps hold the state: every peer, its policy, one owner per peer.
+    // The layout-3 maps hold the state: every peer, its policy, and the owners layout 2 gave
+    // (one per address; no owner held by two slots). That they are layout 2's own, not new
+    // ones, shows in the flow below: recorded under layout 2, it still belongs to its entry.
     let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(map_mismatch(&maps, &desired), None);
     let peers = maps.peers().unwrap_or_else(|e| panic!("{e}"));
-    let mut owners: BTreeMap<u32, BTreeSet<u64>> = BTreeMap::new();
+    let mut slot_of: BTreeMap<u64, u32> = BTreeMap::new();
     for (_, entry) in &peers {
         assert_ne!(entry.owner, 0, "{peers:?}");
-        owners.entry(entry.slot).or_default().insert(entry.owner);
+        let slot = *slot_of.entry(entry.owner).or_insert(entry.slot);
+        assert_eq!(slot, entry.slot, "owner {} held by two slots", entry.owner);
+        assert_eq!(
+            (entry.flags, entry.rules, entry.expires_ns),
+            (0, wgfence_common::NO_RULES, u64::MAX),
+            "an upgraded entry got flags, rule counters or a window: {entry:?}"
+        );
     }
-    assert!(
-        owners.values().all(|o| o.len() == 1),
-        "a peer's addresses have several owners: {owners:?}"
-    );
-    let distinct: BTreeSet<u64> = owners.values().flatten().copied().collect();
-    assert_eq!(
-        distinct.len(),
-        desired.peers.len(),
-        "owners are not one per peer"
-    );
 
     // The flow came over, owned by peer 0's entry and counted against its quota; its reply
     // still passes, a packet of no flow still does not.
@@ -513,15 +516,15 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     assert!(made > freed, "flow_made {made}, flow_freed {freed}");
     assert!(
         reply_arrives(&peer_sock),
-        "layout 2: the reply to the carried flow did not pass"
+        "layout 3: the reply to the carried flow did not pass"
     );
     assert!(
         !reply_arrives(&stranger),
-        "layout 2: a packet of no flow passed"
+        "layout 3: a packet of no flow passed"
     );
 
-    // Counters carried: peer 2 sent nothing since, so its counters are exactly v1's; the
-    // totals are at least v1's final ones.
+    // Counters carried: peer 2 sent nothing since, so its counters are exactly layout 2's;
+    // the totals are at least layout 2's final ones.
     let c1 = peer_counters(&v1_final);
     let c2 = peer_counters(&v2_status);
     for field in ["passPackets", "passBytes", "dropPackets", "dropBytes"] {
@@ -535,7 +538,7 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         let (before, after) = (v1_final[key][what].as_u64(), v2_status[key][what].as_u64());
         assert!(
             after >= before && before > Some(0),
-            "{key}.{what}: {before:?} under layout 1, {after:?} after the upgrade"
+            "{key}.{what}: {before:?} under layout 2, {after:?} after the upgrade"
         );
     }
     for (addr, v1c) in &c1 {
@@ -547,23 +550,23 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         );
     }
 
-    // Rollback: the layout-1 agent is refused before it attaches anything, naming the map,
-    // and the layout-2 datapath keeps enforcing throughout.
+    // Rollback: the layout-2 agent is refused before it attaches anything, naming the map,
+    // and the layout-3 datapath keeps enforcing throughout.
     assert!(agent.stop().is_some_and(|s| s.success()));
     let streams = Streams::start(&gw, 300);
     thread::sleep(Duration::from_millis(500));
     let out = run_refused(&v1_caps, &gw, &agent.state);
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!(
-        "layout-1 agent on the layout-2 datapath: {:?}\n{stderr}",
+        "layout-2 agent on the layout-3 datapath: {:?}\n{stderr}",
         out.status
     );
     assert!(
         !out.status.success(),
-        "the layout-1 agent ran on a layout-2 datapath"
+        "the layout-2 agent ran on a layout-3 datapath"
     );
     assert!(
-        stderr.contains("wgf1_peers_v4"),
+        stderr.contains("wgf2_peers_v4"),
         "the refusal does not name the map: {stderr}"
     );
     let report = streams.check("during the refused rollback");
@@ -580,19 +583,16 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         "after the rollback: the flow's reply did not pass"
     );
     // What the refused agent left (maps it created before it checked) ...
-    let junk = layout_1_pins(&gw);
-    assert!(junk.len() > 1, "the refused agent left no pins? {junk:?}");
+    let junk = old_pins(&gw);
+    assert!(junk.len() > 2, "the refused agent left no pins? {junk:?}");
 
     // ... goes at the next start of this version.
     agent.restart(&gw, &[]);
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(120));
-    assert_eq!(
-        layout_1_pins(&gw),
-        ["wgf1_peers_v4"],
-        "pins: {:?}",
-        pins(&gw)
-    );
-    assert!(agent.log_text().contains("removed map pins of layout 1"));
+    assert_eq!(old_pins(&gw), TOMBSTONES, "pins: {:?}", pins(&gw));
+    assert!(agent
+        .log_text()
+        .contains("removed map pins of older layouts"));
     assert_eq!(
         Dataplane::link_info(&gw.bpffs, gw.interface())
             .ok()
@@ -605,7 +605,15 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     assert!(agent.stop().is_some_and(|s| s.success()));
     let out = run_refused(&v1_caps, &gw, &agent.state);
     assert!(!out.status.success());
-    assert!(layout_1_pins(&gw).len() > 1);
+    assert!(old_pins(&gw).len() > 2);
+    // The layout-1 agent is refused the same way, at its own tombstone.
+    let v1_caps = with_daemonset_caps(&scripts, &v1_binary());
+    let out = run_refused(&v1_caps, &gw, &agent.state);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("wgf1_peers_v4"),
+        "the layout-1 agent on a layout-3 datapath: {out:?}"
+    );
     let out = Command::new(binary())
         .args(["detach", "--interface", gw.interface()])
         .output()
@@ -616,9 +624,9 @@ fn a_layout_1_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let _ = fs::remove_dir_all(&scripts);
 }
 
-/// An upgrade interrupted before its switch left `wgf2_*` pins that nothing runs (here one
-/// planted by hand, holding an entry layout 1 never had), and the state file is invalid when
-/// the new agent starts: the upgrade still fills from the layout-1 maps alone, and the agent
+/// An upgrade interrupted before its switch left `wgf3_*` pins that nothing runs (here one
+/// planted by hand, holding an entry layout 2 never had), and the state file is invalid when
+/// the new agent starts: the upgrade still fills from the layout-2 maps alone, and the agent
 /// keeps enforcing exactly that (not ready, nothing applied).
 #[test]
 fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state() {
@@ -626,12 +634,12 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
     let s = serde_json::json!({ "version": 1, "peers": [gw.peer_json(0, Some(restricted()))] })
         .to_string();
     let desired = wgfence::state::parse(&s).unwrap_or_else(|e| panic!("{e}"));
-    let mut agent = Agent::start_binary(v1_binary(), &gw, Layout::Plain, &s, &[]);
+    let mut agent = Agent::start_binary(v2_binary(), &gw, Layout::Plain, &s, &[]);
     agent.wait_ready(&gw);
     assert!(agent.stop().is_some_and(|s| s.success()));
 
     let dir = gw.bpffs.join("wgfence").join(gw.interface());
-    let stale = dir.join("wgf2_peers_v4");
+    let stale = dir.join("wgf3_peers_v4");
     let stale = stale.to_string_lossy();
     let bpftool = |args: &[&str]| {
         let out = wgfence_tests::net::run(&[&["bpftool"][..], args].concat());
@@ -646,17 +654,29 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
         "key",
         "4",
         "value",
-        "16",
+        "40",
         "entries",
         "131072",
         "name",
-        "wgf2_peers_v4",
+        "wgf3_peers_v4",
     ]);
-    // 10.99.0.1: unrestricted, slot 7, owner 99.
-    bpftool(&[
-        "map", "update", "pinned", &stale, "key", "10", "99", "0", "1", "value", "0", "0", "0",
-        "0", "7", "0", "0", "0", "99", "0", "0", "0", "0", "0", "0", "0",
-    ]);
+    // 10.99.0.1: unrestricted, slot 7, owner 99, no flags, no rules, no window.
+    let mut value: Vec<String> = [0u8, 0, 0, 0, 7, 0, 0, 0, 99, 0, 0, 0, 0, 0, 0, 0]
+        .iter()
+        .chain(&[0, 0, 0, 0, 255, 255, 255, 255])
+        .chain(&[0; 8])
+        .chain(&[255; 8])
+        .map(u8::to_string)
+        .collect();
+    let mut args: Vec<String> = [
+        "map", "update", "pinned", &stale, "key", "10", "99", "0", "1",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    args.push("value".into());
+    args.append(&mut value);
+    bpftool(&args.iter().map(String::as_str).collect::<Vec<_>>());
 
     agent.write_state("{ not json");
     agent.binary = with_daemonset_caps(&agent.dir, &binary());
@@ -664,7 +684,7 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
     agent.wait_readyz(&gw, 503);
     let log = agent.log_text();
     assert!(
-        log.contains("upgraded the datapath from map layout 1 to 2"),
+        log.contains("upgraded the datapath from map layout 2 to 3"),
         "{log}"
     );
     let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
@@ -676,12 +696,7 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
         "the stale entry survived: {peers:?}"
     );
     assert_eq!(map_mismatch(&maps, &desired), None);
-    assert_eq!(
-        layout_1_pins(&gw),
-        ["wgf1_peers_v4"],
-        "pins: {:?}",
-        pins(&gw)
-    );
+    assert_eq!(old_pins(&gw), TOMBSTONES, "pins: {:?}", pins(&gw));
     for (kind, dst, expect) in [
         (Kind::Tcp(80), "10.2.3.4", Reach::Reached),
         (Kind::Tcp(22), "10.2.3.4", Reach::Blocked),
@@ -695,22 +710,22 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
 /// would).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Interrupted {
-    /// The egress link runs layout 2, the ingress link still layout 1.
+    /// The egress link runs layout 3, the ingress link still layout 2.
     BetweenLinks,
-    /// Both links run layout 2; every layout-1 pin is still there.
+    /// Both links run layout 3; every layout-2 pin is still there.
     AfterSwitch,
-    /// Both links run layout 2 and some of the layout-1 pins are removed.
+    /// Both links run layout 3 and some of the layout-2 pins are removed.
     WhileUnpinning,
 }
 
-/// A layout-1 datapath (made by the layout-1 agent, with a reply flow recorded toward peer 0),
+/// A layout-2 datapath (made by the layout-2 agent, with a reply flow recorded toward peer 0),
 /// an upgrade interrupted at `at`, and this agent started again (with the DaemonSet's
-/// capabilities, or as root with `root`): it starts, enforces layout 2, tidies layout 1 away
-/// (only the tombstone is left), finishes an upgrade the interruption left half done instead
+/// capabilities, or as root with `root`): it starts, enforces layout 3, tidies layout 2 away
+/// (only the tombstones are left), finishes an upgrade the interruption left half done instead
 /// of redoing a finished one, and the flow quota of peer 0's slot counts exactly the flows
 /// its table holds (`made - freed` = live).
 fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
-    let v1 = v1_binary();
+    let v1 = v2_binary();
     let gw = Gateway::new(1);
     let s = wgfence_tests::state(vec![gw.peer_json(0, Some(restricted()))]);
     let scripts = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-caps-"));
@@ -719,7 +734,7 @@ fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
     let v2_caps = with_daemonset_caps(&scripts, &binary());
     let mut agent = Agent::start_binary(v1_caps, &gw, Layout::Plain, &s, &[]);
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(60));
-    // A flow the network starts toward peer 0, recorded by the layout-1 egress program.
+    // A flow the network starts toward peer 0, recorded by the layout-2 egress program.
     let node_sock = gw
         .node
         .enter(|| UdpSocket::bind("10.1.2.3:4000"))
@@ -750,7 +765,7 @@ fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
     agent.restart(&gw, &[]);
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(30));
     let log = agent.log_text();
-    let upgraded = log.contains("map layout 1: upgrading it");
+    let upgraded = log.contains("map layout 2: upgrading it");
     if at == Interrupted::BetweenLinks {
         assert!(
             upgraded,
@@ -764,17 +779,18 @@ fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
     }
     assert_eq!(
         Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
-        Some(2)
+        Some(3)
     );
     let left = pins(&gw);
     assert_eq!(
-        layout_1_pins(&gw),
-        ["wgf1_peers_v4"],
-        "layout 1 not tidied (only the tombstone stays): {left:?}"
+        old_pins(&gw),
+        TOMBSTONES,
+        "layout 2 not tidied (only the tombstones stay): {left:?}"
     );
     assert!(
-        left.iter()
-            .all(|p| p.starts_with("wgf2_") || p.starts_with("link_") || p == "wgf1_peers_v4"),
+        left.iter().all(|p| p.starts_with("wgf3_")
+            || p.starts_with("link_")
+            || TOMBSTONES.contains(&p.as_str())),
         "leftovers: {left:?}"
     );
     assert_eq!(
@@ -812,7 +828,7 @@ fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
         .filter(|f| f.value.slot == slot)
         .count() as u64;
     let (made, freed) = maps.flow_quota(slot).unwrap_or_else(|e| panic!("{e}"));
-    assert!(live >= 1, "the layout-1 flow was not carried");
+    assert!(live >= 1, "the layout-2 flow was not carried");
     assert_eq!(
         made.wrapping_sub(freed),
         live,
@@ -843,6 +859,115 @@ fn an_upgrade_interrupted_after_its_switch_is_tidied_not_redone() {
 }
 
 #[test]
-fn an_upgrade_interrupted_while_unpinning_layout_1_starts_and_tidies() {
+fn an_upgrade_interrupted_while_unpinning_layout_2_starts_and_tidies() {
     interrupted_upgrade_resumes(Interrupted::WhileUnpinning, false);
+}
+
+/// A datapath that still runs layout 1 is not upgraded directly: this agent refuses before it
+/// changes anything, saying to go through a layout-2 agent, and the layout-1 programs keep
+/// enforcing; the layout-2 agent then upgrades 1 -> 2 and this one 2 -> 3, each without a gap.
+#[test]
+fn a_layout_1_datapath_is_refused_and_goes_through_layout_2() {
+    let gw = Gateway::new(2);
+    let s = wgfence_tests::state(vec![
+        gw.peer_json(0, Some(restricted())),
+        gw.peer_json(1, None),
+    ]);
+    let mut agent = Agent::start_binary(v1_binary(), &gw, Layout::Plain, &s, &[]);
+    agent.wait_readyz_for(&gw, 200, Duration::from_secs(60));
+    assert!(agent.stop().is_some_and(|s| s.success()));
+    let scripts = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-caps-"));
+    fs::create_dir_all(&scripts).unwrap_or_else(|e| panic!("{e}"));
+    for (what, bin) in [
+        ("as root", binary()),
+        (
+            "with the DaemonSet's capabilities",
+            with_daemonset_caps(&scripts, &binary()),
+        ),
+    ] {
+        let streams = Streams::start(&gw, 200);
+        thread::sleep(Duration::from_millis(300));
+        let out = run_refused(&bin, &gw, &agent.state);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && stderr.contains("runs a datapath of map layout 1")
+                && stderr.contains("layout-2 agent"),
+            "{what}: {out:?}"
+        );
+        eprintln!("refused {what}: {}", streams.check("while refused"));
+        assert_eq!(
+            Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+            Some(1),
+            "{what}"
+        );
+        assert!(
+            pins(&gw).iter().all(|p| !p.starts_with("wgf3_")),
+            "{what}: the refused agent pinned layout-3 maps: {:?}",
+            pins(&gw)
+        );
+    }
+    // The way through: the layout-2 agent once, then this one.
+    for (bin, to) in [(v2_binary(), 2), (binary(), 3)] {
+        let streams = Streams::start(&gw, 400);
+        thread::sleep(Duration::from_millis(500));
+        agent.binary = bin;
+        agent.restart(&gw, &[]);
+        agent.wait_readyz_for(&gw, 200, Duration::from_secs(60));
+        assert!(agent.stop().is_some_and(|s| s.success()));
+        eprintln!(
+            "upgrade to layout {to}: {}",
+            streams.check("across the upgrade")
+        );
+        assert_eq!(
+            Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+            Some(to)
+        );
+    }
+    assert_eq!(old_pins(&gw), TOMBSTONES, "pins: {:?}", pins(&gw));
+    let _ = fs::remove_dir_all(&scripts);
+}
+
+/// On the legacy TC hook (clsact filters, no links): the layout-2 filters are replaced in
+/// place by the layout-3 programs, with the state carried, and not a packet lost or passed
+/// wrongly.
+#[test]
+fn a_layout_2_datapath_on_the_legacy_tc_hook_is_upgraded_in_place() {
+    let gw = Gateway::new(3);
+    let s = wgfence_tests::state(vec![
+        gw.peer_json(0, Some(restricted())),
+        gw.peer_json(1, None),
+        gw.peer_json(2, None),
+    ]);
+    let desired = wgfence::state::parse(&s).unwrap_or_else(|e| panic!("{e}"));
+    let tc = ["--attach", "tc"];
+    let mut agent = Agent::start_binary(v2_binary(), &gw, Layout::Plain, &s, &tc);
+    agent.wait_readyz_for(&gw, 200, Duration::from_secs(60));
+    let streams = Streams::start(&gw, 600);
+    thread::sleep(Duration::from_secs(1));
+    assert!(agent.stop().is_some_and(|s| s.success()));
+    agent.binary = binary();
+    agent.restart(&gw, &tc);
+    agent.wait_readyz_for(&gw, 200, Duration::from_secs(60));
+    let report = streams.check("across the upgrade on the TC hook");
+    eprintln!("upgrade on tc: {report}");
+    let log = agent.log_text();
+    assert!(
+        log.contains("upgraded the datapath from map layout 2 to 3"),
+        "{log}"
+    );
+    let after = status_json(&binary(), &gw);
+    assert_eq!(after["layoutVersion"], 3, "{after:#}");
+    assert_eq!(old_pins(&gw), TOMBSTONES, "pins: {:?}", pins(&gw));
+    assert!(
+        pins(&gw).iter().all(|p| !p.starts_with("link_")),
+        "a tcx link appeared: {:?}",
+        pins(&gw)
+    );
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(map_mismatch(&maps, &desired), None);
+    // The rollback is refused here too.
+    assert!(agent.stop().is_some_and(|s| s.success()));
+    let out = run_refused(&v2_binary(), &gw, &agent.state);
+    assert!(!out.status.success(), "{out:?}");
 }

@@ -12,7 +12,7 @@ const MAP_PREFIX: &str = "wgf";
 /// The pinned tcx links (`wgfence::dataplane::LINK_PIN`, `LINK_PIN_EGRESS`) start with this.
 const LINK_PREFIX: &str = "link_";
 /// The drop event ring buffer: bpftool cannot dump a ring buffer, only show it.
-const EVENTS_MAP: &str = "wgf2_events";
+const EVENTS_MAP: &str = "wgf3_events";
 
 pub fn run(interface: &str, bpffs: &Path) -> Result<()> {
     let dir = bpffs.join("wgfence").join(interface);

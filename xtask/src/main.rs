@@ -7,10 +7,10 @@ mod demo;
 mod dump;
 mod fuzz;
 mod linker;
+mod oldagent;
 mod setup;
 mod test;
 mod util;
-mod v1agent;
 mod vm;
 
 use std::{ffi::OsString, path::PathBuf, process::ExitCode};
@@ -67,9 +67,12 @@ enum Task {
     },
     /// Run a cargo-fuzz target (installs cargo-fuzz if missing): `fuzz state --seconds 600`.
     Fuzz(fuzz::Options),
-    /// Build the layout-1 agent (commit 02c7ddc) that the upgrade test starts from, and print
+    /// Build the layout-1 agent (commit 02c7ddc) that the upgrade tests start from, and print
     /// its path.
     V1Agent,
+    /// Build the layout-2 agent (commit b4200bd) that the upgrade tests start from, and print
+    /// its path.
+    V2Agent,
     /// Boot Debian's 5.10, 6.1 and 6.12 kernels under qemu (TCG) and run the conformance subset
     /// inside each (kernel WireGuard, enforcement, policy change, revocation, restart, status,
     /// monitor, detach); prints the table of docs/operations.md "Supported kernels".
@@ -105,7 +108,8 @@ fn run(cli: Cli) -> Result<()> {
         Task::Demo => demo::run(),
         Task::Bench { quick, only } => bench::run(quick, only),
         Task::Fuzz(options) => fuzz::run(&options),
-        Task::V1Agent => v1agent::run(),
+        Task::V1Agent => oldagent::run(oldagent::V1),
+        Task::V2Agent => oldagent::run(oldagent::V2),
         Task::VmTest(options) => vm::run(options),
         Task::Dump { interface, bpffs } => dump::run(&interface, &bpffs),
     }

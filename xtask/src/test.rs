@@ -13,7 +13,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use crate::{fuzz, setup, util, v1agent, vm};
+use crate::{fuzz, oldagent, setup, util, vm};
 
 /// Seconds each fuzz target runs in `cargo xtask test` (CI has 2 cores and 90 minutes).
 const FUZZ_SECONDS: u64 = 25;
@@ -121,17 +121,22 @@ pub fn run(options: Options) -> Result<()> {
                 "wgfence",
             ]))
         })?;
-        // The upgrade test starts from a datapath of the previous map layout, made by that
+        // The upgrade tests start from a datapath of an older map layout, made by that
         // version's own agent.
-        let v1 = std::cell::RefCell::new(None);
-        step("build the layout-1 agent (upgrade test)", || {
-            *v1.borrow_mut() = Some(v1agent::build(&root)?);
-            Ok(())
-        })?;
+        let old = std::cell::RefCell::new(Vec::new());
+        for agent in oldagent::ALL {
+            step(
+                &format!("build the layout-{} agent (upgrade tests)", agent.layout),
+                || {
+                    old.borrow_mut().push((agent.env, agent.build(&root)?));
+                    Ok(())
+                },
+            )?;
+        }
         step("integration tests", || {
             let mut cmd = util::cargo_command(&root);
-            if let Some(bin) = v1.borrow().as_ref() {
-                cmd.env(v1agent::ENV, bin);
+            for (env, bin) in old.borrow().iter() {
+                cmd.env(env, bin);
             }
             cmd.env("RUST_BACKTRACE", "1")
                 .args(["test", "--package", "wgfence-tests"]);

@@ -140,10 +140,12 @@ pub enum DataplaneError {
     )]
     NoTcx,
     #[error(
-        "{interface} runs a layout-1 datapath on tcx: start this agent with --attach auto (or \
-         tcx) once to upgrade it in place; this one changed nothing"
+        "{} runs a datapath of map layout 1, which this agent (layout 3) does not upgrade \
+         directly: run a layout-2 agent (wgfence at commit b4200bd) on it once, which upgrades \
+         1 -> 2 without a gap, then this one; nothing was changed",
+        pin_dir.display()
     )]
-    UpgradeOnTc { interface: String },
+    UpgradeThroughLayout2 { pin_dir: PathBuf },
     #[error("BPF_PROG_TEST_RUN")]
     TestRun(#[source] io::Error),
 }

@@ -7,8 +7,8 @@ use std::mem::size_of;
 use aya::maps::{MapInfo, MapType};
 use wgfence_common::{
     map_names, Config, EventBucket, FlowKeyV4, FlowKeyV6, FlowValue, PeerCounters, PeerEntry,
-    PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, COUNTERS_LEN, EVENTS_BYTES,
-    MAX_FLOWS, MAX_PEERS, MAX_POLICY_ENTRIES,
+    PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, RuleCounters, COUNTERS_LEN,
+    EVENTS_BYTES, MAX_FLOWS, MAX_PEERS, MAX_POLICY_ENTRIES, MAX_RULES,
 };
 
 use super::error::{DataplaneError, Result};
@@ -118,6 +118,13 @@ pub(crate) fn expected(name: &str) -> Option<Layout> {
             1,
             0,
         ),
+        map_names::RULE_STATS => layout(
+            MapType::PerCpuArray,
+            size_of::<u32>(),
+            size_of::<RuleCounters>(),
+            MAX_RULES,
+            0,
+        ),
         _ => return None,
     })
 }
@@ -156,6 +163,7 @@ mod tests {
             assert!(expected(name).is_some(), "{name} has no expected layout");
         }
         assert!(expected("wgf1_peers_v4").is_none());
+        assert!(expected("wgf2_peers_v4").is_none());
     }
 
     #[test]

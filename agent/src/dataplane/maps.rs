@@ -17,7 +17,8 @@ use aya::{
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use wgfence_common::{
     map_names, Config, Counter, FlowKeyV4, FlowKeyV6, FlowValue, PeerCounters, PeerEntry,
-    PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, COUNTERS_LEN, POLICY_ID_BITS,
+    PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, RuleCounters, COUNTERS_LEN,
+    POLICY_ID_BITS,
 };
 
 use super::{
@@ -91,6 +92,7 @@ pub struct Maps {
     /// which must stay open until then (`wgfence monitor` opens the ring buffer's pin).
     _events: MapData,
     _event_bucket: MapData,
+    rule_stats: PerCpuArray<MapData, RuleCounters>,
     writes: u64,
 }
 
@@ -165,6 +167,7 @@ impl Maps {
             flow_made: typed(map_names::FLOW_MADE, data(map_names::FLOW_MADE)?)?,
             flow_freed: typed(map_names::FLOW_FREED, data(map_names::FLOW_FREED)?)?,
             config: typed(map_names::CONFIG, data(map_names::CONFIG)?)?,
+            rule_stats: typed(map_names::RULE_STATS, data(map_names::RULE_STATS)?)?,
             writes: 0,
         })
     }
@@ -489,6 +492,23 @@ impl Maps {
     }
 }
 
+impl Maps {
+    /// One rule counter summed over the CPUs; the last hit is the latest of any CPU.
+    pub fn rule_counters(&self, index: u32) -> Result<RuleCounters> {
+        let per_cpu = self
+            .rule_stats
+            .get(&index, 0)
+            .map_err(map_err(map_names::RULE_STATS))?;
+        Ok(per_cpu
+            .iter()
+            .fold(RuleCounters::default(), |sum, c| RuleCounters {
+                packets: sum.packets.wrapping_add(c.packets),
+                bytes: sum.bytes.wrapping_add(c.bytes),
+                last_hit_ns: sum.last_hit_ns.max(c.last_hit_ns),
+            }))
+    }
+}
+
 /// The sum of one slot's per-CPU counters.
 pub(crate) fn sum_peer_counters<'a>(
     per_cpu: impl IntoIterator<Item = &'a PeerCounters>,
@@ -500,6 +520,8 @@ pub(crate) fn sum_peer_counters<'a>(
             pass_bytes: sum.pass_bytes.wrapping_add(c.pass_bytes),
             drop_packets: sum.drop_packets.wrapping_add(c.drop_packets),
             drop_bytes: sum.drop_bytes.wrapping_add(c.drop_bytes),
+            audit_packets: sum.audit_packets.wrapping_add(c.audit_packets),
+            audit_bytes: sum.audit_bytes.wrapping_add(c.audit_bytes),
         })
 }
 

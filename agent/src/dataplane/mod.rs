@@ -331,13 +331,19 @@ impl Dataplane {
             || pin_dir.join(tc::QDISC_MARKER).is_dir();
         // Links that run an older layout's programs: fill the new maps from the old ones
         // before the switch (see `upgrade`). Decided before the loader creates anything.
-        let mut upgrade = upgrade::Upgrade::prepare(&pin_dir)?;
-        if upgrade.is_some() && kind == HookKind::Tc {
-            // Layout 1 only ever ran on tcx; its links are upgraded in place, on tcx.
-            return Err(DataplaneError::UpgradeOnTc {
-                interface: interface.to_owned(),
-            });
-        }
+        // Each hook's pinned tcx link, else the agent's clsact filter on it.
+        let [egress_hook, ingress_hook] = &hooks;
+        let running = |hook: &Hook| {
+            upgrade::running_on(
+                &pin_dir,
+                hook.link_pin,
+                ifindex,
+                hook.attach_type,
+                hook.program,
+            )
+        };
+        let mut upgrade =
+            upgrade::Upgrade::prepare(&pin_dir, running(ingress_hook)?, running(egress_hook)?)?;
 
         let pins: Vec<(&'static str, PathBuf)> = map_names::ALL
             .iter()
@@ -438,7 +444,7 @@ impl Dataplane {
                 tracing::error!(
                     pin_dir = %pin_dir.display(),
                     error = %crate::error_chain(&e),
-                    "the programs run layout 2 with the translated state, but finishing the \
+                    "the programs run layout 3 with the translated state, but finishing the \
                      upgrade failed: flows recorded during the switch may be lost, the old \
                      pins are removed at the next start"
                 );
@@ -451,8 +457,8 @@ impl Dataplane {
             tracing::error!(
                 pin_dir = %pin_dir.display(),
                 error = %crate::error_chain(&e),
-                "could not tidy the pins of layout 1 or place the tombstone: an agent of \
-                 layout 1 started now could replace the programs"
+                "could not tidy the pins of layouts 1 and 2 or place the tombstones: an agent \
+                 of an older layout started now could replace the programs"
             );
         }
         // The programs run on the chosen hook now: what the agent left on the other one (a

@@ -1,33 +1,44 @@
-//! Upgrading a running datapath of map layout 1 (`wgf1_*`) to this agent's layout 2 (`wgf2_*`)
+//! Upgrading a running datapath of map layout 2 (`wgf2_*`) to this agent's layout 3 (`wgf3_*`)
 //! without losing a packet, and refusing a rollback without a blackhole.
 //!
-//! What runs is decided by what the pinned links run, not by which pins exist: link ->
-//! program -> the program's maps -> their names. Only without CAP_SYS_ADMIN (the DaemonSet's
-//! case), where the kernel shows no program or map by id, do the peer map pins decide. A datapath whose ingress link runs layout-1
-//! programs is upgraded in this order ("fill first, then switch"):
+//! What runs is decided by what is attached, not by which pins exist: the pinned tcx link's
+//! program, or (legacy TC hook) the program of the agent's clsact filter -> the program's maps
+//! -> their names. Only without CAP_SYS_ADMIN (the DaemonSet's case), where the kernel shows no
+//! program or map by id, do the peer map pins decide. A datapath whose ingress hook runs
+//! layout-2 programs is upgraded in this order ("fill first, then switch"):
 //!
-//! 1. the v2 maps are created and pinned (by the loader) and both v2 programs loaded;
-//! 2. [`Upgrade::fill`] translates the v1 maps into them: peer entries get owners (one per
-//!    counter slot, i.e. per peer), policy tries are copied verbatim, packet and per-peer
-//!    counters carried over, live flows translated to the owner of their peer's entry and
-//!    counted in `wgf2_flow_made`, the config carried with the new fields at their defaults;
-//! 3. the switch marker (`wgf2_switch`, the ids of the v2 programs) is pinned, then each
-//!    pinned link gets its v2 program with one `bpf_link_update`, egress then ingress;
-//! 4. [`Upgrade::finish`] copies again what the v1 programs recorded between the fill and the
-//!    switch (flows, counter increments), places the tombstone, removes the other v1 pins and
+//! 1. the v3 maps are created and pinned (by the loader) and both v3 programs loaded;
+//! 2. [`Upgrade::fill`] translates the v2 maps into them: peer entries keep their policy, slot
+//!    and owner and get no flags, no window and no rule counters (the agent's first apply
+//!    writes those); policy entries are copied with every allow credited to rule 0 (the
+//!    agent's first apply replaces them with its own compiled, attributed policies through the
+//!    usual write-then-switch); packet, per-peer and flow quota counters carried over; live
+//!    flows copied as they are (layout 2 already has owners); the config verbatim;
+//! 3. the switch marker (`wgf3_switch`, the ids of the v3 programs) is pinned, then each hook
+//!    gets its v3 program, egress then ingress: one `bpf_link_update` per pinned tcx link, or
+//!    one in-place `tc filter replace` per clsact filter (both atomic per packet);
+//! 4. [`Upgrade::finish`] copies again what the v2 programs recorded between the fill and the
+//!    switch (flows, counter increments), places the tombstones, removes the other v2 pins and
 //!    then the marker.
 //!
 //! An upgrade killed at any step is finished by the next start, also without CAP_SYS_ADMIN:
-//! before the switch the links run v1 (the upgrade starts again), between the two link updates
-//! the egress link runs a program the marker names (the upgrade resumes with the v2 maps it
-//! filled), after the switch a link runs a program the marker names or the tombstone is in
-//! place (no upgrade: [`tidy`] finishes step 4). A flow the first fill copied is not counted
-//! again when the upgrade resumes, and every start recounts the flow quota from the tables.
+//! before the switch the hooks run v2 (the upgrade starts again), between the two program
+//! switches the egress hook runs a program the marker names (the upgrade resumes with the v3
+//! maps it filled), after the switch a hook runs a program the marker names or the tombstone is
+//! in place (no upgrade: [`tidy`] finishes step 4). Every start recounts the flow quota from
+//! the tables.
 //!
-//! The tombstone is a one-entry array pinned as `wgf1_peers_v4`. A layout-1 agent adopts any
-//! pinned `wgf1_*` object and checks its layout before it attaches anything, so it stops with
-//! "pinned map wgf1_peers_v4 has type Array ..." while the v2 programs keep enforcing. The
-//! other `wgf1_*` maps that refused agent created are removed by [`tidy`] at the next start.
+//! The tombstones are one-entry arrays pinned as `wgf2_peers_v4` and `wgf1_peers_v4`. An agent
+//! of layout 2 sees the v3 programs attached and refuses a newer layout; without CAP_SYS_ADMIN
+//! it adopts the pinned `wgf2_peers_v4`, checks its layout before it attaches anything and stops
+//! with "pinned map wgf2_peers_v4 has type Array ...". A layout-1 agent stops the same way at
+//! `wgf1_peers_v4`. The v3 programs keep enforcing meanwhile; the other pins such a refused
+//! agent created are removed by [`tidy`] at the next start.
+//!
+//! Layout 1 is not upgraded directly: a datapath that still runs it is refused before anything
+//! changes, with the advice to run a layout-2 agent (v0.2, commit b4200bd) once first, which
+//! upgrades 1 -> 2 without loss; this agent then upgrades 2 -> 3. Two hops each tested under
+//! traffic, rather than a chained translation no release ever ran.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -46,37 +57,41 @@ use aya::{
     programs::{
         links::{FdLink, PinnedLink},
         loaded_programs,
+        tc::TcAttachType,
     },
 };
 use wgfence_common::{map_names, LAYOUT_VERSION};
 
 use super::{
     error::{DataplaneError, Result},
-    maps::per_cpu,
+    tc,
 };
 
-/// The map layout 1, as main left it at commit 02c7ddc: the only layout this agent upgrades
+/// The map layout 2, as main left it at commit b4200bd: the only layout this agent upgrades
 /// from. Private copies, so that a change to the current layout can never change how the old
 /// one is read.
-pub(crate) mod v1 {
+pub(crate) mod v2 {
     use bytemuck::{Pod, Zeroable};
 
-    pub const LAYOUT: u32 = 1;
-    pub const PEERS_V4: &str = "wgf1_peers_v4";
-    pub const PEERS_V6: &str = "wgf1_peers_v6";
-    pub const POLICY_V4: &str = "wgf1_policy_v4";
-    pub const POLICY_V6: &str = "wgf1_policy_v6";
-    pub const STATS: &str = "wgf1_stats";
-    pub const PEER_STATS: &str = "wgf1_peer_stats";
-    pub const FLOWS_V4: &str = "wgf1_flows_v4";
-    pub const FLOWS_V6: &str = "wgf1_flows_v6";
-    pub const CONFIG: &str = "wgf1_config";
+    pub const LAYOUT: u32 = 2;
+    pub const PEERS_V4: &str = "wgf2_peers_v4";
+    pub const PEERS_V6: &str = "wgf2_peers_v6";
+    pub const POLICY_V4: &str = "wgf2_policy_v4";
+    pub const POLICY_V6: &str = "wgf2_policy_v6";
+    pub const STATS: &str = "wgf2_stats";
+    pub const PEER_STATS: &str = "wgf2_peer_stats";
+    pub const FLOWS_V4: &str = "wgf2_flows_v4";
+    pub const FLOWS_V6: &str = "wgf2_flows_v6";
+    pub const FLOW_MADE: &str = "wgf2_flow_made";
+    pub const FLOW_FREED: &str = "wgf2_flow_freed";
+    pub const CONFIG: &str = "wgf2_config";
     /// The maps an upgrade reads: all pinned, unless an upgrade removed some.
-    pub const UPGRADED: [&str; 9] = [
-        PEERS_V4, PEERS_V6, POLICY_V4, POLICY_V6, STATS, PEER_STATS, FLOWS_V4, FLOWS_V6, CONFIG,
+    pub const UPGRADED: [&str; 11] = [
+        PEERS_V4, PEERS_V6, POLICY_V4, POLICY_V6, STATS, PEER_STATS, FLOWS_V4, FLOWS_V6, FLOW_MADE,
+        FLOW_FREED, CONFIG,
     ];
     #[cfg(test)]
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 13] = [
         PEERS_V4,
         PEERS_V6,
         POLICY_V4,
@@ -85,15 +100,14 @@ pub(crate) mod v1 {
         PEER_STATS,
         FLOWS_V4,
         FLOWS_V6,
+        FLOW_MADE,
+        FLOW_FREED,
         CONFIG,
-        "wgf1_events",
-        "wgf1_ev_bucket",
+        "wgf2_events",
+        "wgf2_ev_bucket",
     ];
     pub const MAX_ALLOWS: usize = 32;
     pub const COUNTERS_LEN: u32 = 16;
-    pub const FLOW_CLOSING: u32 = 1;
-    pub const PROTO_TCP: u8 = 6;
-    pub const PROTO_UDP: u8 = 17;
 
     #[repr(C)]
     #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Pod, Zeroable)]
@@ -112,6 +126,7 @@ pub(crate) mod v1 {
     pub struct PeerEntry {
         pub policy: u32,
         pub slot: u32,
+        pub owner: u64,
     }
 
     #[repr(C)]
@@ -170,6 +185,7 @@ pub(crate) mod v1 {
     #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
     pub struct FlowValue {
         pub last_seen_ns: u64,
+        pub owner: u64,
         pub state: u32,
         pub slot: u32,
     }
@@ -178,13 +194,15 @@ pub(crate) mod v1 {
     #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
     pub struct Config {
         pub flags: u32,
-        pub _pad: u32,
+        pub flows_per_peer: u32,
         pub tcp_timeout_ns: u64,
         pub tcp_closing_timeout_ns: u64,
         pub udp_timeout_ns: u64,
         pub other_timeout_ns: u64,
+        pub unanswered_timeout_ns: u64,
         pub event_interval_ns: u64,
         pub event_burst_ns: u64,
+        pub owner_high: u64,
     }
 
     #[repr(C)]
@@ -194,18 +212,6 @@ pub(crate) mod v1 {
         pub pass_bytes: u64,
         pub drop_packets: u64,
         pub drop_bytes: u64,
-    }
-
-    impl Config {
-        /// The idle timeout of a flow of `protocol` in `state`, as the v1 datapath reads it.
-        pub fn timeout(&self, protocol: u8, state: u32) -> u64 {
-            match protocol {
-                PROTO_TCP if state == FLOW_CLOSING => self.tcp_closing_timeout_ns,
-                PROTO_TCP => self.tcp_timeout_ns,
-                PROTO_UDP => self.udp_timeout_ns,
-                _ => self.other_timeout_ns,
-            }
-        }
     }
 
     // SAFETY: #[repr(C)], integers and arrays of integers only, no padding (the `Pod` derives
@@ -223,20 +229,32 @@ pub(crate) mod v1 {
     unsafe impl aya::Pod for PeerCounters {}
 }
 
-/// The pin a layout-1 agent reads first among the peer maps, where the tombstone goes.
-pub const TOMBSTONE_PIN: &str = v1::PEERS_V4;
-/// Kernel name of the tombstone map (`bpftool map show` prints it).
-const TOMBSTONE_NAME: &str = "wgf2_tombstone";
-/// A pin name for the tombstone before it is renamed into place (bpffs refuses dots).
+/// Layout 1 (`wgf1_*`): never upgraded directly (see the module doc); its peer map pin holds a
+/// tombstone once a newer layout runs.
+pub(crate) mod v1 {
+    pub const LAYOUT: u32 = 1;
+    pub const PEERS_V4: &str = "wgf1_peers_v4";
+    /// Its peer entry: `{ policy: u32, slot: u32 }`.
+    pub const PEER_ENTRY_SIZE: usize = 8;
+}
+
+/// The pins older agents read first among the peer maps, where the tombstones go: each makes
+/// that layout's agent stop before it attaches anything.
+pub const TOMBSTONE_PINS: [&str; 2] = [v2::PEERS_V4, v1::PEERS_V4];
+/// Kernel name of the tombstones (`bpftool map show` prints it).
+const TOMBSTONE_NAME: &str = "wgf3_tombstone";
+/// A pin name for a tombstone before it is renamed into place (bpffs refuses dots).
 const TOMBSTONE_TMP: &str = "tombstone_new";
-/// The switch marker: a two-entry array of the layout-2 program ids (egress, ingress) an
-/// upgrade pins before its switch and removes once layout 1 is tidied away. Without
-/// CAP_SYS_ADMIN the kernel shows which program a pinned link runs (its id) but not that
-/// program's maps: a link running one of these ids runs layout 2, whatever layout-1 pins an
-/// interrupted upgrade left.
-const SWITCH_PIN: &str = "wgf2_switch";
+/// The switch marker: a two-entry array of the layout-3 program ids (egress, ingress) an
+/// upgrade pins before its switch and removes once layout 2 is tidied away. Without
+/// CAP_SYS_ADMIN the kernel shows which program a hook runs (its id) but not that program's
+/// maps: a hook running one of these ids runs layout 3, whatever layout-2 pins an interrupted
+/// upgrade left.
+const SWITCH_PIN: &str = "wgf3_switch";
 /// A pin name for the switch marker before it is renamed into place.
 const SWITCH_TMP: &str = "switch_new";
+/// The markers of the layout 1 -> 2 upgrade, removed if an interrupted one left them.
+const OLD_LEFTOVERS: [&str; 1] = ["wgf2_switch"];
 /// `BPF_MAP_TYPE_ARRAY`.
 const MAP_TYPE_ARRAY: u32 = 2;
 /// `BPF_NOEXIST`: insert only if the key is absent.
@@ -272,10 +290,11 @@ pub(crate) fn name_layout(name: &str) -> Option<u32> {
     digits.parse().ok()
 }
 
-/// What one pinned link runs: the layout of its program's maps and those maps by name.
+/// What one hook runs: the layout of its program's maps and those maps by name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Running {
-    pub link_id: u32,
+    /// The pinned tcx link; `None` for a clsact filter.
+    pub link_id: Option<u32>,
     pub program_id: u32,
     /// `None`: the program uses no `wgf<N>_` map, or maps of several layouts (not ours).
     pub layout: Option<u32>,
@@ -301,9 +320,38 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
     };
     let link = FdLink::from(pinned);
     let info = link.info().map_err(link_err)?;
-    let (link_id, program_id) = (info.id(), info.program_id());
+    let pin_dir = link_path.parent().unwrap_or(link_path);
+    running_program(pin_dir, Some(info.id()), info.program_id()).map(Some)
+}
+
+/// What one hook of the datapath pinned in `pin_dir` runs: its pinned tcx link's program, else
+/// the program of the agent's clsact filter `program` on `ifindex` (legacy TC hook).
+pub(crate) fn running_on(
+    pin_dir: &Path,
+    link_pin: &str,
+    ifindex: u32,
+    attach_type: TcAttachType,
+    program: &str,
+) -> Result<Option<Running>> {
+    if let Some(running) = running(&pin_dir.join(link_pin))? {
+        return Ok(Some(running));
+    }
+    let place = tc::place(ifindex, attach_type, program).map_err(|source| DataplaneError::Io {
+        path: pin_dir.to_owned(),
+        source,
+    })?;
+    match place {
+        tc::Place::Ours {
+            program_id: Some(id),
+        } => running_program(pin_dir, None, id).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// What program `program_id` (attached through `link_id`, if a link) uses.
+fn running_program(pin_dir: &Path, link_id: Option<u32>, program_id: u32) -> Result<Running> {
     let program_err = |source| DataplaneError::Program {
-        program: "the pinned link's program",
+        program: "the attached program",
         source,
     };
     // aya 0.14 has no "program info by id": walk the loaded programs (a few dozen on a node).
@@ -314,21 +362,21 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
         .filter_map(|p| p.ok())
         .find(|p| p.id() == program_id)
     else {
-        let pin_dir = link_path.parent().unwrap_or(link_path);
         let layout = layout_by_pins(pin_dir, program_id);
         tracing::debug!(
-            link = %link_path.display(),
+            pin_dir = %pin_dir.display(),
             program_id,
             ?layout,
-            "the link's program cannot be looked up (no CAP_SYS_ADMIN): layout read from the pins"
+            "the attached program cannot be looked up (no CAP_SYS_ADMIN): layout read from the \
+             pins"
         );
-        return Ok(Some(Running {
+        return Ok(Running {
             link_id,
             program_id,
             layout,
             maps: BTreeMap::new(),
             program: None,
-        }));
+        });
     };
     let mut maps = BTreeMap::new();
     for id in info.map_ids().map_err(program_err)?.unwrap_or_default() {
@@ -345,41 +393,61 @@ pub(crate) fn running(link_path: &Path) -> Result<Option<Running>> {
         1 => layouts.first().copied(),
         _ => None,
     };
-    Ok(Some(Running {
+    Ok(Running {
         link_id,
         program_id,
         layout,
         maps,
         program: info.name_as_str().map(str::to_owned),
-    }))
+    })
 }
 
-/// The layout of the datapath pinned in `pin_dir`, from its pins, for when the link's program
-/// (`program_id`) cannot be looked up:
-/// - a program the switch marker names is layout 2 (an upgrade switched it, and was
-///   interrupted before it tidied layout 1 away);
-/// - a complete set of layout-1 map pins, its peer map under its own name, means layout 1
-///   (after an upgrade that name holds the tombstone, an array, and a refused layout-1 agent
+/// Whether the pin at `path` is a hash map with the given key and value sizes (a peer map of
+/// some layout, not a tombstone).
+fn is_peer_map(path: &Path, key_size: usize, value_size: usize) -> bool {
+    MapInfo::from_pin(path).is_ok_and(|info| {
+        info.map_type().is_ok_and(|t| t == aya::maps::MapType::Hash)
+            && info.key_size() as usize == key_size
+            && info.value_size() as usize == value_size
+    })
+}
+
+/// The layout of the datapath pinned in `pin_dir`, from its pins, for when the attached
+/// program (`program_id`) cannot be looked up:
+/// - a program the switch marker names is layout 3 (an upgrade switched it, and was
+///   interrupted before it tidied layout 2 away);
+/// - a complete set of layout-2 map pins, its peer map under its own name, means layout 2
+///   (after an upgrade that name holds a tombstone, an array, and a refused layout-2 agent
 ///   cannot replace it; an incomplete set is what an upgrade interrupted while it removed them
-///   leaves, once layout 2 runs);
-/// - else a pinned layout-2 peer map means layout 2.
+///   leaves, once layout 3 runs);
+/// - a layout-1 peer map under its own name, and no newer one, means layout 1;
+/// - else a pinned layout-3 peer map means layout 3.
 fn layout_by_pins(pin_dir: &Path, program_id: u32) -> Option<u32> {
+    use std::mem::size_of;
     if switched_to(pin_dir).contains(&program_id) {
         return Some(LAYOUT_VERSION);
     }
-    let v1_peers = MapInfo::from_pin(pin_dir.join(v1::PEERS_V4))
-        .ok()
-        .filter(|info| {
-            info.map_type().is_ok_and(|t| t == aya::maps::MapType::Hash)
-                && info.key_size() as usize == std::mem::size_of::<v1::PeerKeyV4>()
-                && info.value_size() as usize == std::mem::size_of::<v1::PeerEntry>()
-        });
-    let v2_peers = MapInfo::from_pin(pin_dir.join(map_names::PEERS_V4)).ok();
-    let v1_complete = v1::UPGRADED.iter().all(|name| pin_dir.join(name).exists());
-    if v1_peers.is_some() && (v1_complete || v2_peers.is_none()) {
+    let v3_peers = MapInfo::from_pin(pin_dir.join(map_names::PEERS_V4)).ok();
+    let v2_peers = is_peer_map(
+        &pin_dir.join(v2::PEERS_V4),
+        size_of::<v2::PeerKeyV4>(),
+        size_of::<v2::PeerEntry>(),
+    );
+    let v2_complete = v2::UPGRADED.iter().all(|name| pin_dir.join(name).exists());
+    if v2_peers && (v2_complete || v3_peers.is_none()) {
+        return Some(v2::LAYOUT);
+    }
+    if v3_peers.is_none()
+        && !v2_peers
+        && is_peer_map(
+            &pin_dir.join(v1::PEERS_V4),
+            size_of::<v2::PeerKeyV4>(),
+            v1::PEER_ENTRY_SIZE,
+        )
+    {
         return Some(v1::LAYOUT);
     }
-    v2_peers.map(|_| LAYOUT_VERSION)
+    v3_peers.map(|_| LAYOUT_VERSION)
 }
 
 /// The program ids the switch marker in `pin_dir` names (none without a marker).
@@ -432,15 +500,22 @@ pub(crate) fn running_layout(pin_dir: &Path) -> Result<Option<u32>> {
     Ok(running(&pin_dir.join(super::LINK_PIN))?.and_then(|r| r.layout))
 }
 
-/// Processes other than this one that hold the BPF link `link_id` open: a running agent
-/// holds its links. Read from /proc (`anon_inode:bpf_link` fds, `link_id` in their fdinfo);
-/// processes that vanish or cannot be read meanwhile are skipped.
-fn link_holders(link_id: u32) -> Vec<u32> {
+/// Processes other than this one that hold the hook's BPF link (a tcx link) or its program
+/// (a clsact filter) open: a running agent holds both. Read from /proc (`anon_inode:bpf_link`
+/// or `anon_inode:bpf-prog` fds, `link_id` or `prog_id` in their fdinfo); processes that
+/// vanish or cannot be read meanwhile are skipped.
+fn holders(running: &Running) -> Vec<u32> {
+    let (kind, wanted) = match running.link_id {
+        Some(id) => ("anon_inode:bpf_link", format!("link_id:\t{id}")),
+        None => (
+            "anon_inode:bpf-prog",
+            format!("prog_id:\t{}", running.program_id),
+        ),
+    };
     let me = std::process::id();
     let Ok(procs) = fs::read_dir("/proc") else {
         return Vec::new();
     };
-    let wanted = format!("link_id:\t{link_id}");
     let mut pids = Vec::new();
     for entry in procs.filter_map(|e| e.ok()) {
         let Some(pid) = entry
@@ -457,9 +532,8 @@ fn link_holders(link_id: u32) -> Vec<u32> {
             continue;
         };
         let holds = fds.filter_map(|fd| fd.ok()).any(|fd| {
-            let is_link = fs::read_link(fd.path())
-                .is_ok_and(|target| target.as_os_str() == "anon_inode:bpf_link");
-            is_link
+            let is_kind = fs::read_link(fd.path()).is_ok_and(|target| target.as_os_str() == kind);
+            is_kind
                 && fs::read_to_string(entry.path().join("fdinfo").join(fd.file_name()))
                     .is_ok_and(|info| info.lines().any(|l| l.trim_end() == wanted))
         });
@@ -494,95 +568,160 @@ fn remove_pin(path: &Path) -> Result<bool> {
     }
 }
 
-/// The v1 maps an upgrade reads, opened from the ids the running v1 programs use.
-struct V1Maps {
-    peers_v4: HashMap<MapData, v1::PeerKeyV4, v1::PeerEntry>,
-    peers_v6: HashMap<MapData, v1::PeerKeyV6, v1::PeerEntry>,
-    policy_v4: LpmTrie<MapData, v1::PolicyKeyV4, v1::PolicyValue>,
-    policy_v6: LpmTrie<MapData, v1::PolicyKeyV6, v1::PolicyValue>,
+/// The v2 maps an upgrade reads, opened from the ids the running v2 programs use.
+struct V2Maps {
+    peers_v4: HashMap<MapData, v2::PeerKeyV4, v2::PeerEntry>,
+    peers_v6: HashMap<MapData, v2::PeerKeyV6, v2::PeerEntry>,
+    policy_v4: LpmTrie<MapData, v2::PolicyKeyV4, v2::PolicyValue>,
+    policy_v6: LpmTrie<MapData, v2::PolicyKeyV6, v2::PolicyValue>,
     stats: PerCpuArray<MapData, u64>,
-    peer_stats: Array<MapData, v1::PeerCounters>,
-    flows_v4: HashMap<MapData, v1::FlowKeyV4, v1::FlowValue>,
-    flows_v6: HashMap<MapData, v1::FlowKeyV6, v1::FlowValue>,
-    config: Array<MapData, v1::Config>,
+    peer_stats: PerCpuArray<MapData, v2::PeerCounters>,
+    flows_v4: HashMap<MapData, v2::FlowKeyV4, v2::FlowValue>,
+    flows_v6: HashMap<MapData, v2::FlowKeyV6, v2::FlowValue>,
+    flow_made: Array<MapData, u64>,
+    flow_freed: Array<MapData, u64>,
+    config: Array<MapData, v2::Config>,
 }
 
-impl V1Maps {
-    /// Opens each map by the id a running v1 program uses, else (a map neither program
-    /// references) by its pin. aya checks key and value sizes against the v1 types.
+/// Opens a map by the id a running program uses, else (a map no program references) by its
+/// pin. aya checks key and value sizes against the types.
+fn typed_old<T: TryFrom<Map, Error = MapError>>(
+    name: &'static str,
+    ids: &BTreeMap<String, u32>,
+    pin_dir: &Path,
+) -> Result<T> {
+    let data = match ids.get(name) {
+        Some(id) => MapData::from_id(*id),
+        None => MapData::from_pin(pin_dir.join(name)),
+    }
+    .map_err(map_err(name))?;
+    let map = Map::from_map_data(data).map_err(map_err(name))?;
+    T::try_from(map).map_err(map_err(name))
+}
+
+impl V2Maps {
     fn open(ids: &BTreeMap<String, u32>, pin_dir: &Path) -> Result<Self> {
-        fn typed<T: TryFrom<Map, Error = MapError>>(
-            name: &'static str,
-            ids: &BTreeMap<String, u32>,
-            pin_dir: &Path,
-        ) -> Result<T> {
-            let data = match ids.get(name) {
-                Some(id) => MapData::from_id(*id),
-                None => MapData::from_pin(pin_dir.join(name)),
-            }
-            .map_err(map_err(name))?;
-            let map = Map::from_map_data(data).map_err(map_err(name))?;
-            T::try_from(map).map_err(map_err(name))
-        }
         Ok(Self {
-            peers_v4: typed(v1::PEERS_V4, ids, pin_dir)?,
-            peers_v6: typed(v1::PEERS_V6, ids, pin_dir)?,
-            policy_v4: typed(v1::POLICY_V4, ids, pin_dir)?,
-            policy_v6: typed(v1::POLICY_V6, ids, pin_dir)?,
-            stats: typed(v1::STATS, ids, pin_dir)?,
-            peer_stats: typed(v1::PEER_STATS, ids, pin_dir)?,
-            flows_v4: typed(v1::FLOWS_V4, ids, pin_dir)?,
-            flows_v6: typed(v1::FLOWS_V6, ids, pin_dir)?,
-            config: typed(v1::CONFIG, ids, pin_dir)?,
+            peers_v4: typed_old(v2::PEERS_V4, ids, pin_dir)?,
+            peers_v6: typed_old(v2::PEERS_V6, ids, pin_dir)?,
+            policy_v4: typed_old(v2::POLICY_V4, ids, pin_dir)?,
+            policy_v6: typed_old(v2::POLICY_V6, ids, pin_dir)?,
+            stats: typed_old(v2::STATS, ids, pin_dir)?,
+            peer_stats: typed_old(v2::PEER_STATS, ids, pin_dir)?,
+            flows_v4: typed_old(v2::FLOWS_V4, ids, pin_dir)?,
+            flows_v6: typed_old(v2::FLOWS_V6, ids, pin_dir)?,
+            flow_made: typed_old(v2::FLOW_MADE, ids, pin_dir)?,
+            flow_freed: typed_old(v2::FLOW_FREED, ids, pin_dir)?,
+            config: typed_old(v2::CONFIG, ids, pin_dir)?,
         })
     }
 
-    fn config(&self) -> Result<v1::Config> {
-        self.config.get(&0, 0).map_err(map_err(v1::CONFIG))
+    fn config(&self) -> Result<v2::Config> {
+        self.config.get(&0, 0).map_err(map_err(v2::CONFIG))
     }
 
     /// Every peer entry: (address, entry).
-    fn peers(&self) -> Result<Vec<(IpAddr, v1::PeerEntry)>> {
+    fn peers(&self) -> Result<Vec<(IpAddr, v2::PeerEntry)>> {
         let mut peers = Vec::new();
         for item in self.peers_v4.iter() {
-            let (key, entry) = item.map_err(map_err(v1::PEERS_V4))?;
+            let (key, entry) = item.map_err(map_err(v2::PEERS_V4))?;
             peers.push((IpAddr::from(key.addr), entry));
         }
         for item in self.peers_v6.iter() {
-            let (key, entry) = item.map_err(map_err(v1::PEERS_V6))?;
+            let (key, entry) = item.map_err(map_err(v2::PEERS_V6))?;
             peers.push((IpAddr::from(key.addr), entry));
         }
         Ok(peers)
     }
 
-    /// The per-CPU packet counters; the indexes layout 2 has (it kept layout 1's meanings and
+    /// The per-CPU packet counters; the indexes layout 3 has (it kept layout 2's meanings and
     /// added after them).
     fn stats(&self) -> Result<Vec<Vec<u64>>> {
-        (0..v1::COUNTERS_LEN.min(wgfence_common::COUNTERS_LEN))
+        (0..v2::COUNTERS_LEN.min(wgfence_common::COUNTERS_LEN))
             .map(|i| {
                 self.stats
                     .get(&i, 0)
                     .map(|values| values.to_vec())
-                    .map_err(map_err(v1::STATS))
+                    .map_err(map_err(v2::STATS))
             })
             .collect()
     }
 
-    fn peer_stats(&self, slots: &BTreeSet<u32>) -> Result<BTreeMap<u32, v1::PeerCounters>> {
+    /// Each slot's per-CPU counters.
+    fn peer_stats(&self, slots: &BTreeSet<u32>) -> Result<BTreeMap<u32, Vec<v2::PeerCounters>>> {
         slots
             .iter()
             .map(|slot| {
                 self.peer_stats
                     .get(slot, 0)
-                    .map(|c| (*slot, c))
-                    .map_err(map_err(v1::PEER_STATS))
+                    .map(|c| (*slot, c.to_vec()))
+                    .map_err(map_err(v2::PEER_STATS))
             })
             .collect()
     }
+
+    /// Each slot's (made, freed) flow quota counts.
+    fn quota(&self, slots: &BTreeSet<u32>) -> Result<BTreeMap<u32, (u64, u64)>> {
+        slots
+            .iter()
+            .map(|slot| {
+                let made = self
+                    .flow_made
+                    .get(slot, 0)
+                    .map_err(map_err(v2::FLOW_MADE))?;
+                let freed = self
+                    .flow_freed
+                    .get(slot, 0)
+                    .map_err(map_err(v2::FLOW_FREED))?;
+                Ok((*slot, (made, freed)))
+            })
+            .collect()
+    }
+
+    fn flows(&self) -> Result<Vec<(FlowKey, wgfence_common::FlowValue)>> {
+        let value = |v: v2::FlowValue| wgfence_common::FlowValue {
+            last_seen_ns: v.last_seen_ns,
+            owner: v.owner,
+            state: v.state,
+            slot: v.slot,
+        };
+        let mut flows = Vec::new();
+        for item in self.flows_v4.iter() {
+            let (k, v) = item.map_err(map_err(v2::FLOWS_V4))?;
+            let key = wgfence_common::FlowKeyV4 {
+                peer: k.peer,
+                remote: k.remote,
+                peer_port: k.peer_port,
+                remote_port: k.remote_port,
+                protocol: k.protocol,
+                _pad: [0; 3],
+            };
+            flows.push((FlowKey::V4(key), value(v)));
+        }
+        for item in self.flows_v6.iter() {
+            let (k, v) = item.map_err(map_err(v2::FLOWS_V6))?;
+            let key = wgfence_common::FlowKeyV6 {
+                peer: k.peer,
+                remote: k.remote,
+                peer_port: k.peer_port,
+                remote_port: k.remote_port,
+                protocol: k.protocol,
+                _pad: [0; 3],
+            };
+            flows.push((FlowKey::V6(key), value(v)));
+        }
+        Ok(flows)
+    }
 }
 
-/// The v2 maps an upgrade writes, opened from their pins (the loader just created them).
-struct V2Maps {
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum FlowKey {
+    V4(wgfence_common::FlowKeyV4),
+    V6(wgfence_common::FlowKeyV6),
+}
+
+/// The v3 maps an upgrade writes, opened from their pins (the loader just created them).
+struct V3Maps {
     peers_v4: HashMap<MapData, wgfence_common::PeerKeyV4, wgfence_common::PeerEntry>,
     peers_v6: HashMap<MapData, wgfence_common::PeerKeyV6, wgfence_common::PeerEntry>,
     policy_v4: LpmTrie<MapData, wgfence_common::PolicyKeyV4, wgfence_common::PolicyValue>,
@@ -592,10 +731,11 @@ struct V2Maps {
     flows_v4: HashMap<MapData, wgfence_common::FlowKeyV4, wgfence_common::FlowValue>,
     flows_v6: HashMap<MapData, wgfence_common::FlowKeyV6, wgfence_common::FlowValue>,
     flow_made: Array<MapData, u64>,
+    flow_freed: Array<MapData, u64>,
     config: Array<MapData, wgfence_common::Config>,
 }
 
-impl V2Maps {
+impl V3Maps {
     fn open(pin_dir: &Path) -> Result<Self> {
         fn typed<T: TryFrom<Map, Error = MapError>>(name: &'static str, dir: &Path) -> Result<T> {
             let data = MapData::from_pin(dir.join(name)).map_err(map_err(name))?;
@@ -614,6 +754,7 @@ impl V2Maps {
             flows_v4: typed(map_names::FLOWS_V4, pin_dir)?,
             flows_v6: typed(map_names::FLOWS_V6, pin_dir)?,
             flow_made: typed(map_names::FLOW_MADE, pin_dir)?,
+            flow_freed: typed(map_names::FLOW_FREED, pin_dir)?,
             config: typed(map_names::CONFIG, pin_dir)?,
         })
     }
@@ -631,31 +772,59 @@ impl V2Maps {
         }
     }
 
-    fn peers(&self) -> Result<Vec<(IpAddr, wgfence_common::PeerEntry)>> {
-        let mut peers = Vec::new();
-        for item in self.peers_v4.iter() {
-            let (key, entry) = item.map_err(map_err(map_names::PEERS_V4))?;
-            peers.push((IpAddr::from(key.addr), entry));
+    fn peer_addrs(&self) -> Result<Vec<IpAddr>> {
+        let mut addrs = Vec::new();
+        for key in self.peers_v4.keys() {
+            addrs.push(IpAddr::from(
+                key.map_err(map_err(map_names::PEERS_V4))?.addr,
+            ));
         }
-        for item in self.peers_v6.iter() {
-            let (key, entry) = item.map_err(map_err(map_names::PEERS_V6))?;
-            peers.push((IpAddr::from(key.addr), entry));
+        for key in self.peers_v6.keys() {
+            addrs.push(IpAddr::from(
+                key.map_err(map_err(map_names::PEERS_V6))?.addr,
+            ));
         }
-        Ok(peers)
+        Ok(addrs)
     }
 
-    fn add_made(&mut self, slot: u32, n: u64) -> Result<()> {
-        let made = self
-            .flow_made
-            .get(&slot, 0)
-            .map_err(map_err(map_names::FLOW_MADE))?;
-        self.flow_made
-            .set(slot, made.saturating_add(n), 0)
-            .map_err(map_err(map_names::FLOW_MADE))
+    fn remove_peer(&mut self, addr: IpAddr) -> Result<()> {
+        match addr {
+            IpAddr::V4(a) => self
+                .peers_v4
+                .remove(&wgfence_common::PeerKeyV4 { addr: a.octets() })
+                .map_err(map_err(map_names::PEERS_V4)),
+            IpAddr::V6(a) => self
+                .peers_v6
+                .remove(&wgfence_common::PeerKeyV6 { addr: a.octets() })
+                .map_err(map_err(map_names::PEERS_V6)),
+        }
+    }
+
+    /// Copies the v2 flows into the v3 tables. `late`: after the switch, only flows the v3
+    /// tables do not have (the v3 programs may have recorded or refreshed them meanwhile); a
+    /// v3 flow older than its v2 copy gets the v2 timestamp. Returns how many were copied.
+    fn copy_flows(
+        &mut self,
+        flows: &[(FlowKey, wgfence_common::FlowValue)],
+        late: bool,
+    ) -> Result<u64> {
+        let mut copied = 0;
+        for (key, value) in flows {
+            let inserted = match key {
+                FlowKey::V4(k) => {
+                    insert_flow(&mut self.flows_v4, map_names::FLOWS_V4, *k, *value, late)?
+                }
+                FlowKey::V6(k) => {
+                    insert_flow(&mut self.flows_v6, map_names::FLOWS_V6, *k, *value, late)?
+                }
+            };
+            copied += u64::from(inserted);
+        }
+        Ok(copied)
     }
 }
 
-fn policy_value(v: &v1::PolicyValue) -> wgfence_common::PolicyValue {
+fn policy_value(v: &v2::PolicyValue) -> wgfence_common::PolicyValue {
     wgfence_common::PolicyValue {
         count: v.count,
         allows: v
@@ -664,81 +833,21 @@ fn policy_value(v: &v1::PolicyValue) -> wgfence_common::PolicyValue {
     }
 }
 
-fn peer_counters(c: &v1::PeerCounters) -> wgfence_common::PeerCounters {
+fn peer_counters(c: &v2::PeerCounters) -> wgfence_common::PeerCounters {
     wgfence_common::PeerCounters {
         pass_packets: c.pass_packets,
         pass_bytes: c.pass_bytes,
         drop_packets: c.drop_packets,
         drop_bytes: c.drop_bytes,
+        ..wgfence_common::PeerCounters::default()
     }
 }
 
-/// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns`, which flows are stamped
-/// with.
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes into the timespec it is given.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    u64::try_from(ts.tv_sec)
-        .unwrap_or_default()
-        .saturating_mul(1_000_000_000)
-        .saturating_add(u64::try_from(ts.tv_nsec).unwrap_or_default())
-}
-
-/// A v1 flow as the v2 tables key it, with what decides whether it carries over.
-struct V1Flow {
-    key: FlowKey,
-    value: v1::FlowValue,
-    peer: IpAddr,
-    protocol: u8,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum FlowKey {
-    V4(wgfence_common::FlowKeyV4),
-    V6(wgfence_common::FlowKeyV6),
-}
-
-impl V1Maps {
-    fn flows(&self) -> Result<Vec<V1Flow>> {
-        let mut flows = Vec::new();
-        for item in self.flows_v4.iter() {
-            let (k, value) = item.map_err(map_err(v1::FLOWS_V4))?;
-            flows.push(V1Flow {
-                key: FlowKey::V4(wgfence_common::FlowKeyV4 {
-                    peer: k.peer,
-                    remote: k.remote,
-                    peer_port: k.peer_port,
-                    remote_port: k.remote_port,
-                    protocol: k.protocol,
-                    _pad: [0; 3],
-                }),
-                value,
-                peer: IpAddr::from(k.peer),
-                protocol: k.protocol,
-            });
-        }
-        for item in self.flows_v6.iter() {
-            let (k, value) = item.map_err(map_err(v1::FLOWS_V6))?;
-            flows.push(V1Flow {
-                key: FlowKey::V6(wgfence_common::FlowKeyV6 {
-                    peer: k.peer,
-                    remote: k.remote,
-                    peer_port: k.peer_port,
-                    remote_port: k.remote_port,
-                    protocol: k.protocol,
-                    _pad: [0; 3],
-                }),
-                value,
-                peer: IpAddr::from(k.peer),
-                protocol: k.protocol,
-            });
-        }
-        Ok(flows)
-    }
+fn per_cpu_values<T: aya::Pod>(map: &'static str, values: Vec<T>) -> Result<PerCpuValues<T>> {
+    PerCpuValues::try_from(values).map_err(|e| DataplaneError::Map {
+        map,
+        source: MapError::IoError(e),
+    })
 }
 
 /// What an upgrade carried over, for the log and the tests.
@@ -746,166 +855,147 @@ impl V1Maps {
 pub struct UpgradeReport {
     pub from_layout: u32,
     pub peer_entries: usize,
+    /// Distinct owners of the peer entries carried over.
     pub owners: u64,
     pub policy_entries: usize,
     pub flows: u64,
-    /// Flows the v1 programs recorded between the fill and the switch, copied after it.
+    /// Flows the v2 programs recorded between the fill and the switch, copied after it.
     pub flows_late: u64,
-    /// v1 flows not carried: expired, or recorded for another holder of the address.
-    pub flows_dropped: u64,
-    /// From the first `bpf_link_update` to the last.
+    /// From the first program switch to the last.
     pub switch: Duration,
-    /// From the first read of the v1 maps to the removal of their pins.
+    /// From the first read of the v2 maps to the removal of their pins.
     pub total: Duration,
 }
 
-/// An upgrade from layout 1 in progress: found by [`Upgrade::prepare`] before the v2 maps
+/// An upgrade from layout 2 in progress: found by [`Upgrade::prepare`] before the v3 maps
 /// are loaded, [`Upgrade::fill`]ed before the switch, [`Upgrade::finish`]ed after it.
 pub(crate) struct Upgrade {
-    v1: V1Maps,
-    /// The v2 maps were created by this start: counters are carried. `false` after an
-    /// upgrade interrupted between its two link updates, whose fill already carried them.
+    v2: V2Maps,
+    /// The v3 maps were created by this start: counters are carried. `false` after an
+    /// upgrade interrupted between its two program switches, whose fill already carried them.
     fresh: bool,
     started: Instant,
-    /// The v1 counters as the fill read them: the switch adds what the v1 programs counted
+    /// The v2 counters as the fill read them: the switch adds what the v2 programs counted
     /// after that.
     stats: Vec<Vec<u64>>,
-    peer_stats: BTreeMap<u32, v1::PeerCounters>,
-    /// Owner of each v1 counter slot.
-    owners: BTreeMap<u32, u64>,
+    peer_stats: BTreeMap<u32, Vec<v2::PeerCounters>>,
     report: UpgradeReport,
 }
 
 impl Upgrade {
-    /// Looks at what the pinned links run. Layout 1 on ingress: an upgrade, whose v1 maps are
-    /// opened here; stale v2 pins of an upgrade interrupted before its switch are removed (no
-    /// program uses them), so the loader creates the v2 maps empty. A layout newer than this
-    /// agent's is refused before anything is touched. Anything else: no upgrade.
-    pub(crate) fn prepare(pin_dir: &Path) -> Result<Option<Self>> {
-        let ingress = running(&pin_dir.join(super::LINK_PIN))?;
-        let egress = running(&pin_dir.join(super::LINK_PIN_EGRESS))?;
+    /// Looks at what the hooks run (`ingress`, `egress`). Layout 2 on ingress: an upgrade,
+    /// whose v2 maps are opened here; stale v3 pins of an upgrade interrupted before its switch
+    /// are removed (no program uses them), so the loader creates the v3 maps empty. A layout
+    /// newer than this agent's, or layout 1, is refused before anything is touched. Anything
+    /// else: no upgrade.
+    pub(crate) fn prepare(
+        pin_dir: &Path,
+        ingress: Option<Running>,
+        egress: Option<Running>,
+    ) -> Result<Option<Self>> {
         for r in [&ingress, &egress].into_iter().flatten() {
-            if let Some(layout) = r.layout.filter(|l| *l > LAYOUT_VERSION) {
-                return Err(DataplaneError::NewerLayout {
-                    running: layout,
-                    this: LAYOUT_VERSION,
-                });
+            match r.layout {
+                Some(layout) if layout > LAYOUT_VERSION => {
+                    return Err(DataplaneError::NewerLayout {
+                        running: layout,
+                        this: LAYOUT_VERSION,
+                    })
+                }
+                Some(v1::LAYOUT) => {
+                    return Err(DataplaneError::UpgradeThroughLayout2 {
+                        pin_dir: pin_dir.to_owned(),
+                    })
+                }
+                _ => {}
             }
         }
-        let Some(ingress) = ingress.filter(|r| r.layout == Some(v1::LAYOUT)) else {
+        let Some(ingress) = ingress.filter(|r| r.layout == Some(v2::LAYOUT)) else {
             return Ok(None);
         };
-        let egress_v2 = egress
+        let egress_v3 = egress
             .as_ref()
             .is_some_and(|r| r.layout == Some(LAYOUT_VERSION));
         let mut ids = ingress.maps.clone();
-        if let Some(egress) = egress.filter(|r| r.layout == Some(v1::LAYOUT)) {
+        if let Some(egress) = egress.filter(|r| r.layout == Some(v2::LAYOUT)) {
             for (name, id) in egress.maps {
                 ids.entry(name).or_insert(id);
             }
         }
-        // The layout-1 agent must be stopped first (a DaemonSet rollout with maxSurge 0 does):
+        // The layout-2 agent must be stopped first (a DaemonSet rollout with maxSurge 0 does):
         // running, it would find its programs replaced and attach them again.
-        let holders = link_holders(ingress.link_id);
-        if !holders.is_empty() {
+        let pids = holders(&ingress);
+        if !pids.is_empty() {
             return Err(DataplaneError::OldAgentRunning {
-                layout: v1::LAYOUT,
-                pids: holders,
+                layout: v2::LAYOUT,
+                pids,
             });
         }
         let started = Instant::now();
-        let v1 = V1Maps::open(&ids, pin_dir)?;
-        if !egress_v2 {
+        let v2 = V2Maps::open(&ids, pin_dir)?;
+        if !egress_v3 {
             for name in pins_of_layout(pin_dir, LAYOUT_VERSION)? {
                 remove_pin(&pin_dir.join(&name))?;
             }
         }
         tracing::info!(
             pin_dir = %pin_dir.display(),
-            from = v1::LAYOUT,
+            from = v2::LAYOUT,
             to = LAYOUT_VERSION,
             ingress_program = ingress.program_id,
-            resumed = egress_v2,
-            "the pinned links run a datapath of map layout 1: upgrading it (fill the new maps, \
-             then switch the programs)"
+            resumed = egress_v3,
+            "the datapath runs map layout 2: upgrading it (fill the new maps, then switch the \
+             programs)"
         );
         Ok(Some(Self {
-            v1,
-            fresh: !egress_v2,
+            v2,
+            fresh: !egress_v3,
             started,
             stats: Vec::new(),
             peer_stats: BTreeMap::new(),
-            owners: BTreeMap::new(),
             report: UpgradeReport {
-                from_layout: v1::LAYOUT,
+                from_layout: v2::LAYOUT,
                 ..UpgradeReport::default()
             },
         }))
     }
 
-    /// Translates the v1 maps into the (loaded, not yet attached) v2 maps pinned in `pin_dir`.
-    /// The v1 programs keep enforcing meanwhile; an error leaves them so.
+    /// Translates the v2 maps into the (loaded, not yet attached) v3 maps pinned in `pin_dir`.
+    /// The v2 programs keep enforcing meanwhile; an error leaves them so.
     pub(crate) fn fill(&mut self, pin_dir: &Path) -> Result<()> {
-        let mut v2 = V2Maps::open(pin_dir)?;
-        let config = self.v1.config()?;
-        let peers = self.v1.peers()?;
+        let mut v3 = V3Maps::open(pin_dir)?;
+        let config = self.v2.config()?;
+        let peers = self.v2.peers()?;
 
-        // Owners: one per v1 slot (a peer's IPv4 and IPv6 entries share a slot and a holder),
-        // kept if the v2 maps already hold the slot (a resumed upgrade), else new ones above
-        // the high-water mark.
-        let old_config = v2.config.get(&0, 0).map_err(map_err(map_names::CONFIG))?;
-        let mut high = old_config.owner_high;
-        let existing: BTreeMap<u32, u64> = v2
-            .peers()?
-            .into_iter()
-            .map(|(_, e)| (e.slot, e.owner))
-            .collect();
-        let slots: BTreeSet<u32> = peers.iter().map(|(_, e)| e.slot).collect();
-        for slot in &slots {
-            let owner = match existing.get(slot) {
-                Some(owner) if *owner != 0 => *owner,
-                _ => {
-                    high += 1;
-                    high
-                }
-            };
-            self.owners.insert(*slot, owner);
-        }
-
-        // The config first (nothing runs on these maps yet): timeouts decide which flows are
-        // live, the high-water mark covers every owner written below.
-        let v2_config = wgfence_common::Config {
+        // The config first (nothing runs on these maps yet), verbatim: layout 3 added no field.
+        let v3_config = wgfence_common::Config {
             flags: config.flags,
-            flows_per_peer: wgfence_common::DEFAULT_FLOWS_PER_PEER,
+            flows_per_peer: config.flows_per_peer,
             tcp_timeout_ns: config.tcp_timeout_ns,
             tcp_closing_timeout_ns: config.tcp_closing_timeout_ns,
             udp_timeout_ns: config.udp_timeout_ns,
             other_timeout_ns: config.other_timeout_ns,
-            // Layout 1 had no such state (its flows carry over open or closing); the agent
-            // writes its own setting with its first apply.
-            unanswered_timeout_ns: crate::settings::DatapathSettings::DEFAULT
-                .config(false, 1)
-                .unanswered_timeout_ns,
+            unanswered_timeout_ns: config.unanswered_timeout_ns,
             event_interval_ns: config.event_interval_ns,
             event_burst_ns: config.event_burst_ns,
-            owner_high: high,
+            owner_high: config.owner_high,
         };
-        v2.config
-            .set(0, v2_config, 0)
+        v3.config
+            .set(0, v3_config, 0)
             .map_err(map_err(map_names::CONFIG))?;
 
-        // Policy tries, verbatim; entries of no v1 policy go (a resumed upgrade only).
+        // Policy tries, every allow credited to rule 0; entries of no v2 policy go (a resumed
+        // upgrade only).
         let keep_v4 = copy_trie(
-            (&self.v1.policy_v4, v1::POLICY_V4),
-            (&mut v2.policy_v4, map_names::POLICY_V4),
+            (&self.v2.policy_v4, v2::POLICY_V4),
+            (&mut v3.policy_v4, map_names::POLICY_V4),
             |k| wgfence_common::PolicyKeyV4 {
                 policy: k.policy,
                 addr: k.addr,
             },
         )?;
         let keep_v6 = copy_trie(
-            (&self.v1.policy_v6, v1::POLICY_V6),
-            (&mut v2.policy_v6, map_names::POLICY_V6),
+            (&self.v2.policy_v6, v2::POLICY_V6),
+            (&mut v3.policy_v6, map_names::POLICY_V6),
             |k| wgfence_common::PolicyKeyV6 {
                 policy: k.policy,
                 addr: k.addr,
@@ -913,199 +1003,136 @@ impl Upgrade {
         )?;
         self.report.policy_entries = keep_v4.len() + keep_v6.len();
 
-        // Peer entries, after the policies they reference; entries of no v1 peer go.
+        // Peer entries, after the policies they reference; entries of no v2 peer go.
         for (addr, entry) in &peers {
-            let owner = self.owners.get(&entry.slot).copied().unwrap_or_default();
-            v2.upsert_peer(
+            v3.upsert_peer(
                 *addr,
                 wgfence_common::PeerEntry {
                     policy: entry.policy,
                     slot: entry.slot,
-                    owner,
+                    owner: entry.owner,
+                    ..wgfence_common::PeerEntry::default()
                 },
             )?;
         }
         let wanted: BTreeSet<IpAddr> = peers.iter().map(|(a, _)| *a).collect();
-        for (addr, _) in v2.peers()? {
+        for addr in v3.peer_addrs()? {
             if !wanted.contains(&addr) {
-                let result = match addr {
-                    IpAddr::V4(a) => v2
-                        .peers_v4
-                        .remove(&wgfence_common::PeerKeyV4 { addr: a.octets() }),
-                    IpAddr::V6(a) => v2
-                        .peers_v6
-                        .remove(&wgfence_common::PeerKeyV6 { addr: a.octets() }),
-                };
-                result.map_err(map_err(if addr.is_ipv4() {
-                    map_names::PEERS_V4
-                } else {
-                    map_names::PEERS_V6
-                }))?;
+                v3.remove_peer(addr)?;
             }
         }
-        remove_other_entries(&mut v2.policy_v4, map_names::POLICY_V4, &keep_v4)?;
-        remove_other_entries(&mut v2.policy_v6, map_names::POLICY_V6, &keep_v6)?;
+        remove_other_entries(&mut v3.policy_v4, map_names::POLICY_V4, &keep_v4)?;
+        remove_other_entries(&mut v3.policy_v6, map_names::POLICY_V6, &keep_v6)?;
+        let slots: BTreeSet<u32> = peers.iter().map(|(_, e)| e.slot).collect();
         self.report.peer_entries = peers.len();
-        self.report.owners = slots.len() as u64;
+        self.report.owners = peers
+            .iter()
+            .map(|(_, e)| e.owner)
+            .collect::<BTreeSet<_>>()
+            .len() as u64;
 
-        // Counters: the v1 values now; what the v1 programs count until the switch is added
-        // after it.
+        // Counters: the v2 values now; what the v2 programs count until the switch is added
+        // after it. Both layouts count per CPU: each CPU's copy goes to the same CPU's.
         if self.fresh {
-            self.stats = self.v1.stats()?;
+            self.stats = self.v2.stats()?;
             for (index, values) in (0u32..).zip(&self.stats) {
-                let values =
-                    PerCpuValues::try_from(values.clone()).map_err(|e| DataplaneError::Map {
-                        map: map_names::STATS,
-                        source: MapError::IoError(e),
-                    })?;
-                v2.stats
+                let values = per_cpu_values(map_names::STATS, values.clone())?;
+                v3.stats
                     .set(index, values, 0)
                     .map_err(map_err(map_names::STATS))?;
             }
-            self.peer_stats = self.v1.peer_stats(&slots)?;
-            // Layout 1 kept one shared copy per slot: it goes to CPU 0's copy (readers sum
-            // over the CPUs).
-            for (slot, c) in &self.peer_stats {
-                let values = per_cpu(peer_counters(c)).map_err(map_err(map_names::PEER_STATS))?;
-                v2.peer_stats
+            self.peer_stats = self.v2.peer_stats(&slots)?;
+            for (slot, per_cpu) in &self.peer_stats {
+                let values = per_cpu_values(
+                    map_names::PEER_STATS,
+                    per_cpu.iter().map(peer_counters).collect(),
+                )?;
+                v3.peer_stats
                     .set(*slot, values, 0)
                     .map_err(map_err(map_names::PEER_STATS))?;
+            }
+            // The flow quota as it stands (the attach recounts it from the tables anyway).
+            for (slot, (made, freed)) in self.v2.quota(&slots)? {
+                v3.flow_made
+                    .set(slot, made, 0)
+                    .map_err(map_err(map_names::FLOW_MADE))?;
+                v3.flow_freed
+                    .set(slot, freed, 0)
+                    .map_err(map_err(map_names::FLOW_FREED))?;
             }
         }
 
         // Flows last, closest to the switch.
-        let (carried, dropped) = self.copy_flows(&mut v2, &config, &peers, false)?;
-        self.report.flows = carried;
-        self.report.flows_dropped = dropped;
+        let flows = self.v2.flows()?;
+        v3.copy_flows(&flows, false)?;
+        self.report.flows = flows.len() as u64;
         Ok(())
     }
 
-    /// Pins the switch marker naming the loaded layout-2 programs: from here on, a link that
-    /// runs one of them runs layout 2, also for an agent that cannot look programs up.
+    /// Pins the switch marker naming the loaded layout-3 programs: from here on, a hook that
+    /// runs one of them runs layout 3, also for an agent that cannot look programs up.
     pub(crate) fn mark_switch(&self, pin_dir: &Path, program_ids: &[u32]) -> Result<()> {
         mark_switch(pin_dir, program_ids)
     }
 
-    /// Copies the live v1 flows whose peer entry still has the slot they were recorded for
-    /// into the v2 tables, owned by that entry's owner, and counts them in `flow_made`.
-    /// `late`: after the switch, only flows the v2 tables do not have (the v2 programs may
-    /// have recorded or refreshed them meanwhile); a v2 flow older than its v1 copy gets the
-    /// v1 timestamp. Returns (copied, not carried).
-    fn copy_flows(
-        &self,
-        v2: &mut V2Maps,
-        config: &v1::Config,
-        peers: &[(IpAddr, v1::PeerEntry)],
-        late: bool,
-    ) -> Result<(u64, u64)> {
-        let slot_of: BTreeMap<IpAddr, u32> = peers.iter().map(|(a, e)| (*a, e.slot)).collect();
-        let now = monotonic_ns();
-        let mut made: BTreeMap<u32, u64> = BTreeMap::new();
-        let (mut copied, mut dropped) = (0, 0);
-        for flow in self.v1.flows()? {
-            let v = flow.value;
-            let live = now.saturating_sub(v.last_seen_ns) <= config.timeout(flow.protocol, v.state);
-            let owner = (slot_of.get(&flow.peer) == Some(&v.slot))
-                .then(|| self.owners.get(&v.slot).copied())
-                .flatten();
-            let Some(owner) = owner.filter(|_| live) else {
-                dropped += 1;
-                continue;
-            };
-            let value = wgfence_common::FlowValue {
-                last_seen_ns: v.last_seen_ns,
-                owner,
-                state: v.state,
-                slot: v.slot,
-            };
-            let inserted = match flow.key {
-                FlowKey::V4(k) => {
-                    insert_flow(&mut v2.flows_v4, map_names::FLOWS_V4, k, value, late)?
-                }
-                FlowKey::V6(k) => {
-                    insert_flow(&mut v2.flows_v6, map_names::FLOWS_V6, k, value, late)?
-                }
-            };
-            if inserted {
-                copied += 1;
-                *made.entry(v.slot).or_default() += 1;
-            }
-        }
-        for (slot, n) in made {
-            v2.add_made(slot, n)?;
-        }
-        Ok((copied, dropped))
-    }
-
-    /// After both links run the v2 programs: copies what the v1 programs recorded since the
-    /// fill, adds what they counted since, removes the v1 pins and leaves the tombstone.
-    /// `switch` is how long the link updates took.
+    /// After both hooks run the v3 programs: copies what the v2 programs recorded since the
+    /// fill, adds what they counted since, removes the v2 pins and leaves the tombstones.
+    /// `switch` is how long the program switches took.
     pub(crate) fn finish(mut self, pin_dir: &Path, switch: Duration) -> Result<UpgradeReport> {
-        let mut v2 = V2Maps::open(pin_dir)?;
-        let config = self.v1.config()?;
-        let peers = self.v1.peers()?;
-        let (late, _) = self.copy_flows(&mut v2, &config, &peers, true)?;
-        self.report.flows_late = late;
+        let mut v3 = V3Maps::open(pin_dir)?;
+        let flows = self.v2.flows()?;
+        self.report.flows_late = v3.copy_flows(&flows, true)?;
         if self.fresh {
-            // Racing the v2 programs' own increments between one read and one write per
+            // Racing the v3 programs' own increments between one read and one write per
             // counter: at worst a handful of packets go uncounted, never miscounted as
             // another verdict.
-            let stats = self.v1.stats()?;
+            let stats = self.v2.stats()?;
             for ((index, now), before) in (0u32..).zip(&stats).zip(&self.stats) {
                 if now == before {
                     continue;
                 }
-                let current = v2.stats.get(&index, 0).map_err(map_err(map_names::STATS))?;
+                let current = v3.stats.get(&index, 0).map_err(map_err(map_names::STATS))?;
                 let values: Vec<u64> = current
                     .iter()
                     .zip(now.iter().zip(before))
                     .map(|(c, (n, b))| c.saturating_add(n.saturating_sub(*b)))
                     .collect();
-                let values = PerCpuValues::try_from(values).map_err(|e| DataplaneError::Map {
-                    map: map_names::STATS,
-                    source: MapError::IoError(e),
-                })?;
-                v2.stats
-                    .set(index, values, 0)
+                v3.stats
+                    .set(index, per_cpu_values(map_names::STATS, values)?, 0)
                     .map_err(map_err(map_names::STATS))?;
             }
             let slots: BTreeSet<u32> = self.peer_stats.keys().copied().collect();
-            for (slot, now) in self.v1.peer_stats(&slots)? {
+            for (slot, now) in self.v2.peer_stats(&slots)? {
                 let Some(before) = self.peer_stats.get(&slot) else {
                     continue;
                 };
                 if now == *before {
                     continue;
                 }
-                // The layout-2 programs count on every CPU by now: the late layout-1 counts go
-                // onto CPU 0's copy, the other CPUs' copies are written back as read.
-                let mut values = v2
+                let current = v3
                     .peer_stats
                     .get(&slot, 0)
-                    .map_err(map_err(map_names::PEER_STATS))?
-                    .to_vec();
-                if let Some(c) = values.first_mut() {
-                    *c = wgfence_common::PeerCounters {
-                        pass_packets: c.pass_packets
-                            + now.pass_packets.saturating_sub(before.pass_packets),
-                        pass_bytes: c.pass_bytes + now.pass_bytes.saturating_sub(before.pass_bytes),
-                        drop_packets: c.drop_packets
-                            + now.drop_packets.saturating_sub(before.drop_packets),
-                        drop_bytes: c.drop_bytes + now.drop_bytes.saturating_sub(before.drop_bytes),
-                    };
-                }
-                let values = PerCpuValues::try_from(values).map_err(|e| DataplaneError::Map {
-                    map: map_names::PEER_STATS,
-                    source: MapError::IoError(e),
-                })?;
-                v2.peer_stats
-                    .set(slot, values, 0)
+                    .map_err(map_err(map_names::PEER_STATS))?;
+                let add = |c: u64, n: u64, b: u64| c.saturating_add(n.saturating_sub(b));
+                let values: Vec<wgfence_common::PeerCounters> = current
+                    .iter()
+                    .zip(now.iter().zip(before))
+                    .map(|(c, (n, b))| wgfence_common::PeerCounters {
+                        pass_packets: add(c.pass_packets, n.pass_packets, b.pass_packets),
+                        pass_bytes: add(c.pass_bytes, n.pass_bytes, b.pass_bytes),
+                        drop_packets: add(c.drop_packets, n.drop_packets, b.drop_packets),
+                        drop_bytes: add(c.drop_bytes, n.drop_bytes, b.drop_bytes),
+                        ..*c
+                    })
+                    .collect();
+                v3.peer_stats
+                    .set(slot, per_cpu_values(map_names::PEER_STATS, values)?, 0)
                     .map_err(map_err(map_names::PEER_STATS))?;
             }
         }
-        // The v1 maps go with their pins (and this agent's fds, dropped with `self`), the
-        // tombstone first.
-        retire_layout_1(pin_dir)?;
+        // The v2 maps go with their pins (and this agent's fds, dropped with `self`), the
+        // tombstones first.
+        retire_old_layouts(pin_dir)?;
         self.report.switch = switch;
         self.report.total = self.started.elapsed();
         let r = &self.report;
@@ -1118,19 +1145,18 @@ impl Upgrade {
             policy_entries = r.policy_entries,
             flows = r.flows,
             flows_late = r.flows_late,
-            flows_not_carried = r.flows_dropped,
             switch_us = r.switch.as_micros() as u64,
             total_ms = r.total.as_millis() as u64,
-            "upgraded the datapath from map layout 1 to 2; the layout-1 maps are removed"
+            "upgraded the datapath from map layout 2 to 3; the layout-2 maps are removed"
         );
         Ok(self.report)
     }
 }
 
-/// Copies a layout-1 policy trie into its layout-2 twin, entry for entry; returns the keys
+/// Copies a layout-2 policy trie into its layout-3 twin, entry for entry; returns the keys
 /// written (prefix length and key bytes).
 fn copy_trie<A: aya::Pod, B: aya::Pod + bytemuck::Pod>(
-    (from, from_name): (&LpmTrie<MapData, A, v1::PolicyValue>, &'static str),
+    (from, from_name): (&LpmTrie<MapData, A, v2::PolicyValue>, &'static str),
     (to, to_name): (
         &mut LpmTrie<MapData, B, wgfence_common::PolicyValue>,
         &'static str,
@@ -1148,7 +1174,7 @@ fn copy_trie<A: aya::Pod, B: aya::Pod + bytemuck::Pod>(
     Ok(written)
 }
 
-/// Removes the entries of a layout-2 trie that are not in `keep`.
+/// Removes the entries of a layout-3 trie that are not in `keep`.
 fn remove_other_entries<B: aya::Pod + bytemuck::Pod>(
     trie: &mut LpmTrie<MapData, B, wgfence_common::PolicyValue>,
     name: &'static str,
@@ -1208,22 +1234,24 @@ fn insert_flow<K: aya::Pod>(
     }
 }
 
-/// Pins the tombstone at [`TOMBSTONE_PIN`] (replacing whatever is there in one rename): a
-/// one-entry array holding this agent's layout version, which a layout-1 agent refuses.
-fn place_tombstone(pin_dir: &Path) -> Result<()> {
+/// Pins a tombstone at `pin` (replacing whatever is there in one rename): a one-entry array
+/// holding this agent's layout version, which an agent of an older layout refuses.
+fn place_tombstone(pin_dir: &Path, pin: &str) -> Result<()> {
     pin_u32_array(
         pin_dir,
         TOMBSTONE_NAME,
-        TOMBSTONE_PIN,
+        pin,
         TOMBSTONE_TMP,
         &[LAYOUT_VERSION],
     )
 }
 
-/// Whether the pin at `path` is this agent's tombstone.
+/// Whether the pin at `path` is a tombstone (this agent's, or the one a layout-2 agent placed
+/// at layout 1's peer map: an array either way, which no older agent accepts).
 fn is_tombstone(path: &Path) -> bool {
     MapInfo::from_pin(path).is_ok_and(|info| {
-        info.name_as_str() == Some(TOMBSTONE_NAME)
+        info.name_as_str()
+            .is_some_and(|name| name.ends_with("_tombstone"))
             && info
                 .map_type()
                 .is_ok_and(|t| t == aya::maps::MapType::Array)
@@ -1231,38 +1259,48 @@ fn is_tombstone(path: &Path) -> bool {
 }
 
 /// After the programs are attached (they run this agent's layout): removes the pins of
-/// layout 1 that remain (maps a refused layout-1 agent created, or an upgrade interrupted
-/// after its switch left) and makes sure the tombstone is in place. Returns the names of the
+/// layouts 1 and 2 that remain (maps a refused older agent created, or an upgrade interrupted
+/// after its switch left) and makes sure the tombstones are in place. Returns the names of the
 /// pins removed.
 pub(crate) fn tidy(pin_dir: &Path) -> Result<Vec<String>> {
-    let removed = retire_layout_1(pin_dir)?;
+    let removed = retire_old_layouts(pin_dir)?;
     if !removed.is_empty() {
         tracing::warn!(
             pin_dir = %pin_dir.display(),
             ?removed,
-            "removed map pins of layout 1 that the running datapath does not use (left by a \
-             layout-1 agent that was refused, or by an interrupted upgrade)"
+            "removed map pins of older layouts that the running datapath does not use (left \
+             by an older agent that was refused, or by an interrupted upgrade)"
         );
     }
     Ok(removed)
 }
 
-/// Once layout 2 runs: the tombstone first (from then on the pins say layout 2 even without
-/// the switch marker), then every other layout-1 pin, then the switch marker. Each step is
-/// idempotent, so an interrupted run is finished by the next one (at the next start's
-/// [`tidy`]). Returns the names of the layout-1 pins removed.
-fn retire_layout_1(pin_dir: &Path) -> Result<Vec<String>> {
-    if !is_tombstone(&pin_dir.join(TOMBSTONE_PIN)) {
-        place_tombstone(pin_dir)?;
-    }
-    let mut removed = Vec::new();
-    for name in pins_of_layout(pin_dir, v1::LAYOUT)? {
-        if name != TOMBSTONE_PIN && remove_pin(&pin_dir.join(&name))? {
-            removed.push(name);
-            failpoint("upgrade-unpinning");
+/// Once layout 3 runs: the tombstones first (from then on the pins say layout 3 even without
+/// the switch marker), then every other pin of layouts 1 and 2, then the switch markers. Each
+/// step is idempotent, so an interrupted run is finished by the next one (at the next start's
+/// [`tidy`]). Returns the names of the old pins removed.
+fn retire_old_layouts(pin_dir: &Path) -> Result<Vec<String>> {
+    for pin in TOMBSTONE_PINS {
+        if !is_tombstone(&pin_dir.join(pin)) {
+            place_tombstone(pin_dir, pin)?;
         }
     }
-    for leftover in [TOMBSTONE_TMP, SWITCH_TMP, SWITCH_PIN] {
+    let mut removed = Vec::new();
+    for layout in [v2::LAYOUT, v1::LAYOUT] {
+        for name in pins_of_layout(pin_dir, layout)? {
+            if !TOMBSTONE_PINS.contains(&name.as_str())
+                && !OLD_LEFTOVERS.contains(&name.as_str())
+                && remove_pin(&pin_dir.join(&name))?
+            {
+                removed.push(name);
+                failpoint("upgrade-unpinning");
+            }
+        }
+    }
+    for leftover in [TOMBSTONE_TMP, SWITCH_TMP, SWITCH_PIN]
+        .into_iter()
+        .chain(OLD_LEFTOVERS)
+    {
         remove_pin(&pin_dir.join(leftover))?;
     }
     Ok(removed)
@@ -1281,65 +1319,55 @@ mod tests {
         assert_eq!(name_layout("wgfx_x"), None);
         assert_eq!(name_layout("link_ingress"), None);
         assert_eq!(name_layout(".rodata"), None);
-        for name in v1::ALL {
-            assert_eq!(name_layout(name), Some(1), "{name}");
+        for name in v2::ALL {
+            assert_eq!(name_layout(name), Some(2), "{name}");
         }
         for name in map_names::ALL {
             assert_eq!(name_layout(name), Some(LAYOUT_VERSION), "{name}");
         }
         assert_eq!(name_layout(TOMBSTONE_NAME), Some(LAYOUT_VERSION));
+        assert_eq!(name_layout(SWITCH_PIN), Some(LAYOUT_VERSION));
+        assert_eq!(name_layout(v1::PEERS_V4), Some(v1::LAYOUT));
     }
 
     #[test]
-    fn v1_types_keep_their_v1_sizes() {
+    fn v2_types_keep_their_v2_sizes() {
         use core::mem::size_of;
-        assert_eq!(size_of::<v1::PeerKeyV4>(), 4);
-        assert_eq!(size_of::<v1::PeerKeyV6>(), 16);
-        assert_eq!(size_of::<v1::PeerEntry>(), 8);
-        assert_eq!(size_of::<v1::PolicyKeyV4>(), 8);
-        assert_eq!(size_of::<v1::PolicyKeyV6>(), 20);
-        assert_eq!(size_of::<v1::PolicyValue>(), 4 + 6 * v1::MAX_ALLOWS);
-        assert_eq!(size_of::<v1::PeerCounters>(), 32);
-        assert_eq!(size_of::<v1::FlowKeyV4>(), 16);
-        assert_eq!(size_of::<v1::FlowKeyV6>(), 40);
-        assert_eq!(size_of::<v1::FlowValue>(), 16);
-        assert_eq!(size_of::<v1::Config>(), 56);
+        assert_eq!(size_of::<v2::PeerKeyV4>(), 4);
+        assert_eq!(size_of::<v2::PeerKeyV6>(), 16);
+        assert_eq!(size_of::<v2::PeerEntry>(), 16);
+        assert_eq!(size_of::<v2::PolicyKeyV4>(), 8);
+        assert_eq!(size_of::<v2::PolicyKeyV6>(), 20);
+        assert_eq!(size_of::<v2::PolicyValue>(), 4 + 6 * v2::MAX_ALLOWS);
+        assert_eq!(size_of::<v2::PeerCounters>(), 32);
+        assert_eq!(size_of::<v2::FlowKeyV4>(), 16);
+        assert_eq!(size_of::<v2::FlowKeyV6>(), 40);
+        assert_eq!(size_of::<v2::FlowValue>(), 24);
+        assert_eq!(size_of::<v2::Config>(), 72);
     }
 
     #[test]
-    fn policy_values_are_copied_verbatim() {
-        let mut v = v1::PolicyValue {
+    fn policy_values_keep_their_allows_credited_to_rule_0() {
+        let mut v = v2::PolicyValue {
             count: 2,
-            allows: [v1::Allow::default(); v1::MAX_ALLOWS],
+            allows: [v2::Allow::default(); v2::MAX_ALLOWS],
         };
-        v.allows[0] = v1::Allow {
+        v.allows[0] = v2::Allow {
             protocol: 6,
             _pad: 0,
             port_lo: 443,
             port_hi: 443,
         };
-        v.allows[1] = v1::Allow {
+        v.allows[1] = v2::Allow {
             protocol: 0,
             _pad: 0,
             port_lo: 0,
             port_hi: u16::MAX,
         };
         let w = policy_value(&v);
-        assert_eq!(bytemuck::bytes_of(&v), bytemuck::bytes_of(&w));
-    }
-
-    #[test]
-    fn v1_flow_timeouts_follow_protocol_and_state() {
-        let c = v1::Config {
-            tcp_timeout_ns: 1,
-            tcp_closing_timeout_ns: 2,
-            udp_timeout_ns: 3,
-            other_timeout_ns: 4,
-            ..v1::Config::default()
-        };
-        assert_eq!(c.timeout(v1::PROTO_TCP, 0), 1);
-        assert_eq!(c.timeout(v1::PROTO_TCP, v1::FLOW_CLOSING), 2);
-        assert_eq!(c.timeout(v1::PROTO_UDP, 0), 3);
-        assert_eq!(c.timeout(1, 0), 4);
+        assert_eq!(w.count, 2);
+        assert_eq!(w.allows[0], wgfence_common::Allow::new(6, 443, 443));
+        assert_eq!(w.allows[1], wgfence_common::Allow::new(0, 0, u16::MAX));
+        assert!(w.allows.iter().all(|a| a.rule == 0));
     }
 }

@@ -391,6 +391,7 @@ mod tests {
                 policy: fresh,
                 slot: 1,
                 owner: 1,
+                ..PeerEntry::default()
             },
         });
         kernel.apply(&Op::RaiseOwnerHigh { owner: 10 });

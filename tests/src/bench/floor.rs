@@ -1,7 +1,7 @@
 //! Scenario 1 of `cargo xtask bench`: wgfence's per-packet paths beside floor programs the bench
 //! loads itself (`ebpf/src/floor.rs`: an empty classifier, one hash lookup with the key and
-//! value sizes of `wgf2_peers_v4`, that lookup plus one LPM lookup with the key and value sizes
-//! of `wgf2_policy_v4`), with the same entries in their maps, on the same raw IPv4 packets,
+//! value sizes of `wgf3_peers_v4`, that lookup plus one LPM lookup with the key and value sizes
+//! of `wgf3_policy_v4`), with the same entries in their maps, on the same raw IPv4 packets,
 //! under `BPF_PROG_TEST_RUN`, in one run: reported as ratios. Then one peer's packets on two
 //! CPUs at once against two peers' packets.
 
@@ -347,8 +347,8 @@ pub fn run(report: &mut Report, command: &str, states: &[(usize, DesiredState, P
              Beside it, in the same run, on the same packets, the floor programs this bench \
              loads itself (`ebpf/src/floor.rs`, never loaded by the agent): an empty \
              classifier; one hash lookup with the key and value sizes and the entries of \
-             `wgf2_peers_v4`; that lookup plus one LPM lookup with the key and value sizes and \
-             the entries of `wgf2_policy_v4`. Each wgfence path is divided by the floor that \
+             `wgf3_peers_v4`; that lookup plus one LPM lookup with the key and value sizes and \
+             the entries of `wgf3_policy_v4`. Each wgfence path is divided by the floor that \
              does its essential work on the same packet (a hit or a miss). Every figure \
              includes the harness's own per-run cost (the empty classifier's row), which the \
              ratios do not subtract. Packets from the last peer of each kind; events on means \

@@ -216,7 +216,7 @@ fn main() {
         "map",
         "dump",
         "pinned",
-        &format!("{}/wgf2_flows_v4", dir.display()),
+        &format!("{}/wgf3_flows_v4", dir.display()),
     ]);
 
     section("why was it dropped: wgfence monitor");
@@ -261,9 +261,9 @@ fn main() {
         "map",
         "dump",
         "pinned",
-        &format!("{dir}/wgf2_peers_v4"),
+        &format!("{dir}/wgf3_peers_v4"),
     ]);
-    policy_entries(&format!("{dir}/wgf2_policy_v4"));
+    policy_entries(&format!("{dir}/wgf3_policy_v4"));
     show(&[
         "bpftool",
         "link",
