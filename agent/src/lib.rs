@@ -7,6 +7,7 @@
 //! [`status`] alongside. [`settings`] are the datapath's own (reply flows, drop events), and
 //! [`monitor`] streams its drop events.
 
+pub mod clock;
 pub mod daemon;
 pub mod dataplane;
 pub mod metrics;

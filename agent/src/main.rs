@@ -352,6 +352,7 @@ fn check(path: &Path) -> Result<ExitCode> {
                 state::distinct_policies(&desired).len()
             );
             note_allowed_nothing(&desired);
+            note_expired(&desired);
             Ok(ExitCode::SUCCESS)
         }
         Err(e) => {
@@ -385,12 +386,32 @@ fn note_allowed_nothing(desired: &state::DesiredState) {
     );
 }
 
+/// A note (not an error) naming the peers whose window is already over: the state is valid,
+/// but they may send nothing.
+fn note_expired(desired: &state::DesiredState) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    for peer in desired.peers.iter().filter(|p| p.window.is_past(now)) {
+        println!(
+            "note: peer {:?}: its window is already over (expires {}): it may send nothing",
+            peer.name,
+            peer.window
+                .expires
+                .map(state::format_time)
+                .unwrap_or_default()
+        );
+    }
+}
+
 fn plan_command(interface: &str, state_path: &Path, bpffs: &Path) -> Result<ExitCode> {
     let desired = match state::parse(&read_state(state_path)?) {
         Ok(desired) => desired,
         Err(e) => bail!("{}: {e}", state_path.display()),
     };
     note_allowed_nothing(&desired);
+    note_expired(&desired);
     // The kernel's reply switch, if anything is pinned (the timeouts and the event rate are
     // `run`'s options, which this command does not know).
     let (maps, replies) = if pin_dir(bpffs, interface).exists() {
@@ -510,8 +531,8 @@ fn print_status(r: &Report) {
     if !r.peer_counters.is_empty() {
         println!();
         println!(
-            "{:<24} {:<32} {:>7} {:>12} {:>12}",
-            "PEER", "ADDRESSES", "POLICY", "PASSED", "DROPPED"
+            "{:<24} {:<32} {:>7} {:>12} {:>12}  {:<7} {:>12}  WINDOW",
+            "PEER", "ADDRESSES", "POLICY", "PASSED", "DROPPED", "MODE", "WOULD-DROP"
         );
         for p in &r.peer_counters {
             let addrs = p
@@ -525,13 +546,22 @@ fn print_status(r: &Report) {
             } else {
                 p.policy.to_string()
             };
+            let would_drop = if p.mode == "audit" {
+                p.would_drop_packets.to_string()
+            } else {
+                "-".to_owned()
+            };
+            let window = p.window.as_ref().map_or("-".to_owned(), |w| w.text());
             println!(
-                "{:<24} {:<32} {:>7} {:>12} {:>12}",
+                "{:<24} {:<32} {:>7} {:>12} {:>12}  {:<7} {:>12}  {}",
                 p.peer.as_deref().unwrap_or("?"),
                 addrs,
                 policy,
                 p.pass_packets,
-                p.drop_packets
+                p.drop_packets,
+                p.mode,
+                would_drop,
+                window
             );
         }
     }
@@ -551,6 +581,8 @@ fn monitor(
     use std::io::Write as _;
 
     let mut monitor = Monitor::open(bpffs, interface)?;
+    // Audit events name the rule set the peer is audited against: its entry's policy id.
+    let maps = wgfence::dataplane::Dataplane::open_maps(bpffs, interface).ok();
     let load_names =
         || status::peer_names(state, status::AgentStatus::read(interface).ok().as_ref());
     let mut names = load_names();
@@ -575,7 +607,15 @@ fn monitor(
         let clock = Clock::now();
         let mut out = stdout.lock();
         for event in &events {
-            let view = EventView::new(event, &names, &clock);
+            let mut view = EventView::new(event, &names, &clock);
+            if view.kind == "audit" {
+                let policy = maps
+                    .as_ref()
+                    .zip(view.src)
+                    .and_then(|(maps, src)| maps.peer(src).ok().flatten())
+                    .map(|e| e.policy);
+                view = view.with_policy(policy);
+            }
             if peer.is_some() && view.peer.as_deref() != peer {
                 continue;
             }

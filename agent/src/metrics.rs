@@ -296,14 +296,26 @@ impl Collector for DatapathCollector {
             None,
             MetricType::Counter,
         )?;
+        let mut would_drop = Vec::new();
         for (slot, name) in names.iter() {
             if let Ok(c) = maps.peer_counters(*slot) {
                 for (verdict, value) in [("pass", c.pass_packets), ("drop", c.drop_packets)] {
                     let labels = [("peer", name.as_str()), ("verdict", verdict)];
                     ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
                 }
+                would_drop.push((name.as_str(), c.audit_packets));
             }
         }
+        // Audit mode: the packets each peer's policy denied and let pass (0 for an enforced
+        // peer, whose denials are drops).
+        counter_family(
+            &mut encoder,
+            "wgfence_peer_would_drop_packets",
+            "Packets per peer that its policy denies and audit mode let pass",
+            would_drop
+                .into_iter()
+                .map(|(peer, n)| ([("peer", peer)], n)),
+        )?;
         Ok(())
     }
 }

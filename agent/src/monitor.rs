@@ -125,6 +125,13 @@ pub struct EventView {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dst_port: Option<u16>,
     pub len: u32,
+    /// `"drop"`, or `"audit"`: an audited peer's packet its policy denies, which passed (a
+    /// would-drop).
+    pub kind: &'static str,
+    /// An audit event's rule set: the policy id the peer's entry points at (`wgfence status`
+    /// lists it per peer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<u32>,
 }
 
 /// Converts the kernel's CLOCK_MONOTONIC timestamps to wall-clock time.
@@ -202,7 +209,19 @@ impl EventView {
             src_port: ports.then_some(event.src_port),
             dst_port: ports.then_some(event.dst_port),
             len: event.len,
+            kind: if event.reason == Counter::PassAudit as u32 {
+                "audit"
+            } else {
+                "drop"
+            },
+            policy: None,
         }
+    }
+
+    /// The same, naming the rule set (policy id) an audit event's peer is audited against.
+    pub fn with_policy(mut self, policy: Option<u32>) -> Self {
+        self.policy = policy;
+        self
     }
 
     /// One line, like `cilium monitor --type drop`.
@@ -218,6 +237,21 @@ impl EventView {
             (None, Some(slot)) => format!("slot {slot}"),
             (None, None) => "not a peer".into(),
         };
+        if self.kind == "audit" {
+            let policy = self.policy.map_or(String::new(), |p| {
+                format!(" (would drop: denied by policy {p})")
+            });
+            return format!(
+                "{} AUDIT from {} {} {} -> {} len {}{}",
+                self.time,
+                peer,
+                self.protocol,
+                endpoint(self.src, self.src_port),
+                endpoint(self.dst, self.dst_port),
+                self.len,
+                policy
+            );
+        }
         format!(
             "{} drop ({}) from {} {} {} -> {} len {}",
             self.time,

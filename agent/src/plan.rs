@@ -63,6 +63,9 @@ pub struct ActualMaps {
     ///
     /// [`Config::owner_high`]: wgfence_common::Config::owner_high
     pub owner_high: u64,
+    /// Wall clock minus boot clock in seconds ([`crate::clock`]): how peer windows, given in
+    /// wall-clock time, become the boot-clock bounds of their entries.
+    pub wall_minus_boot_secs: i64,
 }
 
 impl ActualMaps {
@@ -82,7 +85,14 @@ impl ActualMaps {
                 .map(|(id, entries)| (id, CompiledPolicy::from_entries(entries)))
                 .collect(),
             owner_high: 0,
+            wall_minus_boot_secs: 0,
         }
+    }
+
+    /// The same, with the offset that converts peer windows to the boot clock.
+    pub fn with_wall_minus_boot(mut self, secs: i64) -> Self {
+        self.wall_minus_boot_secs = secs;
+        self
     }
 
     /// The same, with the owner high-water mark of the kernel's settings entry.
@@ -602,6 +612,35 @@ fn same_peer(a: &PeerSpec, b: &PeerSpec) -> bool {
         && a.preshared_key == b.preshared_key
         && a.persistent_keepalive == b.persistent_keepalive
         && a.rules == b.rules
+        && a.mode == b.mode
+        && a.window == b.window
+}
+
+/// The map entry of one of `peer`'s addresses: its policy, counter slot and owner, audit mode
+/// for an audited restricted peer, and its window on the boot clock.
+fn peer_entry(
+    peer: &PeerSpec,
+    policy: u32,
+    slot: u32,
+    owner: u64,
+    wall_minus_boot_secs: i64,
+) -> PeerEntry {
+    let mut entry = PeerEntry {
+        policy,
+        slot,
+        owner,
+        ..PeerEntry::default()
+    };
+    if peer.mode == crate::state::Mode::Audit && policy != UNRESTRICTED {
+        entry.flags |= wgfence_common::PEER_AUDIT;
+    }
+    if peer.window.is_some() {
+        entry.flags |= wgfence_common::PEER_WINDOWED;
+        let boot = |secs| crate::clock::to_boot_ns(secs, wall_minus_boot_secs);
+        entry.not_before_ns = peer.window.not_before.map_or(0, boot);
+        entry.expires_ns = peer.window.expires.map_or(u64::MAX, boot);
+    }
+    entry
 }
 
 /// Peers of `desired` that are new or changed since `previous`, and the versions of
@@ -819,12 +858,7 @@ fn plan_scope(
                 (
                     &peer.name,
                     peer.public_key,
-                    PeerEntry {
-                        policy,
-                        slot,
-                        owner,
-                        ..PeerEntry::default()
-                    },
+                    peer_entry(peer, policy, slot, owner, maps.wall_minus_boot_secs),
                 ),
             );
         }

@@ -71,7 +71,9 @@ pub fn read_maps(maps: &Maps) -> Result<ActualMaps, DataplaneError> {
         .policies()?
         .into_iter()
         .map(|e| (e.policy, e.prefix, e.value.allows().to_vec()));
-    Ok(ActualMaps::from_entries(peers, entries).with_owner_high(maps.config()?.owner_high))
+    Ok(ActualMaps::from_entries(peers, entries)
+        .with_owner_high(maps.config()?.owner_high)
+        .with_wall_minus_boot(crate::clock::wall_minus_boot_secs()))
 }
 
 pub struct Reconciler {

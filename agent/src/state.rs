@@ -74,6 +74,86 @@ pub struct PeerSpec {
     /// The compiled rules, shared by peers with the same rule set; `None`: unrestricted
     /// (exactly when `rules` is `None`).
     pub policy: Option<Arc<CompiledPolicy>>,
+    /// `"mode"`: enforce (the default) or audit (denied packets pass, counted as would-drops).
+    pub mode: Mode,
+    /// `"notBefore"` and `"expires"` (RFC 3339, UTC): the peer's packets pass only from
+    /// `not_before` until before `expires`; `expires` > `not_before` when both are given.
+    pub window: Window,
+}
+
+/// What a peer's policy does with a packet it denies.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Mode {
+    /// Drop it.
+    #[default]
+    Enforce,
+    /// Let it pass, count it as a would-drop and report it (`wgfence monitor`: AUDIT).
+    Audit,
+}
+
+impl Mode {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Audit => "audit",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "enforce" => Some(Mode::Enforce),
+            "audit" => Some(Mode::Audit),
+            _ => None,
+        }
+    }
+}
+
+/// A peer's access window, in wall-clock time (seconds since the Unix epoch, UTC). Neither
+/// bound: no window.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Window {
+    pub not_before: Option<u64>,
+    pub expires: Option<u64>,
+}
+
+impl Window {
+    pub const fn is_some(&self) -> bool {
+        self.not_before.is_some() || self.expires.is_some()
+    }
+
+    /// Whether the whole window lies before `now` (seconds since the epoch).
+    pub fn is_past(&self, now: u64) -> bool {
+        self.expires.is_some_and(|e| e <= now)
+    }
+}
+
+/// An RFC 3339 time in UTC (`2026-12-04T17:00:00Z`, fractions of a second allowed) as seconds
+/// since the Unix epoch, rounded down.
+pub fn parse_time(text: &str) -> Result<u64, String> {
+    let t = humantime::parse_rfc3339(text).map_err(|e| {
+        format!("{text:?} is not an RFC 3339 time in UTC such as 2026-12-04T17:00:00Z ({e})")
+    })?;
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .map_err(|_| format!("{text:?} is before 1970"))
+}
+
+/// Seconds since the epoch as RFC 3339 in UTC.
+pub fn format_time(secs: u64) -> String {
+    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs))
+        .to_string()
+}
+
+/// The error of a window whose end is not after its start, if so.
+fn window_error(window: &Window) -> Option<String> {
+    match (window.not_before, window.expires) {
+        (Some(nb), Some(ex)) if ex <= nb => Some(format!(
+            "{} is not after notBefore {}: the window is empty",
+            format_time(ex),
+            format_time(nb)
+        )),
+        _ => None,
+    }
 }
 
 impl PeerSpec {
@@ -152,6 +232,15 @@ impl PeerSpec {
         }
         if let Some(secs) = self.persistent_keepalive {
             set("persistentKeepalive", secs.into());
+        }
+        if self.mode != Mode::Enforce {
+            set("mode", self.mode.name().into());
+        }
+        if let Some(t) = self.window.not_before {
+            set("notBefore", format_time(t).into());
+        }
+        if let Some(t) = self.window.expires {
+            set("expires", format_time(t).into());
         }
         if let Some(rules) = &self.rules {
             set(
@@ -385,6 +474,60 @@ mod tests {
             Ok(s) => panic!("accepted: {s:?}"),
             Err(e) => e.errors.iter().map(ToString::to_string).collect(),
         }
+    }
+
+    /// Both passes accept `text` alike.
+    fn both(text: &str) -> DesiredState {
+        let tree = tree::parse_value_tree(text).unwrap_or_else(|e| panic!("{e}"));
+        let fast = fast::parse(text).unwrap_or_else(|| panic!("the typed pass refused {text}"));
+        assert_eq!(tree, fast);
+        tree
+    }
+
+    #[test]
+    fn mode_and_window_parse_alike_in_both_passes_and_round_trip() {
+        let mut p = peer("alice", 2);
+        p["mode"] = "audit".into();
+        p["notBefore"] = "2026-12-01T08:00:00Z".into();
+        p["expires"] = "2026-12-04T17:00:00.5Z".into();
+        let s = both(&state(vec![p, peer("bob", 3)]));
+        assert_eq!(s.peers[0].mode, Mode::Audit);
+        assert_eq!(
+            s.peers[0].window,
+            Window {
+                not_before: Some(1_796_112_000),
+                expires: Some(1_796_403_600),
+            }
+        );
+        assert_eq!(s.peers[1].mode, Mode::Enforce);
+        assert!(!s.peers[1].window.is_some());
+        assert_eq!(both(&s.to_canonical_json()), s);
+    }
+
+    #[test]
+    fn bad_modes_and_windows_are_rejected_naming_the_field() {
+        let with = |field: &str, value: Value| {
+            let mut p = peer("alice", 2);
+            p[field] = value;
+            state(vec![p])
+        };
+        assert_error(
+            &with("mode", "permissive".into()),
+            "field mode: \"permissive\"",
+        );
+        assert_error(&with("mode", Value::Null), "field mode: null");
+        assert_error(
+            &with("expires", "tomorrow".into()),
+            "field expires: \"tomorrow\" is not",
+        );
+        assert_error(&with("notBefore", 5.into()), "field notBefore: must be");
+        let mut p = peer("alice", 2);
+        p["notBefore"] = "2026-12-04T17:00:00Z".into();
+        p["expires"] = "2026-12-04T17:00:00Z".into();
+        assert_error(
+            &state(vec![p]),
+            "field expires: 2026-12-04T17:00:00Z is not after notBefore",
+        );
     }
 
     #[track_caller]

@@ -225,6 +225,51 @@ pub struct PeerReport {
     pub pass_bytes: u64,
     pub drop_packets: u64,
     pub drop_bytes: u64,
+    /// `"enforce"` or `"audit"`, as the entry has it.
+    pub mode: &'static str,
+    /// An audited peer's would-drops: packets its policy denies, passed.
+    pub would_drop_packets: u64,
+    pub would_drop_bytes: u64,
+    /// The window the entry holds, in wall-clock time (RFC 3339, UTC); `None`: no window.
+    pub window: Option<WindowReport>,
+}
+
+/// A peer's access window as the datapath holds it.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WindowReport {
+    pub not_before: Option<String>,
+    pub expires: Option<String>,
+    /// Whether the datapath drops the peer's packets now (outside the window).
+    pub closed: bool,
+}
+
+impl WindowReport {
+    fn of(entry: &wgfence_common::PeerEntry) -> Option<Self> {
+        if entry.flags & wgfence_common::PEER_WINDOWED == 0 {
+            return None;
+        }
+        let offset = crate::clock::wall_minus_boot_secs();
+        let wall = |ns: u64| {
+            let secs = crate::clock::to_wall_secs(ns, offset);
+            crate::state::format_time(u64::try_from(secs).unwrap_or_default())
+        };
+        Some(Self {
+            not_before: (entry.not_before_ns != 0).then(|| wall(entry.not_before_ns)),
+            expires: (entry.expires_ns != u64::MAX).then(|| wall(entry.expires_ns)),
+            closed: !entry.in_window(crate::clock::now_ns(libc::CLOCK_BOOTTIME)),
+        })
+    }
+
+    /// `from..until` for the status table.
+    pub fn text(&self) -> String {
+        let closed = if self.closed { " (closed)" } else { "" };
+        format!(
+            "{}..{}{closed}",
+            self.not_before.as_deref().unwrap_or(""),
+            self.expires.as_deref().unwrap_or("")
+        )
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -310,11 +355,13 @@ pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Rep
     let entries = maps.peers()?;
     let mut peers = PeerCounts::default();
     let mut by_slot: BTreeMap<u32, (Vec<IpAddr>, u32)> = BTreeMap::new();
+    let mut entry_of: BTreeMap<u32, wgfence_common::PeerEntry> = BTreeMap::new();
     for (addr, entry) in &entries {
         match addr {
             IpAddr::V4(_) => peers.ipv4_entries += 1,
             IpAddr::V6(_) => peers.ipv6_entries += 1,
         }
+        entry_of.entry(entry.slot).or_insert(*entry);
         let slot = by_slot
             .entry(entry.slot)
             .or_insert((Vec::new(), entry.policy));
@@ -348,6 +395,14 @@ pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Rep
             pass_bytes: c.pass_bytes,
             drop_packets: c.drop_packets,
             drop_bytes: c.drop_bytes,
+            mode: if entry_of.get(&slot).is_some_and(|e| e.audit()) {
+                "audit"
+            } else {
+                "enforce"
+            },
+            would_drop_packets: c.audit_packets,
+            would_drop_bytes: c.audit_bytes,
+            window: entry_of.get(&slot).and_then(WindowReport::of),
         });
     }
     peer_counters.sort_by(|a, b| a.peer.cmp(&b.peer).then(a.addresses.cmp(&b.addresses)));

@@ -208,6 +208,26 @@ impl Maps {
         }
     }
 
+    /// The entry of one peer address, if any.
+    pub fn peer(&self, addr: IpAddr) -> Result<Option<PeerEntry>> {
+        let found = match addr {
+            IpAddr::V4(a) => self.peers_v4.get(&PeerKeyV4 { addr: a.octets() }, 0),
+            IpAddr::V6(a) => self.peers_v6.get(&PeerKeyV6 { addr: a.octets() }, 0),
+        };
+        match found {
+            Ok(entry) => Ok(Some(entry)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(source) => Err(DataplaneError::Map {
+                map: if addr.is_ipv4() {
+                    map_names::PEERS_V4
+                } else {
+                    map_names::PEERS_V6
+                },
+                source,
+            }),
+        }
+    }
+
     /// All peer entries, sorted by address.
     pub fn peers(&self) -> Result<Vec<(IpAddr, PeerEntry)>> {
         let mut peers = Vec::new();

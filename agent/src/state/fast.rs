@@ -20,9 +20,9 @@ use serde_json::value::RawValue;
 use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 
 use super::{
-    keepalive, parse_endpoint, port_number, port_text, protocol_named, share, trie_entries,
-    usable_tunnel_addr, valid_name, Compiled, DesiredState, PeerSpec, Shared, WgKey,
-    MAX_RULES_PER_PEER, SCHEMA_VERSION,
+    keepalive, parse_endpoint, parse_time, port_number, port_text, protocol_named, share,
+    trie_entries, usable_tunnel_addr, valid_name, window_error, Compiled, DesiredState, Mode,
+    PeerSpec, Shared, WgKey, Window, MAX_RULES_PER_PEER, SCHEMA_VERSION,
 };
 use crate::policy::{PortRange, Protocol, Rule};
 
@@ -137,6 +137,12 @@ struct RawPeer<'a> {
     /// parsed, validated and compiled once. `null` is kept as its text and refused there.
     #[serde(borrow, default, deserialize_with = "present")]
     egress: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    mode: Option<Str<'a>>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    not_before: Option<Str<'a>>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    expires: Option<Str<'a>>,
 }
 
 #[derive(Deserialize)]
@@ -219,6 +225,23 @@ fn peer<'a>(
         Some(secs) => keepalive(secs)?,
         None => None,
     };
+    let mode = match &raw.mode {
+        Some(m) => Mode::from_name(&m.0)?,
+        None => Mode::Enforce,
+    };
+    let time = |t: &Option<Str<'_>>| -> Option<Option<u64>> {
+        match t {
+            Some(t) => parse_time(&t.0).ok().map(Some),
+            None => Some(None),
+        }
+    };
+    let window = Window {
+        not_before: time(&raw.not_before)?,
+        expires: time(&raw.expires)?,
+    };
+    if window_error(&window).is_some() {
+        return None;
+    }
     let (rules, policy) = match raw.egress {
         None => None,
         Some(text) => match egress.get(text.get()) {
@@ -241,6 +264,8 @@ fn peer<'a>(
         persistent_keepalive,
         rules,
         policy,
+        mode,
+        window,
     })
 }
 

@@ -12,13 +12,14 @@ use serde_json::{Map, Value};
 use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 
 use super::{
-    keepalive, parse_endpoint, port_number, port_text, protocol_named, share, trie_entries,
-    unique_keys, usable_tunnel_addr, valid_name, Compiled, DesiredState, FieldError, PeerSpec,
-    StateError, WgKey, MAX_NAME_LEN, MAX_RULES_PER_PEER, SCHEMA_VERSION,
+    keepalive, parse_endpoint, parse_time, port_number, port_text, protocol_named, share,
+    trie_entries, unique_keys, usable_tunnel_addr, valid_name, window_error, Compiled,
+    DesiredState, FieldError, Mode, PeerSpec, StateError, WgKey, Window, MAX_NAME_LEN,
+    MAX_RULES_PER_PEER, SCHEMA_VERSION,
 };
 use crate::policy::{PortRange, Protocol, Rule};
 
-pub(super) const PEER_FIELDS: [&str; 8] = [
+pub(super) const PEER_FIELDS: [&str; 11] = [
     "name",
     "publicKey",
     "address",
@@ -27,6 +28,9 @@ pub(super) const PEER_FIELDS: [&str; 8] = [
     "presharedKey",
     "persistentKeepalive",
     "egress",
+    "mode",
+    "notBefore",
+    "expires",
 ];
 pub(super) const RULE_FIELDS: [&str; 3] = ["cidr", "protocol", "ports"];
 
@@ -346,6 +350,49 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
             None
         }
     };
+    let mode = match obj.get("mode") {
+        None => Mode::Enforce,
+        Some(Value::Null) => {
+            e.add("mode", NULL);
+            Mode::Enforce
+        }
+        Some(Value::String(m)) => Mode::from_name(m).unwrap_or_else(|| {
+            e.add("mode", format!("{m:?} is not \"enforce\" or \"audit\""));
+            Mode::Enforce
+        }),
+        Some(_) => {
+            e.add("mode", "must be a string: \"enforce\" or \"audit\"");
+            Mode::Enforce
+        }
+    };
+    let mut time = |field: &str| match obj.get(field) {
+        None => None,
+        Some(Value::Null) => {
+            e.add(field, NULL);
+            None
+        }
+        Some(Value::String(t)) => match parse_time(t) {
+            Ok(secs) => Some(secs),
+            Err(message) => {
+                e.add(field, message);
+                None
+            }
+        },
+        Some(_) => {
+            e.add(
+                field,
+                "must be an RFC 3339 time in UTC, e.g. \"2026-12-04T17:00:00Z\"",
+            );
+            None
+        }
+    };
+    let window = Window {
+        not_before: time("notBefore"),
+        expires: time("expires"),
+    };
+    if let Some(message) = window_error(&window) {
+        e.add("expires", message);
+    }
     if e.all.len() > before {
         return None;
     }
@@ -366,6 +413,8 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
         persistent_keepalive,
         rules,
         policy,
+        mode,
+        window,
     })
 }
 
