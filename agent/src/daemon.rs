@@ -333,6 +333,10 @@ impl Core {
         if let Ok(mut slots) = self.metrics.slot_names.write() {
             *slots = names;
         }
+        let rules = crate::status::rule_rows(desired, |a| peers.get(&a).copied());
+        if let Ok(mut rows) = self.metrics.rule_names.write() {
+            *rows = rules;
+        }
     }
 
     /// Checks the attachment and the pins, repairing what it can (see [`Dataplane::check`]).

@@ -134,6 +134,13 @@ enum Command {
         /// State file to name peers by (default: the running agent's).
         #[arg(long, short)]
         state: Option<PathBuf>,
+        /// List the rules of the applied policies with their hit counters instead: those with
+        /// no hit since `--since` (default: none ever), to prune.
+        #[arg(long)]
+        rules: bool,
+        /// With `--rules`: an RFC 3339 time in UTC; rules hit after it are left out.
+        #[arg(long, requires = "rules")]
+        since: Option<String>,
     },
     /// Stream the datapath's drop events (peer, reason, protocol, addresses, ports) while the
     /// agent runs, like `cilium monitor --type drop`. Events are rate-limited in the kernel.
@@ -295,6 +302,14 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             target: Target { interface, bpffs },
             json,
             state,
+            rules: true,
+            since,
+        } => unused_rules(&bpffs, &interface, state.as_deref(), since.as_deref(), json),
+        Command::Status {
+            target: Target { interface, bpffs },
+            json,
+            state,
+            ..
         } => {
             let report = status::report(&bpffs, &interface, state.as_deref())?;
             if json {
@@ -565,6 +580,81 @@ fn print_status(r: &Report) {
             );
         }
     }
+}
+
+/// `wgfence status --rules`: each counted rule with its hits and last hit, those hit after
+/// `since` left out.
+fn unused_rules(
+    bpffs: &Path,
+    interface: &str,
+    state: Option<&Path>,
+    since: Option<&str>,
+    json: bool,
+) -> Result<ExitCode> {
+    let since = since
+        .map(state::parse_time)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--since: {e}"))?;
+    let agent = status::AgentStatus::read(interface).ok();
+    let path = state
+        .map(Path::to_path_buf)
+        .or_else(|| agent.map(|a| a.state_file))
+        .context("no state file to read the rules from: pass --state (no agent runs here)")?;
+    let desired = state::parse(&read_state(&path)?)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let maps = Dataplane::open_maps(bpffs, interface)?;
+    let rows = status::rule_rows(&desired, |a| maps.peer(a).ok().flatten());
+    let offset = wgfence::clock::wall_minus_boot_ns();
+    let mut out = Vec::new();
+    for row in rows {
+        let c = maps.rule_counters(row.counter)?;
+        let last = (c.packets > 0).then(|| wgfence::clock::to_wall_secs(c.last_hit_ns, offset));
+        let last = last.map(|t| u64::try_from(t).unwrap_or_default());
+        // Hit after `since` (by default: hit at all): in use, not listed.
+        let in_use = match (since, last) {
+            (Some(since), Some(last)) => last >= since,
+            (None, Some(_)) => true,
+            (_, None) => false,
+        };
+        if in_use {
+            continue;
+        }
+        out.push(serde_json::json!({
+            "policy": row.policy,
+            "rule": row.rule,
+            "counter": row.counter,
+            "packets": c.packets,
+            "bytes": c.bytes,
+            "lastHit": last.map(state::format_time),
+        }));
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let what = since.map_or("never hit".to_owned(), |t| {
+        format!("not hit since {}", state::format_time(t))
+    });
+    println!(
+        "{} rule{} {what}:",
+        out.len(),
+        if out.len() == 1 { "" } else { "s" }
+    );
+    println!(
+        "{:>7}  {:<40} {:>12} {:>14}  LAST HIT",
+        "POLICY", "RULE", "PACKETS", "BYTES"
+    );
+    for r in &out {
+        println!(
+            "{:>7}  {:<40} {:>12} {:>14}  {}",
+            r["policy"],
+            r["rule"].as_str().unwrap_or_default(),
+            r["packets"],
+            r["bytes"],
+            r["lastHit"].as_str().unwrap_or("never")
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// How often `monitor` re-reads the state file for peer names.

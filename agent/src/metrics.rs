@@ -74,6 +74,9 @@ impl Health {
 /// Peer names by counter slot, for per-peer series.
 pub type SlotNames = Arc<RwLock<Vec<(u32, String)>>>;
 
+/// The counted rules, for per-rule series (with `--peer-metrics`).
+pub type RuleNames = Arc<RwLock<Vec<crate::status::RuleRow>>>;
+
 /// The agent's metrics.
 #[derive(Debug)]
 pub struct Metrics {
@@ -90,6 +93,7 @@ pub struct Metrics {
     pub datapath_repairs: Family<RepairLabels, Counter>,
     pub datapath_repair_failures: Counter,
     pub slot_names: SlotNames,
+    pub rule_names: RuleNames,
 }
 
 impl Metrics {
@@ -167,10 +171,12 @@ impl Metrics {
             datapath_repair_failures.clone(),
         );
         let slot_names: SlotNames = Arc::default();
+        let rule_names: RuleNames = Arc::default();
         registry.register_collector(Box::new(DatapathCollector {
             bpffs,
             interface,
             slot_names: peer_metrics.then(|| Arc::clone(&slot_names)),
+            rule_names: peer_metrics.then(|| Arc::clone(&rule_names)),
         }));
         Self {
             registry,
@@ -186,6 +192,7 @@ impl Metrics {
             datapath_repairs,
             datapath_repair_failures,
             slot_names,
+            rule_names,
         }
     }
 
@@ -214,6 +221,7 @@ struct DatapathCollector {
     bpffs: PathBuf,
     interface: String,
     slot_names: Option<SlotNames>,
+    rule_names: Option<RuleNames>,
 }
 
 impl Collector for DatapathCollector {
@@ -284,6 +292,32 @@ impl Collector for DatapathCollector {
             )),
         )?;
 
+        if let Some(rules) = self.rule_names.as_ref().and_then(|r| r.read().ok()) {
+            let mut hits = Vec::with_capacity(rules.len());
+            let mut bytes = Vec::with_capacity(rules.len());
+            for row in rules.iter() {
+                if let Ok(c) = maps.rule_counters(row.counter) {
+                    let policy = row.policy.to_string();
+                    hits.push((
+                        [("policy", policy.clone()), ("rule", row.rule.clone())],
+                        c.packets,
+                    ));
+                    bytes.push(([("policy", policy), ("rule", row.rule.clone())], c.bytes));
+                }
+            }
+            counter_family(
+                &mut encoder,
+                "wgfence_rule_hits",
+                "Packets a policy passed, per rule (the first rule in canonical order that allows the packet)",
+                hits.into_iter(),
+            )?;
+            counter_family(
+                &mut encoder,
+                "wgfence_rule_hit_bytes",
+                "Bytes a policy passed, per rule",
+                bytes.into_iter(),
+            )?;
+        }
         let Some(names) = &self.slot_names else {
             return Ok(());
         };

@@ -38,7 +38,7 @@ use std::{
 };
 
 use ipnet::IpNet;
-use wgfence_common::{Allow, PeerEntry, MAX_PEERS, UNRESTRICTED};
+use wgfence_common::{Allow, PeerEntry, MAX_PEERS, MAX_RULES, NO_RULES, UNRESTRICTED};
 
 use crate::{
     policy::{CompiledPolicy, NOTHING},
@@ -63,9 +63,9 @@ pub struct ActualMaps {
     ///
     /// [`Config::owner_high`]: wgfence_common::Config::owner_high
     pub owner_high: u64,
-    /// Wall clock minus boot clock in seconds ([`crate::clock`]): how peer windows, given in
-    /// wall-clock time, become the boot-clock bounds of their entries.
-    pub wall_minus_boot_secs: i64,
+    /// Wall clock minus boot clock in nanoseconds ([`crate::clock`]): how peer windows, given
+    /// in wall-clock time, become the boot-clock bounds of their entries.
+    pub wall_minus_boot_ns: i128,
 }
 
 impl ActualMaps {
@@ -85,13 +85,13 @@ impl ActualMaps {
                 .map(|(id, entries)| (id, CompiledPolicy::from_entries(entries)))
                 .collect(),
             owner_high: 0,
-            wall_minus_boot_secs: 0,
+            wall_minus_boot_ns: 0,
         }
     }
 
     /// The same, with the offset that converts peer windows to the boot clock.
-    pub fn with_wall_minus_boot(mut self, secs: i64) -> Self {
-        self.wall_minus_boot_secs = secs;
+    pub fn with_wall_minus_boot(mut self, ns: i128) -> Self {
+        self.wall_minus_boot_ns = ns;
         self
     }
 
@@ -309,7 +309,7 @@ impl Actual {
                     .insert_entry(*prefix, allows.clone());
                 self.index_content(*policy);
             }
-            Op::ResetPeerCounters { .. } => {}
+            Op::ResetPeerCounters { .. } | Op::ResetRuleCounters { .. } => {}
             Op::RaiseOwnerHigh { owner } => {
                 self.maps.owner_high = self.maps.owner_high.max(*owner);
                 self.index.owner_high = self.index.owner_high.max(*owner);
@@ -399,6 +399,12 @@ pub enum Op {
     ResetPeerCounters {
         slot: u32,
     },
+    /// Zeroes the rule counters `base..base + len` (a policy's new block), before any entry
+    /// points at them.
+    ResetRuleCounters {
+        base: u32,
+        len: u32,
+    },
     /// Persists the owner high-water mark in the settings entry, before any entry with an
     /// owner up to `owner` is written: a restarted agent never hands out an owner again.
     RaiseOwnerHigh {
@@ -456,6 +462,9 @@ impl fmt::Display for Op {
                 allows.len()
             ),
             Op::ResetPeerCounters { slot } => write!(f, "map: reset counters of slot {slot}"),
+            Op::ResetRuleCounters { base, len } => {
+                write!(f, "map: reset rule counters {base}..{}", base + len)
+            }
             Op::RaiseOwnerHigh { owner } => {
                 write!(f, "map: raise the owner high-water mark to {owner}")
             }
@@ -620,15 +629,16 @@ fn same_peer(a: &PeerSpec, b: &PeerSpec) -> bool {
 /// for an audited restricted peer, and its window on the boot clock.
 fn peer_entry(
     peer: &PeerSpec,
-    policy: u32,
+    (policy, rules): (u32, u32),
     slot: u32,
     owner: u64,
-    wall_minus_boot_secs: i64,
+    wall_minus_boot_ns: i128,
 ) -> PeerEntry {
     let mut entry = PeerEntry {
         policy,
         slot,
         owner,
+        rules,
         ..PeerEntry::default()
     };
     if peer.mode == crate::state::Mode::Audit && policy != UNRESTRICTED {
@@ -636,11 +646,79 @@ fn peer_entry(
     }
     if peer.window.is_some() {
         entry.flags |= wgfence_common::PEER_WINDOWED;
-        let boot = |secs| crate::clock::to_boot_ns(secs, wall_minus_boot_secs);
+        let boot = |secs| crate::clock::to_boot_ns(secs, wall_minus_boot_ns);
         entry.not_before_ns = peer.window.not_before.map_or(0, boot);
         entry.expires_ns = peer.window.expires.map_or(u64::MAX, boot);
     }
     entry
+}
+
+/// The rule counter block of each policy the touched peers use: its rules, in canonical order,
+/// count at `base..base + rules` of the rule counters. A policy keeps the block its entries
+/// carry (so the counts survive restarts, adopted from the pinned entries); a policy without
+/// one gets the first free range, zeroed first. Counters are observability, not enforcement:
+/// when no range is free the policy is simply not counted ([`NO_RULES`]).
+fn rule_blocks(
+    touched: &[&PeerSpec],
+    ids: &BTreeMap<&CompiledPolicy, u32>,
+    maps: &ActualMaps,
+    ops: &mut Vec<Op>,
+) -> BTreeMap<u32, u32> {
+    let mut bases: BTreeMap<u32, u32> = BTreeMap::new();
+    for entry in maps.peers.values().filter(|e| e.rules != NO_RULES) {
+        let base = bases.entry(entry.policy).or_insert(entry.rules);
+        *base = (*base).min(entry.rules);
+    }
+    let mut want: BTreeMap<u32, u32> = BTreeMap::new();
+    for peer in touched {
+        if let (Some(policy), Some(rules)) = (peer.policy.as_deref(), &peer.rules) {
+            if let (Some(id), Ok(len)) = (ids.get(policy), u32::try_from(rules.len())) {
+                if len > 0 {
+                    want.insert(*id, len);
+                }
+            }
+        }
+    }
+    // The ranges in use: a kept block is as long as its policy has rules (the highest rule
+    // index its entries carry, plus one).
+    let kernel_len = |id: u32| -> u32 {
+        maps.policies.get(&id).map_or(0, |p| {
+            p.entries()
+                .flat_map(|(_, allows)| allows.iter().map(|a| u32::from(a.rule) + 1))
+                .max()
+                .unwrap_or(0)
+        })
+    };
+    let mut used: Vec<(u32, u32)> = bases
+        .iter()
+        .map(|(id, base)| {
+            let len = want.get(id).copied().unwrap_or_else(|| kernel_len(*id));
+            (*base, len.max(1))
+        })
+        .collect();
+    let mut blocks = BTreeMap::new();
+    for (id, len) in want {
+        if let Some(base) = bases.get(&id) {
+            blocks.insert(id, *base);
+            continue;
+        }
+        used.sort_unstable();
+        let mut start = 0u32;
+        let mut found = None;
+        for (base, n) in used.iter().copied().chain(std::iter::once((MAX_RULES, 0))) {
+            if base.saturating_sub(start) >= len {
+                found = Some(start);
+                break;
+            }
+            start = start.max(base.saturating_add(n));
+        }
+        if let Some(base) = found {
+            ops.push(Op::ResetRuleCounters { base, len });
+            used.push((base, len));
+            blocks.insert(id, base);
+        }
+    }
+    blocks
 }
 
 /// Peers of `desired` that are new or changed since `previous`, and the versions of
@@ -738,6 +816,8 @@ fn plan_scope(
         };
         ids.insert(policy, id);
     }
+
+    let rule_bases = rule_blocks(&touched, &ids, maps, &mut ops);
 
     // The address entries the lead deletes: addresses no peer has any more, and addresses
     // WireGuard still routes to another peer than the one that gets them (they move: the old
@@ -858,7 +938,13 @@ fn plan_scope(
                 (
                     &peer.name,
                     peer.public_key,
-                    peer_entry(peer, policy, slot, owner, maps.wall_minus_boot_secs),
+                    peer_entry(
+                        peer,
+                        (policy, rule_bases.get(&policy).copied().unwrap_or(NO_RULES)),
+                        slot,
+                        owner,
+                        maps.wall_minus_boot_ns,
+                    ),
                 ),
             );
         }
@@ -1257,8 +1343,9 @@ mod tests {
         changed[7]["egress"] = json!([{ "cidr": "10.0.0.0/8", "protocol": "udp" }]);
         let after = one(Value::Array(changed));
         let update = plan_update(&before, &after, &kernel.actual()).unwrap_or_default();
-        // The new policy's entry and one switch; the old policy is still used by 49 peers.
-        assert_eq!(update.ops.len(), 2, "{:#?}", update.ops);
+        // The new policy's entry, its rule counters zeroed, and one switch; the old policy is
+        // still used by 49 peers.
+        assert_eq!(update.ops.len(), 3, "{:#?}", update.ops);
         assert_eq!(update, plan(&after, &kernel.actual()).unwrap_or_default());
     }
 
@@ -1287,6 +1374,7 @@ mod tests {
             .iter()
             .map(|op| match op {
                 Op::PutPolicyEntry { .. } => "policy",
+                Op::ResetRuleCounters { .. } => "rules",
                 Op::ResetPeerCounters { .. } => "reset",
                 Op::RaiseOwnerHigh { .. } => "owners",
                 Op::PutPeerEntry { .. } => "peer",
@@ -1294,7 +1382,7 @@ mod tests {
                 _ => "other",
             })
             .collect();
-        assert_eq!(kinds, ["policy", "reset", "owners", "peer", "wg"]);
+        assert_eq!(kinds, ["policy", "rules", "reset", "owners", "peer", "wg"]);
 
         let revoke = converge(&mut kernel, &alice, &empty);
         let kinds: Vec<&str> = revoke
@@ -1457,10 +1545,13 @@ mod tests {
                 change.ops.as_slice(),
                 [
                     Op::PutPolicyEntry { policy: 2, .. },
+                    // Policy 1 still holds rule counter 0 until the switch.
+                    Op::ResetRuleCounters { base: 1, len: 1 },
                     Op::PutPeerEntry {
                         entry: PeerEntry {
                             policy: 2,
                             slot: 0,
+                            rules: 1,
                             ..
                         },
                         ..

@@ -174,13 +174,23 @@ impl CompiledPolicy {
 }
 
 /// Compiles a peer's rules. The result does not depend on the order of `rules`.
+///
+/// Each allow entry carries the index of its rule in canonical order (the rules sorted and
+/// deduplicated, as the state holds them), and entries of different rules are never merged:
+/// the datapath credits a packet to the first entry that matches, so to the first rule in
+/// canonical order that allows it ([`Allow::rule`], the per-rule hit counters).
 pub fn compile(rules: &[Rule]) -> Result<CompiledPolicy, PolicyError> {
+    let mut canonical: Vec<&Rule> = rules.iter().collect();
+    canonical.sort();
+    canonical.dedup();
     let mut by_prefix: BTreeMap<IpNet, Vec<Allow>> = BTreeMap::new();
-    for rule in rules {
-        by_prefix
-            .entry(rule.cidr.trunc())
-            .or_default()
-            .extend(rule.allows());
+    for (index, rule) in canonical.into_iter().enumerate() {
+        let index = u16::try_from(index).unwrap_or(u16::MAX);
+        by_prefix.entry(rule.cidr.trunc()).or_default().extend(
+            rule.allows()
+                .into_iter()
+                .map(|a| Allow { rule: index, ..a }),
+        );
     }
 
     // Fold: each prefix gets the allows of every prefix that contains it (itself included).
@@ -220,18 +230,23 @@ pub fn compile(rules: &[Rule]) -> Result<CompiledPolicy, PolicyError> {
     Ok(CompiledPolicy { entries: folded })
 }
 
-/// Canonical form of a set of allows: `any` alone if present, else per protocol the union of
-/// the port ranges as disjoint, non-adjacent ranges, sorted by (protocol, port).
+/// Canonical form of a set of allows, rule by rule in rule order: per rule, `any` alone if
+/// present, else per protocol the union of its port ranges as disjoint, non-adjacent ranges,
+/// sorted by (protocol, port).
 fn merge(mut allows: Vec<Allow>) -> Vec<Allow> {
-    if allows.iter().any(|a| a.protocol == PROTO_ANY) {
-        return vec![Allow::new(PROTO_ANY, 0, u16::MAX)];
-    }
-    allows.sort_unstable();
+    let any: std::collections::BTreeSet<u16> = allows
+        .iter()
+        .filter(|a| a.protocol == PROTO_ANY)
+        .map(|a| a.rule)
+        .collect();
+    allows.retain(|a| !any.contains(&a.rule) || a.protocol == PROTO_ANY);
+    allows.sort_unstable_by_key(|a| (a.rule, a.protocol, a.port_lo, a.port_hi));
     let mut merged: Vec<Allow> = Vec::with_capacity(allows.len());
     for allow in allows {
         match merged.last_mut() {
             Some(last)
-                if last.protocol == allow.protocol
+                if last.rule == allow.rule
+                    && last.protocol == allow.protocol
                     && u32::from(allow.port_lo) <= u32::from(last.port_hi) + 1 =>
             {
                 last.port_hi = last.port_hi.max(allow.port_hi);
@@ -239,7 +254,21 @@ fn merge(mut allows: Vec<Allow>) -> Vec<Allow> {
             _ => merged.push(allow),
         }
     }
-    merged
+    // An entry an earlier rule's entry covers whole is never the first match: it credits no
+    // packet and decides none, so it goes.
+    let mut kept: Vec<Allow> = Vec::with_capacity(merged.len());
+    for allow in merged {
+        let covered = kept.iter().any(|k| {
+            k.rule < allow.rule
+                && (k.protocol == PROTO_ANY || k.protocol == allow.protocol)
+                && k.port_lo <= allow.port_lo
+                && allow.port_hi <= k.port_hi
+        });
+        if !covered {
+            kept.push(allow);
+        }
+    }
+    kept
 }
 
 #[cfg(test)]
@@ -278,6 +307,37 @@ mod tests {
             .map(|&(lo, hi)| PortRange::new(lo, hi))
             .collect();
         Rule::new(net(cidr), Protocol::Tcp, ports)
+    }
+
+    #[test]
+    fn allows_are_credited_to_the_first_rule_in_canonical_order() {
+        // Canonical order: 443 (rule 0), 8000-8100 (1), 8050-8200 (2), 8060-8070 (3). 1 and 2
+        // overlap: kept apart, the earlier first; 3, which 1 covers whole, goes.
+        let p = compile(&[
+            tcp("10.0.0.0/8", &[(8050, 8200)]),
+            tcp("10.0.0.0/8", &[(443, 443)]),
+            tcp("10.0.0.0/8", &[(8000, 8100)]),
+            tcp("10.0.0.0/8", &[(8060, 8070)]),
+        ])
+        .unwrap_or_default();
+        let entries: Vec<_> = p.entries().map(|(_, a)| a.to_vec()).collect();
+        assert_eq!(
+            entries,
+            vec![vec![
+                Allow::of_rule(0, PROTO_TCP, 443, 443),
+                Allow::of_rule(1, PROTO_TCP, 8000, 8100),
+                Allow::of_rule(2, PROTO_TCP, 8050, 8200),
+            ]]
+        );
+        // The same in any order.
+        let q = compile(&[
+            tcp("10.0.0.0/8", &[(8060, 8070)]),
+            tcp("10.0.0.0/8", &[(8000, 8100)]),
+            tcp("10.0.0.0/8", &[(443, 443)]),
+            tcp("10.0.0.0/8", &[(8050, 8200)]),
+        ])
+        .unwrap_or_default();
+        assert_eq!(p, q);
     }
 
     #[test]
@@ -344,12 +404,13 @@ mod tests {
             .filter(|(prefix, _)| *prefix == net("10.1.0.0/16"))
             .map(|(_, a)| a.to_vec())
             .collect();
+        // Each entry credited to its own rule, in canonical order (/0, /8, /16).
         assert_eq!(
             v16,
             vec![vec![
-                Allow::new(PROTO_ICMP, 0, u16::MAX),
-                Allow::new(PROTO_TCP, 443, 443),
-                Allow::new(PROTO_UDP, 53, 53),
+                Allow::of_rule(0, PROTO_ICMP, 0, u16::MAX),
+                Allow::of_rule(1, PROTO_TCP, 443, 443),
+                Allow::of_rule(2, PROTO_UDP, 53, 53),
             ]]
         );
     }

@@ -73,7 +73,7 @@ pub fn read_maps(maps: &Maps) -> Result<ActualMaps, DataplaneError> {
         .map(|e| (e.policy, e.prefix, e.value.allows().to_vec()));
     Ok(ActualMaps::from_entries(peers, entries)
         .with_owner_high(maps.config()?.owner_high)
-        .with_wall_minus_boot(crate::clock::wall_minus_boot_secs()))
+        .with_wall_minus_boot(crate::clock::wall_minus_boot_ns()))
 }
 
 pub struct Reconciler {
@@ -242,6 +242,11 @@ impl Reconciler {
     /// Makes the kernel match `desired`, changing only what differs.
     pub fn reconcile(&mut self, desired: DesiredState) -> Result<Outcome, ReconcileError> {
         let start = Instant::now();
+        // Peers whose window is over are revoked (the datapath already drops their packets).
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let desired = desired.without_expired(now);
         let plan = self.plan(&desired)?;
         let plan_duration = start.elapsed();
         self.wg_time = Duration::ZERO;
@@ -454,6 +459,7 @@ pub fn apply_map_op(maps: &mut Maps, op: &Op) -> Result<(), DataplaneError> {
             allows,
         } => maps.upsert_policy(*policy, *prefix, &CompiledPolicy::value(allows)),
         Op::ResetPeerCounters { slot } => maps.reset_peer_counters(*slot),
+        Op::ResetRuleCounters { base, len } => maps.reset_rule_counters(*base, *len),
         Op::RaiseOwnerHigh { owner } => {
             let config = maps.config()?;
             if config.owner_high >= *owner {

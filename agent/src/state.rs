@@ -189,6 +189,15 @@ impl DesiredState {
         self.peers.iter().filter(|p| p.policy.is_some()).count()
     }
 
+    /// The state without the peers whose window is over at `now` (seconds since the epoch):
+    /// what the agent applies, so an expired peer is revoked (its entries and its WireGuard
+    /// peer go) at the first reconcile after its window ends. The datapath drops its packets
+    /// from the end of the window on, agent or not.
+    pub fn without_expired(mut self, now: u64) -> Self {
+        self.peers.retain(|p| !p.window.is_past(now));
+        self
+    }
+
     /// The peers whose `egress` is empty: they may send nothing (only replies pass, if those
     /// are on). Worth a note, since older versions read `"egress": []` as unrestricted.
     pub fn peers_allowed_nothing(&self) -> Vec<&str> {
@@ -249,6 +258,33 @@ impl PeerSpec {
             );
         }
         Value::Object(peer)
+    }
+}
+
+/// A rule in one short line, as `wgfence status --rules` and the `rule` label of
+/// `wgfence_rule_hits_total` name it: `tcp 10.0.0.0/8:443,8000-8100`, `any fd00::/8`.
+pub fn rule_text(rule: &Rule) -> String {
+    let protocol = match rule.protocol {
+        Protocol::Any => "any",
+        Protocol::Tcp => "tcp",
+        Protocol::Udp => "udp",
+        Protocol::Icmp => "icmp",
+    };
+    let ports: Vec<String> = rule
+        .ports
+        .iter()
+        .map(|r| {
+            if r.lo == r.hi {
+                r.lo.to_string()
+            } else {
+                format!("{}-{}", r.lo, r.hi)
+            }
+        })
+        .collect();
+    if ports.is_empty() {
+        format!("{protocol} {}", rule.cidr)
+    } else {
+        format!("{protocol} {}:{}", rule.cidr, ports.join(","))
     }
 }
 

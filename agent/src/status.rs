@@ -249,7 +249,7 @@ impl WindowReport {
         if entry.flags & wgfence_common::PEER_WINDOWED == 0 {
             return None;
         }
-        let offset = crate::clock::wall_minus_boot_secs();
+        let offset = crate::clock::wall_minus_boot_ns();
         let wall = |ns: u64| {
             let secs = crate::clock::to_wall_secs(ns, offset);
             crate::state::format_time(u64::try_from(secs).unwrap_or_default())
@@ -442,4 +442,43 @@ pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Rep
         agent,
         peer_counters,
     })
+}
+
+/// One rule of a policy the datapath counts: its counter, its policy id and its text.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RuleRow {
+    pub counter: u32,
+    pub policy: u32,
+    pub rule: String,
+}
+
+/// The counted rules of `desired`'s peers, by the entries the kernel holds for their
+/// addresses (`entry`): each policy's rules, in canonical order, from its entries' counter
+/// base. One row per counter (peers that share a policy share its rows).
+pub fn rule_rows(
+    desired: &crate::state::DesiredState,
+    entry: impl Fn(IpAddr) -> Option<wgfence_common::PeerEntry>,
+) -> Vec<RuleRow> {
+    let mut rows = BTreeMap::new();
+    for peer in &desired.peers {
+        let Some(rules) = &peer.rules else {
+            continue;
+        };
+        let Some(e) = peer
+            .addrs()
+            .filter_map(&entry)
+            .find(|e| e.rules != wgfence_common::NO_RULES)
+        else {
+            continue;
+        };
+        for (i, rule) in (0u32..).zip(rules.iter()) {
+            let counter = e.rules.saturating_add(i);
+            rows.entry(counter).or_insert_with(|| RuleRow {
+                counter,
+                policy: e.policy,
+                rule: crate::state::rule_text(rule),
+            });
+        }
+    }
+    rows.into_values().collect()
 }

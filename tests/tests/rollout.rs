@@ -318,3 +318,396 @@ fn an_audited_peer_passes_and_counts_would_drops_until_it_is_enforced() {
     );
     unknown_source_is_dropped(&gw);
 }
+
+/// Peer 0's rules for the counter tests. Canonical order (cidr, then protocol, then ports):
+/// C = tcp 10.2.3.4:80 (index 0), A = udp 10.2.3.4:5000 (1), B = udp 10.9.1.1 (2).
+fn counted_rules() -> Value {
+    json!([
+        { "cidr": "10.9.1.1/32", "protocol": "udp" },
+        { "cidr": "10.2.3.4/32", "protocol": "udp", "ports": [5000] },
+        { "cidr": "10.2.3.4/32", "protocol": "tcp", "ports": [80] },
+    ])
+}
+
+const RULE_A: &str = "udp 10.2.3.4/32:5000";
+const RULE_B: &str = "udp 10.9.1.1/32";
+const RULE_C: &str = "tcp 10.2.3.4/32:80";
+
+/// Every rule counter's packets, summed over CPUs, that is not 0: (index, packets).
+fn nonzero_rule_counters(maps: &wgfence::dataplane::Maps) -> Vec<(u32, u64)> {
+    (0..wgfence_common::MAX_RULES)
+        .filter_map(|i| {
+            let c = maps.rule_counters(i).unwrap_or_else(|e| panic!("{e}"));
+            (c.packets > 0).then_some((i, c.packets))
+        })
+        .collect()
+}
+
+/// One rule counter as bpftool prints it (BTF field names), summed over the CPUs.
+fn bpftool_rule_packets(gw: &Gateway, index: u32) -> u64 {
+    let pin = gw
+        .bpffs
+        .join("wgfence")
+        .join(gw.interface())
+        .join(wgfence_common::map_names::RULE_STATS);
+    let key: Vec<String> = index.to_le_bytes().iter().map(u8::to_string).collect();
+    let mut args = vec!["bpftool", "-j", "map", "lookup", "pinned"];
+    let pin = pin.to_string_lossy().into_owned();
+    args.push(&pin);
+    args.push("key");
+    args.extend(key.iter().map(String::as_str));
+    let out = wgfence_tests::net::run(&args);
+    assert!(out.status.success(), "bpftool {args:?}: {out:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+    v["formatted"]["values"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no per-CPU values: {v}"))
+        .iter()
+        .map(|cpu| {
+            cpu["value"]["packets"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no packets field: {cpu}"))
+        })
+        .sum()
+}
+
+/// `n` UDP datagrams from peer 0 to `dst`.
+fn udp_from_peer0(gw: &Gateway, dst: &str, n: u32) {
+    let sender = gw.peers[0]
+        .ns
+        .enter(|| UdpSocket::bind("0.0.0.0:0"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    for _ in 0..n {
+        sender
+            .send_to(b"hit", dst)
+            .unwrap_or_else(|e| panic!("{e}"));
+        thread::sleep(Duration::from_micros(300));
+    }
+}
+
+#[test]
+fn rule_counters_count_real_traffic_exactly_and_survive_a_sigkill() {
+    let gw = Gateway::new(1);
+    let s = state(vec![gw.peer_json(0, Some(counted_rules()))]);
+    let mut agent = Agent::start(&gw, Layout::Plain, &s, &["--peer-metrics"]);
+    agent.wait_ready(&gw);
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    let entry = maps
+        .peer(IpAddr::V4(gw.peers[0].v4))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|| panic!("no entry for peer 0"));
+    assert_ne!(entry.rules, wgfence_common::NO_RULES, "{entry:?}");
+    let (c, a, b) = (entry.rules, entry.rules + 1, entry.rules + 2);
+
+    udp_from_peer0(&gw, "10.2.3.4:5000", 1000);
+    udp_from_peer0(&gw, "10.9.1.1:7000", 500);
+    let settled = || nonzero_rule_counters(&maps) == vec![(a, 1000), (b, 500)];
+    assert!(
+        wait_for(Duration::from_secs(3), settled).is_some(),
+        "rule counters: {:?} (A at {a}, B at {b})",
+        nonzero_rule_counters(&maps)
+    );
+    let check = |agent: &Agent, when: &str| {
+        assert_eq!(
+            nonzero_rule_counters(&maps),
+            vec![(a, 1000), (b, 500)],
+            "{when}"
+        );
+        for (index, want) in [(a, 1000), (b, 500), (c, 0)] {
+            assert_eq!(
+                bpftool_rule_packets(&gw, index),
+                want,
+                "{when}: bpftool, counter {index}"
+            );
+        }
+        let policy = entry.policy;
+        for (rule, want) in [(RULE_A, 1000.0), (RULE_B, 500.0), (RULE_C, 0.0)] {
+            let series = format!("wgfence_rule_hits_total{{policy=\"{policy}\",rule=\"{rule}\"}}");
+            assert_eq!(agent.metric(&gw, &series), want, "{when}: {series}");
+        }
+    };
+    check(&agent, "after the traffic");
+    let last_hit = maps
+        .rule_counters(a)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .last_hit_ns;
+    assert!(last_hit > 0);
+
+    // `status --rules` names the one rule never hit.
+    let out = Command::new(binary())
+        .args(["status", "--interface", gw.interface(), "--rules", "--json"])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let unused: Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+    let rules: Vec<&str> = unused
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| r["rule"].as_str())
+        .collect();
+    assert_eq!(rules, [RULE_C], "{unused:#}");
+    // Not hit since an hour ago: C; since a minute from now: all three.
+    let listed = |since: u64| -> usize {
+        let since = wgfence::state::format_time(since);
+        let out = Command::new(binary())
+            .args([
+                "status",
+                "--interface",
+                gw.interface(),
+                "--rules",
+                "--json",
+                "--since",
+            ])
+            .arg(&since)
+            .output()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let v: Value =
+            serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+        v.as_array().map_or(0, Vec::len)
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    assert_eq!(listed(now - 3600), 1);
+    assert_eq!(listed(now + 60), 3);
+
+    // A SIGKILL and a restart: the counters are adopted from the pins, unchanged.
+    agent.kill();
+    agent.restart(&gw, &["--peer-metrics"]);
+    agent.wait_ready(&gw);
+    let after = Dataplane::open_maps(&gw.bpffs, gw.interface())
+        .and_then(|m| m.peer(IpAddr::V4(gw.peers[0].v4)))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        after.map(|e| (e.policy, e.rules)),
+        Some((entry.policy, entry.rules))
+    );
+    check(&agent, "after a SIGKILL and a restart");
+    assert_eq!(
+        maps.rule_counters(a)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .last_hit_ns,
+        last_hit
+    );
+}
+
+#[test]
+fn rule_counters_count_test_run_packets_exactly() {
+    use wgfence::{
+        dataplane::TestProgram,
+        policy::{PortRange, Protocol, Rule},
+    };
+    use wgfence_common::{PeerEntry, PROTO_TCP};
+    let mut program = TestProgram::load().unwrap_or_else(|e| panic!("{e}"));
+    let base = 4000;
+    let rules = [
+        Rule::new(wgfence_tests::net("10.9.1.1/32"), Protocol::Udp, vec![]),
+        Rule::new(
+            wgfence_tests::net("10.2.3.4/32"),
+            Protocol::Udp,
+            vec![PortRange::single(5000)],
+        ),
+        Rule::new(
+            wgfence_tests::net("10.2.3.4/32"),
+            Protocol::Tcp,
+            vec![PortRange::single(80)],
+        ),
+    ];
+    let maps = program.maps_mut();
+    wgfence_tests::install_policy(maps, 7, &rules);
+    maps.upsert_peer(
+        wgfence_tests::ip("10.8.0.2"),
+        PeerEntry {
+            policy: 7,
+            slot: 3,
+            owner: 1,
+            rules: base,
+            ..PeerEntry::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let a = Packet::new("10.8.0.2", "10.2.3.4", UDP, 5000).frame();
+    let b = Packet::new("10.8.0.2", "10.9.1.1", UDP, 7000).frame();
+    let denied = Packet::new("10.8.0.2", "10.2.3.4", PROTO_TCP, 22).frame();
+    for (frame, n, pass) in [(&a, 1000, true), (&b, 500, true), (&denied, 300, false)] {
+        let run = program
+            .run_repeat(frame, n)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(run.passed(), pass);
+    }
+    let nonzero = nonzero_rule_counters(program.maps());
+    // Canonical order: C (tcp 10.2.3.4:80) 0, A (udp 10.2.3.4:5000) 1, B (udp 10.9.1.1) 2;
+    // the denied packets count on no rule.
+    assert_eq!(nonzero, vec![(base + 1, 1000), (base + 2, 500)]);
+    let c = program
+        .maps()
+        .rule_counters(base + 1)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c.bytes, 1000 * a.len() as u64);
+}
+
+/// Sets the wall clock back by `secs` and puts it forward again when dropped, by the time that
+/// passed meanwhile (measured on the monotonic clock), also when the test fails.
+struct ClockSetBack {
+    wall: std::time::SystemTime,
+    since: std::time::Instant,
+}
+
+impl ClockSetBack {
+    fn by(secs: u64) -> Self {
+        let guard = Self {
+            wall: std::time::SystemTime::now(),
+            since: std::time::Instant::now(),
+        };
+        set_wall_clock(guard.wall - Duration::from_secs(secs));
+        guard
+    }
+}
+
+impl Drop for ClockSetBack {
+    fn drop(&mut self) {
+        set_wall_clock(self.wall + self.since.elapsed());
+    }
+}
+
+fn set_wall_clock(t: std::time::SystemTime) {
+    let d = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ts = libc::timespec {
+        tv_sec: d.as_secs() as libc::time_t,
+        tv_nsec: libc::c_long::from(d.subsec_nanos() as i32),
+    };
+    // SAFETY: clock_settime reads the timespec it is given.
+    let rc = unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) };
+    assert_eq!(rc, 0, "clock_settime: {}", std::io::Error::last_os_error());
+}
+
+/// `ping -D` every 10 ms from `ns` to `dst`, `count` times: the wall-clock times (seconds
+/// since the epoch) of the replies that came back.
+fn timed_pings(ns: &Netns, dst: &str, count: u32) -> Child {
+    ns.command("ping")
+        .args([
+            "-D",
+            "-n",
+            "-i",
+            "0.01",
+            "-W",
+            "1",
+            "-c",
+            &count.to_string(),
+            dst,
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("ping: {e}"))
+}
+
+fn reply_times(child: Child) -> Vec<f64> {
+    let out = child.wait_with_output().unwrap_or_else(|e| panic!("{e}"));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains("bytes from"))
+        .filter_map(|l| l.strip_prefix('[')?.split_once(']')?.0.parse().ok())
+        .collect()
+}
+
+#[test]
+fn a_peer_expires_in_the_kernel_with_no_agent_running_and_a_clock_set_back_does_not_revive_it() {
+    let gw = Gateway::new(2);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_else(|e| panic!("{e}"));
+    // Expires on a whole second, 5 to 6 s from now.
+    let expires = now.as_secs() + 6;
+    let mut windowed = gw.peer_json(0, None);
+    windowed["expires"] = wgfence::state::format_time(expires).into();
+    let s = state(vec![windowed, gw.peer_json(1, None)]);
+    let mut agent = Agent::start(&gw, Layout::Plain, &s, &[]);
+    agent.wait_ready(&gw);
+    // `status` shows the window.
+    let out = Command::new(binary())
+        .args(["status", "--interface", gw.interface(), "--json"])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}"));
+    let p0 = report["peerCounters"]
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["peer"] == "peer0"))
+        .unwrap_or_else(|| panic!("no peer0: {report:#}"));
+    assert_eq!(
+        p0["window"]["expires"],
+        wgfence::state::format_time(expires),
+        "{p0}"
+    );
+    assert_eq!(p0["window"]["closed"], false, "{p0}");
+    // No agent from here on.
+    agent.kill();
+
+    let left = Duration::from_secs(expires).saturating_sub(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default(),
+    );
+    // 10 ms pings from before the end of the window to 1.5 s after it, from the windowed peer
+    // and from a peer without a window.
+    let count = ((left.as_secs_f64() + 1.5) * 100.0) as u32;
+    let windowed = timed_pings(&gw.peers[0].ns, "10.1.2.3", count);
+    let control = timed_pings(&gw.peers[1].ns, "10.1.2.3", count);
+    let (windowed, control) = (reply_times(windowed), reply_times(control));
+    let end = expires as f64;
+    let last = windowed.iter().copied().fold(0.0, f64::max);
+    eprintln!(
+        "windowed peer: {} replies, the last {:.1} ms after expires; control: {} replies, the \
+         last {:.1} ms after expires",
+        windowed.len(),
+        (last - end) * 1000.0,
+        control.len(),
+        (control.iter().copied().fold(0.0, f64::max) - end) * 1000.0
+    );
+    assert!(
+        windowed.iter().any(|t| *t > end - 0.5),
+        "the windowed peer's pings did not pass until shortly before expires"
+    );
+    // A reply is stamped when it arrives, a round trip after the request passed the datapath.
+    assert!(
+        last < end + 0.05,
+        "a ping passed {:.1} ms after expires",
+        (last - end) * 1000.0
+    );
+    assert!(
+        control.iter().any(|t| *t > end + 1.0),
+        "the peer without a window stopped too: the datapath is not what stopped the pings"
+    );
+
+    // The wall clock an hour back: the window lies on the boot clock, the peer stays cut off.
+    let clock = ClockSetBack::by(3600);
+    let pings = timed_pings(&gw.peers[0].ns, "10.1.2.3", 50);
+    let control = timed_pings(&gw.peers[1].ns, "10.1.2.3", 50);
+    let (after, control) = (reply_times(pings), reply_times(control));
+    drop(clock);
+    assert_eq!(
+        after.len(),
+        0,
+        "pings passed with the clock set back an hour"
+    );
+    assert!(!control.is_empty(), "the control peer's pings stopped");
+    let drops = Dataplane::open_maps(&gw.bpffs, gw.interface())
+        .and_then(|m| m.counters())
+        .map(|c| c.get(Counter::DropExpired))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(drops >= 50, "{drops} packets counted as expired");
+
+    // A new agent revokes the expired peer from WireGuard as well.
+    agent.restart(&gw, &[]);
+    agent.wait_ready(&gw);
+    let key = gw.peers[0].wg.keys.public.clone();
+    assert!(
+        !gw.wg_peers().contains(&key),
+        "the expired peer is still a WireGuard peer"
+    );
+}

@@ -269,6 +269,10 @@ fn status_reports_the_datapath_the_agent_and_per_peer_counters() {
                 policy,
                 count(&p["passPackets"]).to_string(),
                 count(&p["dropPackets"]).to_string(),
+                // MODE, WOULD-DROP (only for audited peers), WINDOW: none here.
+                "enforce".to_owned(),
+                "-".to_owned(),
+                "-".to_owned(),
             ],
             "{text}"
         );

@@ -513,6 +513,18 @@ impl Maps {
 }
 
 impl Maps {
+    /// Zeroes the rule counters `base..base + len` on every CPU.
+    pub fn reset_rule_counters(&mut self, base: u32, len: u32) -> Result<()> {
+        for index in base..base.saturating_add(len).min(wgfence_common::MAX_RULES) {
+            self.writes += 1;
+            let zeros = per_cpu(RuleCounters::default()).map_err(map_err(map_names::RULE_STATS))?;
+            self.rule_stats
+                .set(index, zeros, 0)
+                .map_err(map_err(map_names::RULE_STATS))?;
+        }
+        Ok(())
+    }
+
     /// One rule counter summed over the CPUs; the last hit is the latest of any CPU.
     pub fn rule_counters(&self, index: u32) -> Result<RuleCounters> {
         let per_cpu = self
