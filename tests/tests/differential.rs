@@ -23,12 +23,19 @@
 //! - IPv6 extension headers are walked, at most `MAX_IPV6_EXT_HEADERS` of them; a longer chain
 //!   is dropped (header_chain); a non-first fragment has no port, and no protocol either (its
 //!   fragment header's next header is the sender's word): only rules for any protocol match it;
-//! - a header the verdict needs that is cut short is malformed; neither IPv4 nor IPv6: not_ip.
+//! - a header the verdict needs that is cut short is malformed; neither IPv4 nor IPv6: not_ip;
+//! - a peer with a window (`notBefore`, `expires`) that is not open now: dropped (expired),
+//!   whatever its rules, before its headers are read;
+//! - an audited peer (`"mode": "audit"`): a packet its rules deny passes (audit); malformed
+//!   packets and too long header chains stay dropped;
+//! - a policy pass counts for the first rule in canonical order that allows the packet (the
+//!   per-rule counters, compared after each round, rule by rule).
 //!
 //! The flow table is empty (only the egress program records flows), so the reply pass, which
 //! only ever turns a policy drop into a pass for a recorded flow, never applies here.
 
 use std::{
+    cell::RefCell,
     collections::HashMap,
     fmt::Write as _,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
@@ -39,10 +46,10 @@ use ipnet::IpNet;
 use serde_json::{json, Value};
 use wgfence::{
     dataplane::{TestProgram, MIN_TEST_INPUT},
-    plan::{plan, Actual},
+    plan::{plan, Actual, ActualMaps, ActualWg},
     policy::{Protocol, Rule},
     reconcile::apply_map_op,
-    state::{parse, DesiredState, PeerSpec, WgKey},
+    state::{format_time, parse, DesiredState, Mode, PeerSpec, WgKey},
 };
 use wgfence_common::{Counter, Variant, MAX_IPV6_EXT_HEADERS, VARIANTS};
 use wgfence_tests::{
@@ -67,6 +74,10 @@ const ETH_HLEN: usize = 14;
 
 struct Model<'a> {
     peers: HashMap<IpAddr, &'a PeerSpec>,
+    /// Wall-clock seconds: which windows are open (the generated ones are an hour from it).
+    now: u64,
+    /// Policy passes by (peer name, index of the credited rule in canonical order).
+    credits: RefCell<HashMap<(String, usize), u64>>,
 }
 
 impl<'a> Model<'a> {
@@ -77,7 +88,42 @@ impl<'a> Model<'a> {
                 peers.insert(addr, peer);
             }
         }
-        Self { peers }
+        Self {
+            peers,
+            now: now_secs(),
+            credits: RefCell::default(),
+        }
+    }
+
+    /// Whether `peer`'s window (if any) is open now.
+    fn open(&self, peer: &PeerSpec) -> bool {
+        let w = peer.window;
+        w.not_before.is_none_or(|nb| nb <= self.now) && w.expires.is_none_or(|e| self.now < e)
+    }
+
+    /// A restricted peer's verdict, straight from its rules (none: `"egress": []`, nothing
+    /// passes): a pass credits the first rule in canonical order that allows the packet; a
+    /// denial of an audited peer passes.
+    fn allowed(
+        &self,
+        peer: &PeerSpec,
+        rules: &[Rule],
+        dst: IpAddr,
+        protocol: Option<u8>,
+        port: Option<u16>,
+    ) -> Counter {
+        match rules.iter().position(|r| matches(r, dst, protocol, port)) {
+            Some(rule) => {
+                *self
+                    .credits
+                    .borrow_mut()
+                    .entry((peer.name.clone(), rule))
+                    .or_default() += 1;
+                Counter::PassPolicy
+            }
+            None if peer.mode == Mode::Audit => Counter::PassAudit,
+            None => Counter::DropPolicy,
+        }
     }
 
     /// The verdict for a packet as `variant` sees it, as the counter that explains it.
@@ -99,6 +145,9 @@ impl<'a> Model<'a> {
         let Some(peer) = self.peers.get(&src) else {
             return Counter::DropUnknownSource;
         };
+        if !self.open(peer) {
+            return Counter::DropExpired;
+        }
         let Some(rules) = peer.rules.as_deref() else {
             return Counter::PassUnrestricted;
         };
@@ -116,7 +165,7 @@ impl<'a> Model<'a> {
         } else {
             None
         };
-        allowed(rules, dst, Some(protocol), port)
+        self.allowed(peer, rules, dst, Some(protocol), port)
     }
 
     fn v6(&self, ip: &[u8]) -> Counter {
@@ -132,6 +181,9 @@ impl<'a> Model<'a> {
         let Some(peer) = self.peers.get(&src) else {
             return Counter::DropUnknownSource;
         };
+        if !self.open(peer) {
+            return Counter::DropExpired;
+        }
         let Some(rules) = peer.rules.as_deref() else {
             return Counter::PassUnrestricted;
         };
@@ -179,8 +231,14 @@ impl<'a> Model<'a> {
             None
         };
         // A later fragment's protocol is unknown: only `any` rules can match it.
-        allowed(rules, dst, first.then_some(next), port)
+        self.allowed(peer, rules, dst, first.then_some(next), port)
     }
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn is_extension_header(next: u8) -> bool {
@@ -196,16 +254,6 @@ fn has_ports(protocol: u8) -> bool {
 fn port_at(ip: &[u8], offset: usize) -> Option<u16> {
     let ports = ip.get(offset..offset.checked_add(4)?)?;
     Some(u16::from_be_bytes([ports[2], ports[3]]))
-}
-
-/// A restricted peer's verdict, straight from its rules (none: `"egress": []`, nothing
-/// passes).
-fn allowed(rules: &[Rule], dst: IpAddr, protocol: Option<u8>, port: Option<u16>) -> Counter {
-    if rules.iter().any(|r| matches(r, dst, protocol, port)) {
-        Counter::PassPolicy
-    } else {
-        Counter::DropPolicy
-    }
 }
 
 /// `protocol`: `None` when the packet's protocol is unknown (a later IPv6 fragment).
@@ -310,9 +358,12 @@ fn key(n: usize) -> String {
     WgKey(k).to_base64()
 }
 
-/// Restricted peers 10.8.0.2.. (every other one without IPv6), two unrestricted peers, one
-/// allowed nothing.
+/// Restricted peers 10.8.0.2.. (every other one without IPv6; r1 audited, r3 with a window
+/// that is open, over or not yet begun), two unrestricted peers, one allowed nothing, and an
+/// unrestricted one whose window begins in an hour.
 fn gen_state(rng: &mut Rng) -> DesiredState {
+    let now = now_secs();
+    let (hour_ago, in_an_hour) = (format_time(now - 3600), format_time(now + 3600));
     loop {
         let mut peers = Vec::new();
         for i in 0..5 {
@@ -322,8 +373,23 @@ fn gen_state(rng: &mut Rng) -> DesiredState {
             if i % 2 == 0 {
                 p["addressV6"] = json!(format!("fd00:8::{}", i + 2));
             }
+            if i == 1 {
+                p["mode"] = json!("audit");
+            }
+            if i == 3 {
+                match rng.below(3) {
+                    0 => p["expires"] = json!(hour_ago),
+                    1 => p["notBefore"] = json!(in_an_hour),
+                    _ => {
+                        p["notBefore"] = json!(hour_ago);
+                        p["expires"] = json!(in_an_hour);
+                    }
+                }
+            }
             peers.push(p);
         }
+        peers.push(json!({ "name": "later", "publicKey": key(13),
+            "address": "10.8.0.103", "addressV6": "fd00:8::103", "notBefore": in_an_hour }));
         peers.push(json!({ "name": "open", "publicKey": key(10),
             "address": "10.8.0.100", "addressV6": "fd00:8::100" }));
         peers.push(json!({ "name": "open4", "publicKey": key(11), "address": "10.8.0.101" }));
@@ -343,9 +409,11 @@ fn gen_state(rng: &mut Rng) -> DesiredState {
     }
 }
 
-/// Writes the state's maps the way the reconciler does.
+/// Writes the state's maps the way the reconciler does (windows on the boot clock with the
+/// agent's own offset).
 fn install(program: &mut TestProgram, state: &DesiredState) {
-    let ops = plan(state, &Actual::default())
+    let maps = ActualMaps::default().with_wall_minus_boot(wgfence::clock::wall_minus_boot_ns());
+    let ops = plan(state, &Actual::new(maps, ActualWg::default()))
         .unwrap_or_else(|e| panic!("planning: {e}"))
         .ops;
     for op in &ops {
@@ -656,6 +724,11 @@ fn differential(variant: Variant, seed: u64, rounds: u64, packets: usize) {
                 ));
             }
         }
+        for m in rule_mismatches(&program, &state, &model) {
+            if mismatches.len() < 10 {
+                mismatches.push(format!("round {round}: {m}"));
+            }
+        }
         let after = counters(&program);
         for c in Counter::ALL {
             let want = expected.get(&c).copied().unwrap_or(0);
@@ -705,6 +778,60 @@ fn differential(variant: Variant, seed: u64, rounds: u64, packets: usize) {
             );
         }
     }
+}
+
+/// Where the per-rule counters differ from the model's credits: each policy's rules (by the
+/// block its peers' entries carry), summed over the peers that share it.
+fn rule_mismatches(program: &TestProgram, state: &DesiredState, model: &Model<'_>) -> Vec<String> {
+    let maps = program.maps();
+    let credits = model.credits.borrow();
+    let mut want: HashMap<u32, u64> = HashMap::new();
+    let mut counted = 0;
+    for peer in &state.peers {
+        let (Some(rules), Some(addr)) = (&peer.rules, peer.addrs().next()) else {
+            continue;
+        };
+        let entry = maps
+            .peer(addr)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or_else(|| panic!("no entry for {}", peer.name));
+        if rules.is_empty() {
+            continue;
+        }
+        assert_ne!(
+            entry.rules,
+            wgfence_common::NO_RULES,
+            "{} is not counted",
+            peer.name
+        );
+        counted += 1;
+        for i in 0..rules.len() {
+            *want.entry(entry.rules + i as u32).or_default() +=
+                credits.get(&(peer.name.clone(), i)).copied().unwrap_or(0);
+        }
+    }
+    assert!(counted > 0);
+    let mut out = Vec::new();
+    let mut total = 0;
+    for (index, want) in want {
+        let got = maps
+            .rule_counters(index)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .packets;
+        total += got;
+        if got != want {
+            out.push(format!(
+                "rule counter {index}: the model credits {want}, the datapath {got}"
+            ));
+        }
+    }
+    let passes: u64 = credits.values().sum();
+    if total != passes {
+        out.push(format!(
+            "{passes} policy passes, {total} counted on the peers' rules"
+        ));
+    }
+    out
 }
 
 /// Rounds (generated states) per variant; the packets are spread over them.
