@@ -412,7 +412,24 @@ impl Core {
         }
     }
 
+    /// Notes which rule counters moved since the last look (their last hit: now): the
+    /// datapath reads no clock per packet. At every resync, so a last hit is known to within
+    /// `--resync`; hits since the last look read as "now" in `status --rules`.
+    fn observe_rule_hits(&mut self) {
+        let Some(desired) = self.reconciler.applied() else {
+            return;
+        };
+        let peers = &self.reconciler.actual().maps().peers;
+        let rows = crate::status::rule_rows(desired, |a| peers.get(&a).copied());
+        let now = crate::clock::now_ns(libc::CLOCK_BOOTTIME);
+        let maps = self.reconciler.dataplane_mut().maps_mut();
+        if let Err(e) = maps.observe_rule_hits(rows.iter().map(|r| r.counter), now) {
+            tracing::warn!(error = %crate::error_chain(&e), "noting the rule hits failed");
+        }
+    }
+
     fn resync(&mut self) -> Next {
+        self.observe_rule_hits();
         let _pause = self.reconciler.pause_flow_work();
         if let Err(e) = self.reconciler.refresh() {
             if !matches!(e, ReconcileError::Closed) {

@@ -605,11 +605,13 @@ fn unused_rules(
     let maps = Dataplane::open_maps(bpffs, interface)?;
     let rows = status::rule_rows(&desired, |a| maps.peer(a).ok().flatten());
     let offset = wgfence::clock::wall_minus_boot_ns();
+    let now = wgfence::clock::now_ns(libc::CLOCK_BOOTTIME);
     let mut out = Vec::new();
     for row in rows {
         let c = maps.rule_counters(row.counter)?;
-        let last = (c.packets > 0).then(|| wgfence::clock::to_wall_secs(c.last_hit_ns, offset));
-        let last = last.map(|t| u64::try_from(t).unwrap_or_default());
+        let last = maps
+            .rule_last_hit(row.counter, now)?
+            .map(|ns| u64::try_from(wgfence::clock::to_wall_secs(ns, offset)).unwrap_or_default());
         // Hit after `since` (by default: hit at all): in use, not listed.
         let in_use = match (since, last) {
             (Some(since), Some(last)) => last >= since,

@@ -53,9 +53,11 @@ pub mod map_names {
     /// Per-CPU array of [`super::RuleCounters`]: a policy pass counts at the index
     /// [`super::PeerEntry::rules`] + [`super::Allow::rule`] of the entry that matched.
     pub const RULE_STATS: &str = "wgf3_rule_stats";
+    /// Array of [`super::RuleSeen`] indexed like [`RULE_STATS`], written by the agent only.
+    pub const RULE_SEEN: &str = "wgf3_rule_seen";
 
     /// Every map the agent pins, in a fixed order.
-    pub const ALL: [&str; 14] = [
+    pub const ALL: [&str; 15] = [
         PEERS_V4,
         PEERS_V6,
         POLICY_V4,
@@ -70,6 +72,7 @@ pub mod map_names {
         EVENTS,
         EVENT_BUCKET,
         RULE_STATS,
+        RULE_SEEN,
     ];
 }
 
@@ -613,14 +616,23 @@ pub struct PeerCounters {
 }
 
 /// Per-rule counters, one copy per CPU ([`map_names::RULE_STATS`]): policy passes credited to
-/// the rule (see [`Allow::rule`]). 24 B per rule per CPU (1.5 MiB per CPU for [`MAX_RULES`]).
+/// the rule (see [`Allow::rule`]). 16 B per rule per CPU (1 MiB per CPU for [`MAX_RULES`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct RuleCounters {
     pub packets: u64,
     pub bytes: u64,
-    /// `bpf_ktime_get_boot_ns` of the last packet credited on this CPU; readers take the
-    /// largest over the CPUs.
+}
+
+/// When a rule counter last moved, as the agent saw it ([`map_names::RULE_SEEN`], written by
+/// the agent only): the datapath reads no clock per packet. `packets` is the counter's total
+/// (summed over the CPUs) when the agent last looked, `last_hit_ns` the CLOCK_BOOTTIME time of
+/// the first look that found it higher than the look before (0: never). A total above
+/// `packets` means hits since that look.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct RuleSeen {
+    pub packets: u64,
     pub last_hit_ns: u64,
 }
 
@@ -638,6 +650,7 @@ mod user {
     unsafe impl aya::Pod for PolicyValue {}
     unsafe impl aya::Pod for PeerCounters {}
     unsafe impl aya::Pod for RuleCounters {}
+    unsafe impl aya::Pod for RuleSeen {}
     unsafe impl aya::Pod for FlowKeyV4 {}
     unsafe impl aya::Pod for FlowKeyV6 {}
     unsafe impl aya::Pod for FlowValue {}
@@ -687,7 +700,8 @@ mod tests {
         assert_eq!(core::mem::size_of::<Allow>(), 8);
         assert_eq!(core::mem::size_of::<PolicyValue>(), 4 + 8 * MAX_ALLOWS);
         assert_eq!(core::mem::size_of::<PeerCounters>(), 48);
-        assert_eq!(core::mem::size_of::<RuleCounters>(), 24);
+        assert_eq!(core::mem::size_of::<RuleCounters>(), 16);
+        assert_eq!(core::mem::size_of::<RuleSeen>(), 16);
         assert_eq!(core::mem::size_of::<FlowKeyV4>(), 16);
         assert_eq!(core::mem::size_of::<FlowKeyV6>(), 40);
         assert_eq!(core::mem::size_of::<FlowValue>(), 24);

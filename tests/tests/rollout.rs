@@ -389,7 +389,9 @@ fn udp_from_peer0(gw: &Gateway, dst: &str, n: u32) {
 fn rule_counters_count_real_traffic_exactly_and_survive_a_sigkill() {
     let gw = Gateway::new(1);
     let s = state(vec![gw.peer_json(0, Some(counted_rules()))]);
-    let mut agent = Agent::start(&gw, Layout::Plain, &s, &["--peer-metrics"]);
+    // A resync every second: the agent notes the counters that moved at each one.
+    let args = ["--peer-metrics", "--resync", "1"];
+    let mut agent = Agent::start(&gw, Layout::Plain, &s, &args);
     agent.wait_ready(&gw);
     let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
     let entry = maps
@@ -427,13 +429,41 @@ fn rule_counters_count_real_traffic_exactly_and_survive_a_sigkill() {
         }
     };
     check(&agent, "after the traffic");
-    let last_hit = maps
-        .rule_counters(a)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .last_hit_ns;
-    assert!(last_hit > 0);
+    // Within a resync the agent has noted when A and B moved; C never did.
+    let seen = |i: u32| maps.rule_seen(i).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        wait_for(Duration::from_secs(5), || seen(a).packets == 1000 && seen(b).packets == 500)
+            .is_some(),
+        "the agent did not note the hits: {:?} {:?}",
+        seen(a),
+        seen(b)
+    );
+    let (seen_a, seen_b) = (seen(a), seen(b));
+    assert!(seen_a.last_hit_ns > 0 && seen_b.last_hit_ns > 0);
+    assert_eq!(seen(c), wgfence_common::RuleSeen::default());
 
-    // `status --rules` names the one rule never hit.
+    unused_rules_are_c_alone(&gw);
+    // A SIGKILL and a restart: the counters are adopted from the pins, unchanged.
+    agent.kill();
+    agent.restart(&gw, &args);
+    agent.wait_ready(&gw);
+    let after = Dataplane::open_maps(&gw.bpffs, gw.interface())
+        .and_then(|m| m.peer(IpAddr::V4(gw.peers[0].v4)))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        after.map(|e| (e.policy, e.rules)),
+        Some((entry.policy, entry.rules))
+    );
+    check(&agent, "after a SIGKILL and a restart");
+    thread::sleep(Duration::from_millis(1500));
+    assert_eq!((seen(a), seen(b)), (seen_a, seen_b), "the last hits moved without a hit");
+    unused_rules_are_c_alone(&gw);
+}
+
+/// `status --rules`: C is never hit; since an hour ago, C alone is unused; since a minute from
+/// now, all three are.
+fn unused_rules_are_c_alone(gw: &Gateway) {
+    // The one rule never hit.
     let out = Command::new(binary())
         .args(["status", "--interface", gw.interface(), "--rules", "--json"])
         .output()
@@ -472,25 +502,6 @@ fn rule_counters_count_real_traffic_exactly_and_survive_a_sigkill() {
         .unwrap_or_default();
     assert_eq!(listed(now - 3600), 1);
     assert_eq!(listed(now + 60), 3);
-
-    // A SIGKILL and a restart: the counters are adopted from the pins, unchanged.
-    agent.kill();
-    agent.restart(&gw, &["--peer-metrics"]);
-    agent.wait_ready(&gw);
-    let after = Dataplane::open_maps(&gw.bpffs, gw.interface())
-        .and_then(|m| m.peer(IpAddr::V4(gw.peers[0].v4)))
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(
-        after.map(|e| (e.policy, e.rules)),
-        Some((entry.policy, entry.rules))
-    );
-    check(&agent, "after a SIGKILL and a restart");
-    assert_eq!(
-        maps.rule_counters(a)
-            .unwrap_or_else(|e| panic!("{e}"))
-            .last_hit_ns,
-        last_hit
-    );
 }
 
 #[test]

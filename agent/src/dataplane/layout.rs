@@ -7,8 +7,8 @@ use std::mem::size_of;
 use aya::maps::{MapInfo, MapType};
 use wgfence_common::{
     map_names, Config, EventBucket, FlowKeyV4, FlowKeyV6, FlowValue, PeerCounters, PeerEntry,
-    PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, RuleCounters, COUNTERS_LEN,
-    EVENTS_BYTES, MAX_FLOWS, MAX_PEERS, MAX_POLICY_ENTRIES, MAX_RULES,
+    PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, RuleCounters, RuleSeen,
+    COUNTERS_LEN, EVENTS_BYTES, MAX_FLOWS, MAX_PEERS, MAX_POLICY_ENTRIES, MAX_RULES,
 };
 
 use super::error::{DataplaneError, Result};
@@ -122,6 +122,13 @@ pub(crate) fn expected(name: &str) -> Option<Layout> {
             MapType::PerCpuArray,
             size_of::<u32>(),
             size_of::<RuleCounters>(),
+            MAX_RULES,
+            0,
+        ),
+        map_names::RULE_SEEN => layout(
+            MapType::Array,
+            size_of::<u32>(),
+            size_of::<RuleSeen>(),
             MAX_RULES,
             0,
         ),

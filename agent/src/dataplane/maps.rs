@@ -17,8 +17,8 @@ use aya::{
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use wgfence_common::{
     map_names, Config, Counter, FlowKeyV4, FlowKeyV6, FlowValue, PeerCounters, PeerEntry,
-    PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, RuleCounters, COUNTERS_LEN,
-    POLICY_ID_BITS,
+    PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, RuleCounters, RuleSeen,
+    COUNTERS_LEN, POLICY_ID_BITS,
 };
 
 use super::{
@@ -93,6 +93,7 @@ pub struct Maps {
     _events: MapData,
     _event_bucket: MapData,
     rule_stats: PerCpuArray<MapData, RuleCounters>,
+    rule_seen: Array<MapData, RuleSeen>,
     writes: u64,
 }
 
@@ -168,6 +169,7 @@ impl Maps {
             flow_freed: typed(map_names::FLOW_FREED, data(map_names::FLOW_FREED)?)?,
             config: typed(map_names::CONFIG, data(map_names::CONFIG)?)?,
             rule_stats: typed(map_names::RULE_STATS, data(map_names::RULE_STATS)?)?,
+            rule_seen: typed(map_names::RULE_SEEN, data(map_names::RULE_SEEN)?)?,
             writes: 0,
         })
     }
@@ -513,7 +515,7 @@ impl Maps {
 }
 
 impl Maps {
-    /// Zeroes the rule counters `base..base + len` on every CPU.
+    /// Zeroes the rule counters `base..base + len` on every CPU, and when they were seen.
     pub fn reset_rule_counters(&mut self, base: u32, len: u32) -> Result<()> {
         for index in base..base.saturating_add(len).min(wgfence_common::MAX_RULES) {
             self.writes += 1;
@@ -521,11 +523,55 @@ impl Maps {
             self.rule_stats
                 .set(index, zeros, 0)
                 .map_err(map_err(map_names::RULE_STATS))?;
+            self.rule_seen
+                .set(index, RuleSeen::default(), 0)
+                .map_err(map_err(map_names::RULE_SEEN))?;
         }
         Ok(())
     }
 
-    /// One rule counter summed over the CPUs; the last hit is the latest of any CPU.
+    /// When rule counter `index` was last seen to move (see [`RuleSeen`]).
+    pub fn rule_seen(&self, index: u32) -> Result<RuleSeen> {
+        self.rule_seen
+            .get(&index, 0)
+            .map_err(map_err(map_names::RULE_SEEN))
+    }
+
+    /// Notes, for each of `indexes` whose total moved since the last look, that it was hit by
+    /// `now_boot_ns`. Returns how many moved.
+    pub fn observe_rule_hits(
+        &mut self,
+        indexes: impl IntoIterator<Item = u32>,
+        now_boot_ns: u64,
+    ) -> Result<usize> {
+        let mut moved = 0;
+        for index in indexes {
+            let packets = self.rule_counters(index)?.packets;
+            let seen = self.rule_seen(index)?;
+            if packets != seen.packets {
+                let last_hit_ns = if packets > seen.packets {
+                    now_boot_ns
+                } else {
+                    seen.last_hit_ns
+                };
+                self.writes += 1;
+                self.rule_seen
+                    .set(
+                        index,
+                        RuleSeen {
+                            packets,
+                            last_hit_ns,
+                        },
+                        0,
+                    )
+                    .map_err(map_err(map_names::RULE_SEEN))?;
+                moved += 1;
+            }
+        }
+        Ok(moved)
+    }
+
+    /// One rule counter summed over the CPUs.
     pub fn rule_counters(&self, index: u32) -> Result<RuleCounters> {
         let per_cpu = self
             .rule_stats
@@ -536,8 +582,21 @@ impl Maps {
             .fold(RuleCounters::default(), |sum, c| RuleCounters {
                 packets: sum.packets.wrapping_add(c.packets),
                 bytes: sum.bytes.wrapping_add(c.bytes),
-                last_hit_ns: sum.last_hit_ns.max(c.last_hit_ns),
             }))
+    }
+
+    /// When rule counter `index` was last hit, on the boot clock, as far as the agent's looks
+    /// tell: hits since the last look count as `now_boot_ns`; `None`: never hit.
+    pub fn rule_last_hit(&self, index: u32, now_boot_ns: u64) -> Result<Option<u64>> {
+        let packets = self.rule_counters(index)?.packets;
+        let seen = self.rule_seen(index)?;
+        Ok(if packets > seen.packets {
+            Some(now_boot_ns)
+        } else if packets == 0 {
+            None
+        } else {
+            Some(seen.last_hit_ns)
+        })
     }
 }
 
