@@ -8,7 +8,7 @@
 //!    merged /usr, no docs, man pages or locales, apt's caches cleaned as in debian:12-slim)
 //!    from this machine's apt sources, then `podman import`. Later runs reuse it; `podman rmi
 //!    localhost/wgfence-debian:12-slim` makes the next run build it anew.
-//! 4. `podman build` of the Containerfile with `AGENT=prebuilt`: the runtime stage on that base,
+//! 4. `podman build --target prebuilt` of the Containerfile: the runtime stage on that base,
 //!    with the agent of step 2. The image it replaces is removed.
 //! 5. With `--run`: builds `wgfence-image` and runs it (namespaces, wireguard-go, the
 //!    container; it removes all of them when it ends, also on failure).
@@ -246,7 +246,7 @@ impl Podman {
                 // The runtime stage's apt-get reaches the machine's Debian mirror.
                 .arg("--network=host")
                 .args(["--build-arg", &format!("DEBIAN_IMAGE={BASE_IMAGE}")])
-                .args(["--build-arg", "AGENT=prebuilt"])
+                .args(["--target", "prebuilt"])
                 .arg(format!("--build-context=agent={}", context.0.display()))
                 .args(["--tag", &image, "--file"])
                 .arg(root.join("Containerfile"))
