@@ -401,7 +401,19 @@ fn plan_command(interface: &str, state_path: &Path, bpffs: &Path) -> Result<Exit
         (ActualMaps::default(), None)
     };
     let wg = WireGuard::open(interface)?.read()?;
-    let plan = plan(&desired, &Actual::new(maps, wg))?;
+    let plan = match plan(&desired, &Actual::new(maps, wg)) {
+        Ok(plan) => plan,
+        Err(unplanned) => {
+            for op in &unplanned.lead.ops {
+                println!("{op}");
+            }
+            bail!(
+                "the state cannot be applied whole: {}; `run` applies only the {} operations above",
+                unplanned.error,
+                unplanned.lead.ops.len()
+            );
+        }
+    };
     let on_off = |b: bool| if b { "on" } else { "off" };
     let settings_writes = match replies {
         Some(now) if now == desired.replies => 0,

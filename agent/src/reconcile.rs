@@ -30,7 +30,7 @@ use std::{
 
 use crate::{
     dataplane::{Dataplane, DataplaneError, Flow, Maps},
-    plan::{plan, plan_update, Actual, ActualMaps, Op, Plan, PlanError, WgPeerChange},
+    plan::{plan, plan_update, Actual, ActualMaps, Op, Plan, PlanError, Unplanned, WgPeerChange},
     policy::CompiledPolicy,
     settings::{online_cpus, DatapathSettings},
     state::{DesiredState, WgKey},
@@ -221,14 +221,14 @@ impl Reconciler {
         self.flows_freed
     }
 
-    /// What `reconcile` would do now.
-    pub fn plan(&mut self, desired: &DesiredState) -> Result<Plan, ReconcileError> {
+    /// What `reconcile` would do now: the plan, or why there is none with the plan's lead.
+    fn plan(&mut self, desired: &DesiredState) -> Result<Result<Plan, Unplanned>, ReconcileError> {
         if self.stale {
             self.refresh()?;
         }
         Ok(match &self.applied {
-            Some(previous) => plan_update(previous, desired, &self.actual)?,
-            None => plan(desired, &self.actual)?,
+            Some(previous) => plan_update(previous, desired, &self.actual),
+            None => plan(desired, &self.actual),
         })
     }
 
@@ -240,7 +240,10 @@ impl Reconciler {
     /// Makes the kernel match `desired`, changing only what differs.
     pub fn reconcile(&mut self, desired: DesiredState) -> Result<Outcome, ReconcileError> {
         let start = Instant::now();
-        let plan = self.plan(&desired)?;
+        let plan = match self.plan(&desired)? {
+            Ok(plan) => plan,
+            Err(unplanned) => return Err(self.apply_lead_only(unplanned)),
+        };
         let plan_duration = start.elapsed();
         self.wg_time = Duration::ZERO;
         let writes_before = self.dataplane.maps().writes();
@@ -290,6 +293,37 @@ impl Reconciler {
             wg_duration: self.wg_time,
         };
         result.map(|()| outcome)
+    }
+
+    /// A state that cannot be planned (a full map) still gets its lead: revocations never wait
+    /// for room. The flows of the deleted addresses go too. The kernel is read again before
+    /// the next plan.
+    fn apply_lead_only(&mut self, unplanned: Unplanned) -> ReconcileError {
+        let Unplanned { error, lead } = unplanned;
+        let applied = self.apply(&lead.ops);
+        let forget: BTreeSet<IpAddr> = lead
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::DeletePeerEntry { addr } => Some(*addr),
+                _ => None,
+            })
+            .collect();
+        self.stale = true;
+        self.applied = None;
+        if let Err(e) = applied {
+            return e;
+        }
+        if let Err(e) = self.forget_flows(&forget) {
+            return e;
+        }
+        if !lead.ops.is_empty() {
+            tracing::warn!(
+                ops = lead.ops.len(),
+                "the state cannot be applied whole ({error}); its revocations were"
+            );
+        }
+        ReconcileError::Plan(error)
     }
 
     /// Map writes issued through this reconciler so far.
