@@ -9,6 +9,8 @@
 //!    back, while a deletion only takes access away — and the entries of addresses that move to
 //!    another WireGuard peer (a takeover, a key rotation), so the old holder never runs with the
 //!    new holder's entry;
+//!    the reply flows recorded for these addresses are forgotten right after (the flow
+//!    sweeper deletes them, off the apply path);
 //! 2. remove the WireGuard peers that leave the state, also those whose addresses another peer
 //!    takes over (their entries went in step 1): a leaked key loses its session, and the
 //!    address's inbound traffic, even when every put fails;
@@ -26,6 +28,10 @@
 //!    to their new holder;
 //! 8. delete the trie entries of policies step 5's switches left unreferenced.
 //!
+//! The datapath's settings entry ([`plan_settings`]: the replies switch, the flow timeouts and
+//! quota) goes right after the lead ([`Plan::with_settings`]), with the forgetting of every flow
+//! when replies are switched off: `wgfence plan` shows what `wgfence run` does.
+//!
 //! A plan that cannot be made whole (no counter slot, policy id or owner left) still gives its
 //! lead, steps 1–3 ([`Unplanned`]): revocations never wait for room.
 //!
@@ -41,7 +47,7 @@ use std::{
 };
 
 use ipnet::IpNet;
-use wgfence_common::{Allow, PeerEntry, MAX_PEERS, UNRESTRICTED};
+use wgfence_common::{Allow, Config, PeerEntry, MAX_PEERS, UNRESTRICTED};
 
 use crate::{
     policy::{CompiledPolicy, NOTHING},
@@ -302,7 +308,10 @@ impl Actual {
                     .insert_entry(*prefix, allows.clone());
                 self.index_content(*policy);
             }
-            Op::ResetPeerCounters { .. } => {}
+            Op::ResetPeerCounters { .. }
+            | Op::PutSettings { .. }
+            | Op::ForgetFlows { .. }
+            | Op::ForgetAllFlows => {}
             Op::RaiseOwnerHigh { owner } => {
                 self.maps.owner_high = self.maps.owner_high.max(*owner);
                 self.index.owner_high = self.index.owner_high.max(*owner);
@@ -413,20 +422,49 @@ pub enum Op {
         policy: u32,
         prefix: IpNet,
     },
+    /// Writes the datapath's settings entry (the replies switch, the flow timeouts and quota,
+    /// the drop event rate); its owner high-water mark stays the kernel's. `replies_before`:
+    /// the kernel's switch, if it has an entry.
+    PutSettings {
+        config: Config,
+        replies_before: Option<bool>,
+    },
+    /// Deletes the reply flows recorded for these addresses (they left, or moved to another
+    /// WireGuard peer): done off the apply path by the flow sweeper.
+    ForgetFlows {
+        addrs: Vec<IpAddr>,
+    },
+    /// Deletes every reply flow (replies were switched off, so switching them on again starts
+    /// afresh): done off the apply path by the flow sweeper.
+    ForgetAllFlows,
 }
 
 impl Op {
-    /// Whether this is a BPF map write (else a WireGuard change).
+    /// Whether this is one BPF map write (the flow deletions are bulk work of their own).
     pub fn is_map_write(&self) -> bool {
-        !matches!(self, Op::WgPeer(_) | Op::RemoveWgPeer { .. })
+        !self.is_wg() && !self.is_flow_work()
+    }
+
+    /// Whether this is a WireGuard change.
+    pub fn is_wg(&self) -> bool {
+        matches!(self, Op::WgPeer(_) | Op::RemoveWgPeer { .. })
+    }
+
+    /// Whether this deletes reply flows (the sweeper's work, off the apply path).
+    pub fn is_flow_work(&self) -> bool {
+        matches!(self, Op::ForgetFlows { .. } | Op::ForgetAllFlows)
     }
 
     /// Whether this only takes something away (an address entry, a WireGuard peer, a policy
-    /// entry): what a plan's lead is made of.
+    /// entry, reply flows): what a plan's lead is made of.
     pub fn is_deletion(&self) -> bool {
         matches!(
             self,
-            Op::DeletePeerEntry { .. } | Op::RemoveWgPeer { .. } | Op::DeletePolicyEntry { .. }
+            Op::DeletePeerEntry { .. }
+                | Op::RemoveWgPeer { .. }
+                | Op::DeletePolicyEntry { .. }
+                | Op::ForgetFlows { .. }
+                | Op::ForgetAllFlows
         )
     }
 }
@@ -485,6 +523,33 @@ impl fmt::Display for Op {
             Op::DeletePolicyEntry { policy: id, prefix } => {
                 write!(f, "map: delete policy {id} {prefix}")
             }
+            Op::PutSettings {
+                config,
+                replies_before,
+            } => {
+                let on_off = |b: bool| if b { "on" } else { "off" };
+                write!(
+                    f,
+                    "settings: replies {} -> {}, flow timeouts tcp {}s (closing {}s) udp {}s \
+                     icmp {}s unanswered {}s, {} flows per peer",
+                    replies_before.map_or("unset", on_off),
+                    on_off(config.replies()),
+                    config.tcp_timeout_ns / 1_000_000_000,
+                    config.tcp_closing_timeout_ns / 1_000_000_000,
+                    config.udp_timeout_ns / 1_000_000_000,
+                    config.other_timeout_ns / 1_000_000_000,
+                    config.unanswered_timeout_ns / 1_000_000_000,
+                    config.flows_per_peer
+                )
+            }
+            Op::ForgetFlows { addrs } => {
+                write!(f, "flows: forget the reply flows of")?;
+                for addr in addrs {
+                    write!(f, " {addr}")?;
+                }
+                Ok(())
+            }
+            Op::ForgetAllFlows => write!(f, "flows: forget every reply flow"),
         }
     }
 }
@@ -505,7 +570,15 @@ impl Plan {
     }
 
     pub fn wg_changes(&self) -> usize {
-        self.ops.len() - self.map_writes()
+        self.ops.iter().filter(|o| o.is_wg()).count()
+    }
+
+    /// Puts `ops` (the settings: [`plan_settings`]) right after the lead: a revocation waits
+    /// for no settings write and no flow work.
+    pub fn with_settings(mut self, ops: Vec<Op>) -> Self {
+        let at = self.lead().len();
+        self.ops.splice(at..at, ops);
+        self
     }
 
     /// The plan's lead: its operations before the first that is not a deletion (the
@@ -514,6 +587,28 @@ impl Plan {
     pub fn lead(&self) -> &[Op] {
         lead(&self.ops)
     }
+}
+
+/// The settings entry: written when `want` differs from the kernel's entry `have` (but for the
+/// owner high-water mark, which is the planner's and stays the kernel's). Switching replies
+/// off forgets every recorded flow.
+pub fn plan_settings(want: &Config, have: Option<&Config>) -> Vec<Op> {
+    let want = Config {
+        owner_high: have.map_or(0, |c| c.owner_high),
+        ..*want
+    };
+    if have == Some(&want) {
+        return Vec::new();
+    }
+    let replies_before = have.map(Config::replies);
+    let mut ops = vec![Op::PutSettings {
+        config: want,
+        replies_before,
+    }];
+    if replies_before == Some(true) && !want.replies() {
+        ops.push(Op::ForgetAllFlows);
+    }
+    ops
 }
 
 /// The lead of a list of operations (see [`Plan::lead`]).
@@ -1078,11 +1173,17 @@ impl<'a> Planner<'a> {
     fn revocations(&self) -> (Vec<Op>, BTreeMap<u32, i64>) {
         let mut lead_delta: BTreeMap<u32, i64> = BTreeMap::new();
         let mut lead = Vec::new();
+        let mut forget = Vec::new();
         for addr in &self.lead_deleted {
             if let Some(current) = self.actual.maps.peers.get(addr) {
                 *lead_delta.entry(current.policy).or_default() -= 1;
                 lead.push(Op::DeletePeerEntry { addr: *addr });
+                forget.push(*addr);
             }
+        }
+        // Their flows were recorded for the old holder (or for nobody, from now on).
+        if !forget.is_empty() {
+            lead.push(Op::ForgetFlows { addrs: forget });
         }
         // A leaving peer goes with the revocations, after the address entries, also when
         // another peer takes over its addresses: those entries are deleted in the lead, and the
@@ -1506,12 +1607,13 @@ mod tests {
             .iter()
             .map(|op| match op {
                 Op::DeletePeerEntry { .. } => "peer",
+                Op::ForgetFlows { .. } => "flows",
                 Op::RemoveWgPeer { .. } => "wg",
                 Op::DeletePolicyEntry { .. } => "policy",
                 _ => "other",
             })
             .collect();
-        assert_eq!(kinds, ["peer", "wg", "policy"]);
+        assert_eq!(kinds, ["peer", "flows", "wg", "policy"]);
     }
 
     /// Issue 11 item 5: at capacity (a full peer map, a full trie) a put fails, so a
@@ -1538,6 +1640,12 @@ mod tests {
             },
             Op::DeletePeerEntry {
                 addr: "fd00:8::2".parse().unwrap_or(IpAddr::from([0; 16])),
+            },
+            Op::ForgetFlows {
+                addrs: vec![
+                    IpAddr::from([10, 8, 0, 2]),
+                    "fd00:8::2".parse().unwrap_or(IpAddr::from([0; 16])),
+                ],
             },
             Op::RemoveWgPeer {
                 key: WgKey([1; 32]),
@@ -1708,6 +1816,7 @@ mod tests {
                 [
                     Op::DeletePeerEntry { .. },
                     Op::DeletePeerEntry { .. },
+                    Op::ForgetFlows { .. },
                     Op::RemoveWgPeer { .. },
                     Op::RaiseOwnerHigh { owner: 4 },
                     Op::WgPeer(c),
@@ -1808,7 +1917,7 @@ mod tests {
         assert!(
             matches!(
                 change.ops.as_slice(),
-                [Op::DeletePeerEntry { .. }, Op::RaiseOwnerHigh { .. }, Op::PutPeerEntry { .. }, Op::WgPeer(c)] if !c.create && c.add_allowed_ips.len() == 1
+                [Op::DeletePeerEntry { .. }, Op::ForgetFlows { .. }, Op::RaiseOwnerHigh { .. }, Op::PutPeerEntry { .. }, Op::WgPeer(c)] if !c.create && c.add_allowed_ips.len() == 1
             ),
             "{:#?}",
             change.ops
@@ -2211,5 +2320,49 @@ mod tests {
         }
         assert_converged(&kernel, &s);
         assert!(plan(&s, &kernel.actual()).is_ok_and(|p| p.is_empty()));
+    }
+
+    /// The settings entry is part of the plan, right after the lead: written only when it
+    /// differs (never for the owner high-water mark alone); replies switched off forget every
+    /// flow.
+    #[test]
+    fn settings_follow_the_lead_and_replies_off_forgets_every_flow() {
+        let settings = crate::settings::DatapathSettings::default();
+        let on = settings.config(true, 2);
+        let off = settings.config(false, 2);
+        let kernel = Config {
+            owner_high: 7,
+            ..on
+        };
+        assert!(plan_settings(&on, Some(&kernel)).is_empty());
+        assert_eq!(
+            plan_settings(&off, Some(&kernel)),
+            [
+                Op::PutSettings {
+                    config: Config {
+                        owner_high: 7,
+                        ..off
+                    },
+                    replies_before: Some(true),
+                },
+                Op::ForgetAllFlows
+            ]
+        );
+        assert_eq!(plan_settings(&on, None).len(), 1);
+        let revoke = Plan {
+            ops: vec![Op::DeletePeerEntry {
+                addr: IpAddr::from([10, 8, 0, 2]),
+            }],
+        };
+        let with = revoke.with_settings(plan_settings(&off, Some(&kernel)));
+        assert!(matches!(
+            with.ops.as_slice(),
+            [
+                Op::DeletePeerEntry { .. },
+                Op::PutSettings { .. },
+                Op::ForgetAllFlows
+            ]
+        ));
+        assert_eq!((with.map_writes(), with.wg_changes()), (2, 0));
     }
 }
