@@ -863,12 +863,7 @@ impl<'a> Planner<'a> {
         let (moved, delta) = self.entry_writes(&wanted, &mut ops);
         ops.extend(self.wg_changes());
         ops.extend(moved);
-        let candidates: BTreeSet<u32> = if self.full {
-            self.actual.maps.policies.keys().copied().collect()
-        } else {
-            delta.keys().copied().collect()
-        };
-        let (gc_lead, gc_last) = self.policy_gc(candidates, &delta, &lead_delta);
+        let (gc_lead, gc_last) = self.policy_gc(&delta, &lead_delta);
         lead.extend(gc_lead);
         lead.append(&mut ops);
         lead.extend(gc_last);
@@ -879,12 +874,7 @@ impl<'a> Planner<'a> {
     /// nothing references once the lead ran collected.
     fn failure_lead(&self) -> Vec<Op> {
         let (mut lead, lead_delta) = self.revocations();
-        let candidates: BTreeSet<u32> = if self.full {
-            self.actual.maps.policies.keys().copied().collect()
-        } else {
-            lead_delta.keys().copied().collect()
-        };
-        let (gc, _) = self.policy_gc(candidates, &lead_delta, &lead_delta);
+        let (gc, _) = self.policy_gc(&lead_delta, &lead_delta);
         lead.extend(gc);
         lead
     }
@@ -1233,13 +1223,19 @@ impl<'a> Planner<'a> {
     /// leftovers, which a full plan also collects) go in the lead: deleting them takes access
     /// from nobody, and at a full trie the puts need their room. Those the plan's switches
     /// unreference go last.
+    /// `delta`: the change of each policy id's references over the plan (a full plan looks at
+    /// every id, an incremental one only at those).
     fn policy_gc(
         &self,
-        candidates: BTreeSet<u32>,
         delta: &BTreeMap<u32, i64>,
         lead_delta: &BTreeMap<u32, i64>,
     ) -> (Vec<Op>, Vec<Op>) {
         let (maps, index) = (&self.actual.maps, &self.actual.index);
+        let candidates: BTreeSet<u32> = if self.full {
+            maps.policies.keys().copied().collect()
+        } else {
+            delta.keys().copied().collect()
+        };
         let (mut lead, mut last) = (Vec::new(), Vec::new());
         for id in candidates {
             let now = index.policy_refs.get(&id).copied().unwrap_or(0) as i64;
@@ -1474,6 +1470,18 @@ mod tests {
 
     fn apply_checked(kernel: &mut Kernel, old: &DesiredState, new: &DesiredState) -> Plan {
         let plan = plan(new, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+        apply_plan_checked(kernel, old, new, &plan);
+        plan
+    }
+
+    /// Applies `plan` (old -> new) with its lead and every midway invariant checked.
+    #[track_caller]
+    fn apply_plan_checked(
+        kernel: &mut Kernel,
+        old: &DesiredState,
+        new: &DesiredState,
+        plan: &Plan,
+    ) {
         if let Err(e) = invariants::check_revocations_lead(&kernel.0, new, &plan.ops) {
             panic!("{e}");
         }
@@ -1481,7 +1489,6 @@ mod tests {
             kernel.apply(op);
             assert_safe_midway(kernel, old, new);
         }
-        plan
     }
 
     proptest! {
@@ -1531,13 +1538,7 @@ mod tests {
                     continue;
                 }
                 let update = update.unwrap_or_else(|e| panic!("{e}"));
-                if let Err(e) = invariants::check_revocations_lead(&kernel.0, &new, &update.ops) {
-                    panic!("{e}");
-                }
-                for op in &update.ops {
-                    kernel.apply(op);
-                    assert_safe_midway(&kernel, &old, &new);
-                }
+                apply_plan_checked(&mut kernel, &old, &new, &update);
                 assert_converged(&kernel, &new);
                 let full = plan(&new, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
                 prop_assert!(full.is_empty(), "a full plan after the incremental one: {:?}", full.ops);
@@ -1570,6 +1571,20 @@ mod tests {
     fn one(peers: Value) -> DesiredState {
         parse(&json!({ "version": 1, "peers": peers }).to_string())
             .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A full plan, or one that looks only at what differs from `previous`.
+    fn plan_either(
+        incremental: bool,
+        previous: &DesiredState,
+        desired: &DesiredState,
+        kernel: &Kernel,
+    ) -> Result<Plan, Unplanned> {
+        if incremental {
+            plan_update(previous, desired, &kernel.0)
+        } else {
+            plan(desired, &kernel.0)
+        }
     }
 
     fn converge(kernel: &mut Kernel, old: &DesiredState, new: &DesiredState) -> Plan {
@@ -2021,12 +2036,8 @@ mod tests {
         for incremental in [false, true] {
             let mut kernel = Kernel::default();
             converge(&mut kernel, &DesiredState::default(), &before);
-            let p = if incremental {
-                plan_update(&before, &after, &kernel.actual())
-            } else {
-                plan(&after, &kernel.actual())
-            }
-            .unwrap_or_else(|e| panic!("{e}"));
+            let p = plan_either(incremental, &before, &after, &kernel)
+                .unwrap_or_else(|e| panic!("{e}"));
             if let Err(e) = invariants::check_revocations_lead(&kernel.0, &after, &p.ops) {
                 panic!("incremental {incremental}: {e}");
             }
@@ -2091,12 +2102,8 @@ mod tests {
             converge(&mut kernel, &DesiredState::default(), &before);
             // The trie is full: it holds z's two entries and no more.
             let capacity = 2;
-            let first = if incremental {
-                plan_update(&before, &after, &kernel.actual())
-            } else {
-                plan(&after, &kernel.actual())
-            }
-            .unwrap_or_else(|e| panic!("{e}"));
+            let first = plan_either(incremental, &before, &after, &kernel)
+                .unwrap_or_else(|e| panic!("{e}"));
             let gc = lead(&first.ops)
                 .iter()
                 .filter(|op| matches!(op, Op::DeletePolicyEntry { .. }))
@@ -2168,12 +2175,8 @@ mod tests {
             converge(&mut kernel, &DesiredState::default(), &before);
             let slot = |k: &Kernel, n: u8| kernel_entry(k, IpAddr::from([10, 8, 0, n])).slot;
             let (a, r) = (slot(&kernel, 2), slot(&kernel, 3));
-            let p = if incremental {
-                plan_update(&before, &after, &kernel.actual())
-            } else {
-                plan(&after, &kernel.actual())
-            }
-            .unwrap_or_else(|e| panic!("{e}"));
+            let p = plan_either(incremental, &before, &after, &kernel)
+                .unwrap_or_else(|e| panic!("{e}"));
             for op in &p.ops {
                 kernel.apply(op);
                 assert_safe_midway(&kernel, &before, &after);
@@ -2237,19 +2240,9 @@ mod tests {
             let mut old = DesiredState::default();
             for peers in &states {
                 let new = one(peers.clone());
-                let p = if incremental {
-                    plan_update(&old, &new, &kernel.actual())
-                } else {
-                    plan(&new, &kernel.actual())
-                }
-                .unwrap_or_else(|e| panic!("incremental {incremental}: {e}"));
-                if let Err(e) = invariants::check_revocations_lead(&kernel.0, &new, &p.ops) {
-                    panic!("{e}");
-                }
-                for op in &p.ops {
-                    kernel.apply(op);
-                    assert_safe_midway(&kernel, &old, &new);
-                }
+                let p = plan_either(incremental, &old, &new, &kernel)
+                    .unwrap_or_else(|e| panic!("incremental {incremental}: {e}"));
+                apply_plan_checked(&mut kernel, &old, &new, &p);
                 assert_converged(&kernel, &new);
                 old = new;
             }
@@ -2274,11 +2267,7 @@ mod tests {
         for incremental in [false, true] {
             let mut kernel = Kernel(Actual::default().with_slot_limit(2));
             converge(&mut kernel, &DesiredState::default(), &before);
-            let planned = if incremental {
-                plan_update(&before, &after, &kernel.actual())
-            } else {
-                plan(&after, &kernel.actual())
-            };
+            let planned = plan_either(incremental, &before, &after, &kernel);
             let Err(Unplanned { error, lead }) = planned else {
                 panic!("incremental {incremental}: planned {planned:?}");
             };
