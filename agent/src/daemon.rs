@@ -266,7 +266,11 @@ impl Core {
                         "state applied"
                     );
                 } else {
-                    tracing::debug!(peers = summary.peers, "state unchanged");
+                    tracing::debug!(
+                        peers = summary.peers,
+                        plan_ms = outcome.plan_duration.as_secs_f64() * 1e3,
+                        "state unchanged"
+                    );
                 }
                 self.status.applied(LastReconcile::ok(&outcome), &summary);
                 Next::Idle

@@ -669,8 +669,17 @@ impl<F: FnOnce() -> BTreeSet<u32>> Allocator<F> {
 enum Scope<'a> {
     /// Every desired peer, and everything in the kernel: start-up, resync, after a failure.
     Full,
-    /// The peers that differ from `previous`, a state the kernel is known to match.
-    Since(&'a DesiredState),
+    /// Only these peers, given the kernel matches the state before them.
+    Changes(Changes<'a>),
+}
+
+/// What changed between a state the kernel matches and the desired one: the desired peers that
+/// are new or changed, and the previous versions of the peers that are gone or replaced (a
+/// changed peer is in both). What [`plan_changes`] looks at, and all it looks at.
+#[derive(Debug, Clone, Default)]
+pub struct Changes<'a> {
+    pub touched: Vec<&'a PeerSpec>,
+    pub gone: Vec<&'a PeerSpec>,
 }
 
 /// Plans the operations that make the kernel match `desired`, comparing everything; pure.
@@ -687,7 +696,18 @@ pub fn plan_update(
     desired: &DesiredState,
     actual: &Actual,
 ) -> Result<Plan, Unplanned> {
-    plan_scope(desired, Scope::Since(previous), actual)
+    plan_scope(desired, Scope::Changes(diff(previous, desired)), actual)
+}
+
+/// Plans the same operations as [`plan_update`] from the changed peers alone (found without
+/// comparing the two states, e.g. while parsing): a one-peer change costs the same at any
+/// number of peers. `changes` must hold every peer that differs, and only those.
+pub fn plan_changes<'a>(
+    desired: &'a DesiredState,
+    changes: Changes<'a>,
+    actual: &Actual,
+) -> Result<Plan, Unplanned> {
+    plan_scope(desired, Scope::Changes(changes), actual)
 }
 
 /// Whether two versions of a peer ask the same of the kernel (the compiled policy follows from
@@ -705,10 +725,7 @@ fn same_peer(a: &PeerSpec, b: &PeerSpec) -> bool {
 
 /// Peers of `desired` that are new or changed since `previous`, and the versions of
 /// `previous` that are gone or replaced. Both states are sorted by name.
-fn diff<'a>(
-    previous: &'a DesiredState,
-    desired: &'a DesiredState,
-) -> (Vec<&'a PeerSpec>, Vec<&'a PeerSpec>) {
+fn diff<'a>(previous: &'a DesiredState, desired: &'a DesiredState) -> Changes<'a> {
     let (mut touched, mut gone) = (Vec::new(), Vec::new());
     let (mut old, mut new) = (
         previous.peers.iter().peekable(),
@@ -745,7 +762,7 @@ fn diff<'a>(
             (None, None) => break,
         }
     }
-    (touched, gone)
+    Changes { touched, gone }
 }
 
 /// A plan that could not be made (no slot, policy id or owner is left), with its lead: the
@@ -801,7 +818,7 @@ impl<'a> Planner<'a> {
         let full = matches!(scope, Scope::Full);
         let (touched, gone) = match scope {
             Scope::Full => (desired.peers.iter().collect(), Vec::new()),
-            Scope::Since(previous) => diff(previous, desired),
+            Scope::Changes(Changes { touched, gone }) => (touched, gone),
         };
         let want_key = touched
             .iter()
@@ -1566,6 +1583,15 @@ mod tests {
         // The new policy's entry and one switch; the old policy is still used by 49 peers.
         assert_eq!(update.ops.len(), 2, "{:#?}", update.ops);
         assert_eq!(update, plan(&after, &kernel.actual()).unwrap_or_default());
+        // The same from the change set alone, without comparing the states.
+        let changes = Changes {
+            touched: vec![&after.peers[7]],
+            gone: vec![&before.peers[7]],
+        };
+        assert_eq!(
+            Ok(update),
+            plan_changes(&after, changes, &kernel.actual()).map_err(|u| u.error)
+        );
     }
 
     fn one(peers: Value) -> DesiredState {
