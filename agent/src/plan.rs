@@ -41,7 +41,7 @@
 //! a packet sees the old policy or the new one, never a mix.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashMap},
     fmt,
     net::{IpAddr, SocketAddr},
 };
@@ -794,6 +794,42 @@ fn plan_scope(
     })
 }
 
+/// The policy id of each touched peer's policy. Peers with equal rules share one compiled
+/// policy, so an id is found by the policy's address (a hash lookup per peer); its content is
+/// compared only for an allocation not seen yet.
+#[derive(Default)]
+struct PolicyIds<'a> {
+    by_address: HashMap<*const CompiledPolicy, u32>,
+    by_content: BTreeMap<&'a CompiledPolicy, u32>,
+}
+
+impl<'a> PolicyIds<'a> {
+    /// Whether `policy` has an id already (then it is known by its address too).
+    fn known(&mut self, policy: &'a CompiledPolicy) -> bool {
+        let address: *const CompiledPolicy = policy;
+        if self.by_address.contains_key(&address) {
+            return true;
+        }
+        match self.by_content.get(policy).copied() {
+            Some(id) => {
+                self.by_address.insert(address, id);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn insert(&mut self, policy: &'a CompiledPolicy, id: u32) {
+        self.by_address.insert(policy, id);
+        self.by_content.insert(policy, id);
+    }
+
+    fn get(&self, policy: &CompiledPolicy) -> Option<u32> {
+        let address: *const CompiledPolicy = policy;
+        self.by_address.get(&address).copied()
+    }
+}
+
 /// An address entry the plan writes: the peer's name and key, and the entry.
 type Wanted<'a> = BTreeMap<IpAddr, (&'a str, WgKey, PeerEntry)>;
 
@@ -899,19 +935,16 @@ impl<'a> Planner<'a> {
     /// Policy ids: keep the id of content the kernel already has; new content gets a new id,
     /// whose trie entries are written (step 4). `"egress": []` always has the one id
     /// [`EMPTY_POLICY`], without entries.
-    fn policy_ids(
-        &self,
-        ops: &mut Vec<Op>,
-    ) -> Result<BTreeMap<&'a CompiledPolicy, u32>, PlanError> {
+    fn policy_ids(&self, ops: &mut Vec<Op>) -> Result<PolicyIds<'a>, PlanError> {
         let (maps, index) = (&self.actual.maps, &self.actual.index);
         let mut new_ids = Allocator::new(1, EMPTY_POLICY - 1, || {
             let mut used: BTreeSet<u32> = maps.policies.keys().copied().collect();
             used.extend(index.policy_refs.keys().copied());
             used
         });
-        let mut ids: BTreeMap<&CompiledPolicy, u32> = BTreeMap::new();
+        let mut ids = PolicyIds::default();
         for policy in self.touched.iter().filter_map(|p| p.policy.as_deref()) {
-            if ids.contains_key(policy) {
+            if ids.known(policy) {
                 continue;
             }
             let existing = if policy.is_empty() {
@@ -1090,7 +1123,7 @@ impl<'a> Planner<'a> {
     /// any entry carries a new owner.
     fn entries(
         &self,
-        ids: &BTreeMap<&CompiledPolicy, u32>,
+        ids: &PolicyIds<'a>,
         slots: &[u32],
         ops: &mut Vec<Op>,
     ) -> Result<Wanted<'a>, PlanError> {
@@ -1098,7 +1131,11 @@ impl<'a> Planner<'a> {
         let mut owner_high = index.owner_high;
         let mut wanted = Wanted::new();
         for (peer, &slot) in self.touched.iter().zip(slots) {
-            let policy = peer.policy.as_deref().map_or(UNRESTRICTED, |p| ids[p]);
+            // Every touched peer's policy has an id; were one missing, nothing would pass.
+            let policy = peer
+                .policy
+                .as_deref()
+                .map_or(UNRESTRICTED, |p| ids.get(p).unwrap_or(EMPTY_POLICY));
             for addr in peer.addrs() {
                 // An address keeps its owner while its WireGuard holder and its slot stay; any
                 // other change gets a new owner, so the entry write ends the old holder's
@@ -1293,24 +1330,25 @@ fn wg_change(peer: &PeerSpec, have: Option<&WgPeer>) -> Option<WgPeerChange> {
         });
     };
     let keepalive_now = have.persistent_keepalive.filter(|s| *s != 0);
-    let change = WgPeerChange {
+    let endpoint = peer.endpoint.filter(|e| have.endpoint != Some(*e));
+    let preshared_key = (have.preshared_key != peer.preshared_key).then_some(peer.preshared_key);
+    let persistent_keepalive =
+        (keepalive_now != peer.persistent_keepalive).then_some(peer.persistent_keepalive);
+    let missing = |ip: &IpNet| !have.allowed_ips.contains(ip);
+    let unchanged = endpoint.is_none()
+        && preshared_key.is_none()
+        && persistent_keepalive.is_none()
+        && !want_ips.iter().any(missing);
+    // Most peers of a full plan are unchanged: nothing is allocated for them.
+    (!unchanged).then(|| WgPeerChange {
         key: peer.public_key,
         peer: peer.name.clone(),
         create: false,
-        endpoint: peer.endpoint.filter(|e| have.endpoint != Some(*e)),
-        preshared_key: (have.preshared_key != peer.preshared_key).then_some(peer.preshared_key),
-        persistent_keepalive: (keepalive_now != peer.persistent_keepalive)
-            .then_some(peer.persistent_keepalive),
-        add_allowed_ips: want_ips
-            .into_iter()
-            .filter(|ip| !have.allowed_ips.contains(ip))
-            .collect(),
-    };
-    let unchanged = change.endpoint.is_none()
-        && change.preshared_key.is_none()
-        && change.persistent_keepalive.is_none()
-        && change.add_allowed_ips.is_empty();
-    (!unchanged).then_some(change)
+        endpoint,
+        preshared_key,
+        persistent_keepalive,
+        add_allowed_ips: want_ips.into_iter().filter(missing).collect(),
+    })
 }
 
 #[cfg(test)]

@@ -31,8 +31,8 @@ use std::{
 use crate::{
     dataplane::{Dataplane, DataplaneError, Flow, Maps},
     plan::{
-        plan, plan_settings, plan_update, Actual, ActualMaps, Op, Plan, PlanError, Unplanned,
-        WgPeerChange,
+        plan, plan_settings, plan_update, Actual, ActualMaps, ActualWg, Op, Plan, PlanError,
+        Unplanned, WgPeerChange,
     },
     policy::CompiledPolicy,
     settings::{online_cpus, DatapathSettings},
@@ -104,6 +104,16 @@ impl Reconciler {
     /// Takes over an attached dataplane and a WireGuard interface and reads their state. Nothing
     /// is changed until [`Reconciler::reconcile`] is given a valid desired state.
     pub fn new(dataplane: Dataplane, wg: WireGuard) -> Result<Self, ReconcileError> {
+        Self::adopt(dataplane, wg, None)
+    }
+
+    /// The same, with the WireGuard device's peers already read (`device`; read while the
+    /// datapath was being attached, at start-up): only the maps are read here.
+    pub fn adopt(
+        dataplane: Dataplane,
+        wg: WireGuard,
+        device: Option<ActualWg>,
+    ) -> Result<Self, ReconcileError> {
         let mut r = Self {
             dataplane,
             wg,
@@ -118,7 +128,7 @@ impl Reconciler {
             sweeper: None,
             closed: Arc::new(AtomicBool::new(false)),
         };
-        r.refresh()?;
+        r.read_kernel(device)?;
         Ok(r)
     }
 
@@ -174,12 +184,20 @@ impl Reconciler {
     /// back shows up in the next plan), then collects the flows that are no longer their
     /// address's (at start, before anything new is allocated; later, by the sweeper).
     pub fn refresh(&mut self) -> Result<(), ReconcileError> {
+        self.read_kernel(None)
+    }
+
+    /// [`Reconciler::refresh`], with the device's peers read already if given.
+    fn read_kernel(&mut self, device: Option<ActualWg>) -> Result<(), ReconcileError> {
         self.check_open()?;
         drop_later(self.applied.take());
         let t = Instant::now();
         let maps = read_maps(self.dataplane.maps())?;
         let maps_read = t.elapsed();
-        let wg = self.wg.read()?;
+        let wg = match device {
+            Some(device) => device,
+            None => self.wg.read()?,
+        };
         let wg_read = t.elapsed() - maps_read;
         drop_later(std::mem::replace(&mut self.actual, Actual::new(maps, wg)));
         let indexed = t.elapsed() - maps_read - wg_read;
