@@ -432,8 +432,9 @@ fn rule_counters_count_real_traffic_exactly_and_survive_a_sigkill() {
     // Within a resync the agent has noted when A and B moved; C never did.
     let seen = |i: u32| maps.rule_seen(i).unwrap_or_else(|e| panic!("{e}"));
     assert!(
-        wait_for(Duration::from_secs(5), || seen(a).packets == 1000 && seen(b).packets == 500)
-            .is_some(),
+        wait_for(Duration::from_secs(5), || seen(a).packets == 1000
+            && seen(b).packets == 500)
+        .is_some(),
         "the agent did not note the hits: {:?} {:?}",
         seen(a),
         seen(b)
@@ -456,7 +457,11 @@ fn rule_counters_count_real_traffic_exactly_and_survive_a_sigkill() {
     );
     check(&agent, "after a SIGKILL and a restart");
     thread::sleep(Duration::from_millis(1500));
-    assert_eq!((seen(a), seen(b)), (seen_a, seen_b), "the last hits moved without a hit");
+    assert_eq!(
+        (seen(a), seen(b)),
+        (seen_a, seen_b),
+        "the last hits moved without a hit"
+    );
     unused_rules_are_c_alone(&gw);
 }
 
