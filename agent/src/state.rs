@@ -264,12 +264,7 @@ impl PeerSpec {
 /// A rule in one short line, as `wgfence status --rules` and the `rule` label of
 /// `wgfence_rule_hits_total` name it: `tcp 10.0.0.0/8:443,8000-8100`, `any fd00::/8`.
 pub fn rule_text(rule: &Rule) -> String {
-    let protocol = match rule.protocol {
-        Protocol::Any => "any",
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-        Protocol::Icmp => "icmp",
-    };
+    let protocol = protocol_text(rule.protocol);
     let ports: Vec<String> = rule
         .ports
         .iter()
@@ -288,13 +283,18 @@ pub fn rule_text(rule: &Rule) -> String {
     }
 }
 
-fn rule_to_json(rule: &Rule) -> Value {
-    let protocol = match rule.protocol {
+/// A protocol as the state file names it.
+fn protocol_text(protocol: Protocol) -> &'static str {
+    match protocol {
         Protocol::Any => "any",
         Protocol::Tcp => "tcp",
         Protocol::Udp => "udp",
         Protocol::Icmp => "icmp",
-    };
+    }
+}
+
+fn rule_to_json(rule: &Rule) -> Value {
+    let protocol = protocol_text(rule.protocol);
     let mut value = serde_json::json!({ "cidr": rule.cidr.to_string(), "protocol": protocol });
     if !rule.ports.is_empty() {
         let ports: Vec<Value> = rule

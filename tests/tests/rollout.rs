@@ -126,6 +126,20 @@ impl Drop for Monitor {
     }
 }
 
+/// The peer called `name` in `wgfence status --json`.
+fn status_of(gw: &Gateway, name: &str) -> Value {
+    let out = Command::new(binary())
+        .args(["status", "--interface", gw.interface(), "--json"])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}"));
+    report["peerCounters"]
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["peer"] == name))
+        .cloned()
+        .unwrap_or_else(|| panic!("no {name} in {report:#}"))
+}
+
 /// `n` UDP datagrams from peer 0 to 10.2.3.4:9 (denied by its rules); returns how many
 /// arrived at a socket on the node.
 fn denied_udp(gw: &Gateway, n: u64) -> u64 {
@@ -258,15 +272,7 @@ fn an_audited_peer_passes_and_counts_would_drops_until_it_is_enforced() {
     assert_eq!(peer_after - peer_before, 200, "peer 0's would-drops");
     assert_eq!(total_after - total_before, 200, "the node's audit counter");
     // The same in `wgfence status` and /metrics.
-    let out = Command::new(binary())
-        .args(["status", "--interface", gw.interface(), "--json"])
-        .output()
-        .unwrap_or_else(|e| panic!("{e}"));
-    let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}"));
-    let p0 = report["peerCounters"]
-        .as_array()
-        .and_then(|a| a.iter().find(|p| p["peer"] == "peer0"))
-        .unwrap_or_else(|| panic!("no peer0 in {report:#}"));
+    let p0 = status_of(&gw, "peer0");
     assert_eq!(p0["mode"], "audit", "{p0}");
     assert_eq!(p0["wouldDropPackets"].as_u64(), Some(peer_after), "{p0}");
     let metric = agent.metric(&gw, "wgfence_peer_would_drop_packets_total{peer=\"peer0\"}");
@@ -646,15 +652,7 @@ fn a_peer_expires_in_the_kernel_with_no_agent_running_and_a_clock_set_back_does_
     let mut agent = Agent::start(&gw, Layout::Plain, &s, &[]);
     agent.wait_ready(&gw);
     // `status` shows the window.
-    let out = Command::new(binary())
-        .args(["status", "--interface", gw.interface(), "--json"])
-        .output()
-        .unwrap_or_else(|e| panic!("{e}"));
-    let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}"));
-    let p0 = report["peerCounters"]
-        .as_array()
-        .and_then(|a| a.iter().find(|p| p["peer"] == "peer0"))
-        .unwrap_or_else(|| panic!("no peer0: {report:#}"));
+    let p0 = status_of(&gw, "peer0");
     assert_eq!(
         p0["window"]["expires"],
         wgfence::state::format_time(expires),

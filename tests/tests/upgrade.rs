@@ -695,7 +695,30 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
             .all(|(a, _)| *a != IpAddr::from([10, 99, 0, 1])),
         "the stale entry survived: {peers:?}"
     );
-    assert_eq!(map_mismatch(&maps, &desired), None);
+    // Exactly the layout-2 state, translated: the policy's entries are what the state
+    // compiles to, but every allow credited to rule 0 (no valid state to apply: the agent
+    // rewrites nothing, so the attribution waits for the first apply).
+    let untagged = |allows: &[wgfence_common::Allow]| -> Vec<wgfence_common::Allow> {
+        allows
+            .iter()
+            .map(|a| wgfence_common::Allow { rule: 0, ..*a })
+            .collect()
+    };
+    let mut want: Vec<_> = desired.peers[0]
+        .policy
+        .as_deref()
+        .map(|p| p.entries().map(|(n, a)| (n, untagged(a))).collect())
+        .unwrap_or_default();
+    let mut have: Vec<_> = maps
+        .policies()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .into_iter()
+        .map(|e| (e.prefix, untagged(e.value.allows())))
+        .collect();
+    want.sort();
+    have.sort();
+    assert_eq!(have, want);
+    assert_eq!(peers.len(), 2, "{peers:?}");
     assert_eq!(old_pins(&gw), TOMBSTONES, "pins: {:?}", pins(&gw));
     for (kind, dst, expect) in [
         (Kind::Tcp(80), "10.2.3.4", Reach::Reached),
