@@ -6,7 +6,7 @@
 //! write: a flood of dropped packets costs at most the configured event rate.
 
 use aya_ebpf::programs::TcContext;
-use wgfence_common::{Config, Counter, DropEvent, NO_SLOT};
+use wgfence_common::{Config, Counter, DropEvent};
 
 use crate::{config, count, now_ns, v4, v6, EVENTS, EVENT_BUCKET, HEAD_LEN};
 
@@ -17,7 +17,7 @@ pub(crate) fn report(
     l3: usize,
     head: Option<&[u8; HEAD_LEN]>,
     why: Counter,
-    slot: Option<u32>,
+    slot: u32,
 ) {
     let Some(config) = config() else {
         return;
@@ -33,7 +33,7 @@ pub(crate) fn report(
     let mut event = DropEvent {
         timestamp_ns: now,
         reason: why as u32,
-        slot: slot.unwrap_or(NO_SLOT),
+        slot,
         len: ctx.len(),
         ..DropEvent::default()
     };

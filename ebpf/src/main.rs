@@ -43,7 +43,7 @@ use wgfence_common::{
     Config, Counter, DropEvent, EventBucket, FlowKeyV4, FlowKeyV6, FlowValue, PeerCounters,
     PeerEntry, PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, RuleCounters, RuleSeen,
     COUNTERS_LEN, EVENTS_BYTES, MAX_ALLOWS, MAX_FLOWS, MAX_PEERS, MAX_POLICY_ENTRIES, MAX_RULES,
-    NO_RULES, PEER_WINDOWED, PROTO_TCP, PROTO_UDP,
+    NO_RULES, NO_SLOT, PEER_WINDOWED, PROTO_TCP, PROTO_UDP,
 };
 
 /// tcx: let the next program (or the stack) decide; passing is never final, so wgfence composes
@@ -153,19 +153,23 @@ impl Pass {
     }
 }
 
-/// The packet is dropped; `slot` is the peer's counter slot when the source is a known peer.
+/// The packet is dropped; `slot` is the peer's counter slot when the source is a known peer,
+/// else [`NO_SLOT`]. (A plain `u32`, not an `Option`: the payload of a `None` is left
+/// uninitialized on the stack, and reading it, even to discard it, fails the verifier of
+/// Linux 5.10.)
 pub(crate) struct Drop {
     pub(crate) why: Counter,
-    pub(crate) slot: Option<u32>,
+    pub(crate) slot: u32,
 }
 
 impl Drop {
-    pub(crate) const fn new(why: Counter, slot: Option<u32>) -> Self {
-        Self { why, slot }
+    /// A packet that is no known peer's.
+    pub(crate) const fn unknown(why: Counter) -> Self {
+        Self { why, slot: NO_SLOT }
     }
 
     pub(crate) const fn peer(why: Counter, slot: u32) -> Self {
-        Self::new(why, Some(slot))
+        Self { why, slot }
     }
 }
 
@@ -207,42 +211,40 @@ fn ingress<const L3: usize>(ctx: &TcContext) -> i32 {
     let outcome = match head {
         Some(head) if head[0] >> 4 == 4 => v4::classify(ctx, L3, &head),
         Some(head) if head[0] >> 4 == 6 => v6::classify(ctx, L3, &head),
-        Some(_) => Err(Drop::new(Counter::DropNotIp, None)),
-        None => Err(Drop::new(Counter::DropMalformed, None)),
+        Some(_) => Err(Drop::unknown(Counter::DropNotIp)),
+        None => Err(Drop::unknown(Counter::DropMalformed)),
     };
     let bytes = u64::from(ctx.len());
-    match outcome {
-        Ok(Pass {
-            why: Counter::PassAudit,
-            slot,
-            ..
-        }) => {
-            // Only audited peers get here: a would-drop, counted and reported, that passes.
-            count(Counter::PassAudit);
-            count_audit(slot, bytes);
-            events::report(ctx, L3, head.as_ref(), Counter::PassAudit, Some(slot));
-            TCX_NEXT
-        }
-        Ok(Pass { why, slot, rule }) => {
+    // One drop-event site for drops and audited would-drops: one inlined copy of the event
+    // code, as before audit mode.
+    let (why, slot, verdict) = match outcome {
+        Ok(Pass { why, slot, rule }) if why != Counter::PassAudit => {
             count(why);
             count_peer(slot, true, bytes);
             if rule != NO_RULES {
                 count_rule(rule, bytes);
             }
-            TCX_NEXT
+            return TCX_NEXT;
+        }
+        Ok(Pass { slot, .. }) => {
+            // Only audited peers get here: a would-drop, counted and reported, that passes.
+            count(Counter::PassAudit);
+            count_audit(slot, bytes);
+            (Counter::PassAudit, slot, TCX_NEXT)
         }
         Err(Drop { why, slot }) => {
             count(why);
-            if let Some(slot) = slot {
+            if slot != NO_SLOT {
                 count_peer(slot, false, bytes);
             }
-            events::report(ctx, L3, head.as_ref(), why, slot);
             // Compiled in, but switched off at load time (AYA_LOG_LEVEL = 0) unless the agent
             // runs with datapath logging enabled; the verifier then removes this branch.
             debug!(ctx, "drop: reason {}", why as u32);
-            TCX_DROP
+            (why, slot, TCX_DROP)
         }
-    }
+    };
+    events::report(ctx, L3, head.as_ref(), why, slot);
+    verdict
 }
 
 /// Packets to peers: never dropped here; a packet toward a restricted peer that starts or
@@ -305,15 +307,16 @@ pub(crate) fn in_window(peer: &PeerEntry) -> Result<(), Drop> {
     Ok(())
 }
 
-/// The final verdict of a restricted peer: an audited peer's policy denial passes as a
-/// would-drop; every other verdict stands (malformed packets stay dropped).
+/// The final verdict of a restricted peer: an audited peer's (`audited`, read from its entry
+/// before the verdict, so the entry need not outlive it) policy denial passes as a would-drop;
+/// every other verdict stands (malformed packets stay dropped).
 #[inline(always)]
-pub(crate) fn audit(verdict: Result<Pass, Drop>, peer: &PeerEntry) -> Result<Pass, Drop> {
+pub(crate) fn audit(verdict: Result<Pass, Drop>, audited: bool) -> Result<Pass, Drop> {
     match verdict {
         Err(Drop {
             why: Counter::DropPolicy,
-            ..
-        }) if peer.audit() => Ok(Pass::new(Counter::PassAudit, peer.slot)),
+            slot,
+        }) if audited => Ok(Pass::new(Counter::PassAudit, slot)),
         verdict => verdict,
     }
 }

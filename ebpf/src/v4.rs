@@ -38,7 +38,7 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
     let src = PeerKeyV4 { addr: addr(ip, 12) };
     // SAFETY: the value is copied out at once; no reference outlives the lookup.
     let Some(peer) = (unsafe { PEERS_V4.get(&src) }).copied() else {
-        return Err(Drop::new(Counter::DropUnknownSource, None));
+        return Err(Drop::unknown(Counter::DropUnknownSource));
     };
     in_window(&peer)?;
     if peer.policy == UNRESTRICTED {
@@ -67,6 +67,7 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
             addr: addr(ip, 16),
         },
     );
+    let audited = peer.audit();
     let verdict = match decide(POLICY_V4.get(&key), &peer, protocol, ports.map(|p| p.1)) {
         Err(Drop {
             why: Counter::DropPolicy,
@@ -74,7 +75,7 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
         }) if first => reply(ctx, l4, ip, protocol, ports, &peer),
         verdict => verdict,
     };
-    audit(verdict, &peer)
+    audit(verdict, audited)
 }
 
 /// A denied packet of a restricted peer: does it answer a flow the network started?

@@ -37,13 +37,13 @@ const fn is_extension_header(next: u8) -> bool {
 pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Result<Pass, Drop> {
     // The second half of the header: the rest of the source and the destination.
     let tail: [u8; TAIL_LEN] =
-        load(ctx, l3 + HEAD_LEN).ok_or(Drop::new(Counter::DropMalformed, None))?;
+        load(ctx, l3 + HEAD_LEN).ok_or(Drop::unknown(Counter::DropMalformed))?;
     let mut src = PeerKeyV6::default();
     src.addr[..12].copy_from_slice(&head[8..20]);
     src.addr[12..].copy_from_slice(&tail[..4]);
     // SAFETY: the value is copied out at once; no reference outlives the lookup.
     let Some(peer) = (unsafe { PEERS_V6.get(&src) }).copied() else {
-        return Err(Drop::new(Counter::DropUnknownSource, None));
+        return Err(Drop::unknown(Counter::DropUnknownSource));
     };
     in_window(&peer)?;
     if peer.policy == UNRESTRICTED {
@@ -101,6 +101,7 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
     // A later fragment's next header is the sender's word (it need not be the first
     // fragment's): such a fragment matches only entries for every protocol.
     let protocol = if first_fragment { next } else { PROTO_UNKNOWN };
+    let audited = peer.audit();
     let verdict = match decide(POLICY_V6.get(&key), &peer, protocol, ports.map(|p| p.1)) {
         Err(Drop {
             why: Counter::DropPolicy,
@@ -108,7 +109,7 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
         }) if first_fragment => reply(ctx, offset, &src, &dst.addr, next, ports, &peer),
         verdict => verdict,
     };
-    audit(verdict, &peer)
+    audit(verdict, audited)
 }
 
 /// A denied packet of a restricted peer: does it answer a flow the network started?
