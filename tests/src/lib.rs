@@ -4,6 +4,8 @@
 
 pub mod agent;
 pub mod bench;
+pub mod container;
+pub mod demo;
 pub mod net;
 pub mod packet;
 pub mod probe;
