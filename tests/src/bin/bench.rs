@@ -386,7 +386,8 @@ impl MapsOnly {
                 .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
             self.actual.apply(op);
         }
-        self.applied = Some(desired);
+        // Freed off the apply path, as the agent does.
+        wgfence::reconcile::drop_later(self.applied.replace(desired));
         Outcome {
             ops: plan.ops.len(),
             map_writes: self.dataplane.maps().writes() - writes,
