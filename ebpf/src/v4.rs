@@ -10,8 +10,8 @@ use wgfence_common::{
 use crate::{
     audit, config, decide,
     flow::{self, Answer, ICMP_ERROR_LEN, ICMP_V4},
-    has_ports, in_window, load, ports, unrestricted, Drop, Pass, FLOWS_V4, HEAD_LEN, PEERS_V4,
-    POLICY_V4,
+    has_ports, in_window, load, ports, unrestricted, Drop, Pass, Ports, FLOWS_V4, HEAD_LEN,
+    PEERS_V4, POLICY_V4,
 };
 
 const MIN_HEADER_LEN: usize = HEAD_LEN;
@@ -55,9 +55,9 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
     // A non-first fragment carries no transport header: its port is unknown.
     let first = first_fragment(ip);
     let ports = if first && has_ports(protocol) {
-        Some(ports(ctx, l4, peer.slot)?)
+        ports(ctx, l4, peer.slot)?
     } else {
-        None
+        Ports::NONE
     };
 
     let key = Key::new(
@@ -68,7 +68,7 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
         },
     );
     let audited = peer.audit();
-    let verdict = match decide(POLICY_V4.get(&key), &peer, protocol, ports.map(|p| p.1)) {
+    let verdict = match decide(POLICY_V4.get(&key), &peer, protocol, ports.dst()) {
         Err(Drop {
             why: Counter::DropPolicy,
             ..
@@ -85,7 +85,7 @@ fn reply(
     l4: usize,
     ip: &[u8; HEAD_LEN],
     protocol: u8,
-    ports: Option<(u16, u16)>,
+    ports: Ports,
     peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
     let denied = Err(Drop::peer(Counter::DropPolicy, peer.slot));

@@ -12,8 +12,8 @@ use wgfence_common::{
 use crate::{
     audit, config, decide,
     flow::{self, Answer, ICMP_ERROR_LEN, ICMP_V6},
-    has_ports, in_window, load, ports, unrestricted, Drop, Pass, FLOWS_V6, HEAD_LEN, PEERS_V6,
-    POLICY_V6,
+    has_ports, in_window, load, ports, unrestricted, Drop, Pass, Ports, FLOWS_V6, HEAD_LEN,
+    PEERS_V6, POLICY_V6,
 };
 
 const HEADER_LEN: usize = 40;
@@ -87,9 +87,9 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
         return Err(Drop::peer(Counter::DropHeaderChain, slot));
     }
     let ports = if first_fragment && has_ports(next) {
-        Some(ports(ctx, offset, slot)?)
+        ports(ctx, offset, slot)?
     } else {
-        None
+        Ports::NONE
     };
 
     let mut dst = PolicyKeyV6 {
@@ -102,7 +102,7 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
     // fragment's): such a fragment matches only entries for every protocol.
     let protocol = if first_fragment { next } else { PROTO_UNKNOWN };
     let audited = peer.audit();
-    let verdict = match decide(POLICY_V6.get(&key), &peer, protocol, ports.map(|p| p.1)) {
+    let verdict = match decide(POLICY_V6.get(&key), &peer, protocol, ports.dst()) {
         Err(Drop {
             why: Counter::DropPolicy,
             ..
@@ -120,7 +120,7 @@ fn reply(
     src: &PeerKeyV6,
     dst: &[u8; 16],
     protocol: u8,
-    ports: Option<(u16, u16)>,
+    ports: Ports,
     peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
     let denied = Err(Drop::peer(Counter::DropPolicy, peer.slot));
