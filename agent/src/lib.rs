@@ -9,6 +9,7 @@
 
 pub mod daemon;
 pub mod dataplane;
+pub mod explain;
 pub mod metrics;
 pub mod monitor;
 pub mod plan;

@@ -71,7 +71,7 @@ impl Rule {
     }
 
     /// The datapath entries this rule allows, before folding and merging.
-    fn allows(&self) -> Vec<Allow> {
+    pub fn allows(&self) -> Vec<Allow> {
         let all = |protocol| vec![Allow::new(protocol, 0, u16::MAX)];
         let ranges = |protocol| {
             if self.ports.is_empty() {
@@ -218,6 +218,30 @@ pub fn compile(rules: &[Rule]) -> Result<CompiledPolicy, PolicyError> {
         });
     }
     Ok(CompiledPolicy { entries: folded })
+}
+
+/// Provenance of a compiled allow entry: the indexes (into `rules`) of the rules it came from
+/// for a destination `dst` that the trie entry holding `allow` covers. Every rule whose prefix
+/// contains `dst` was folded into that entry (a more specific prefix that adds nothing is left
+/// out only because its allows equal the entry's), and the merge only ever unites a rule's
+/// (protocol, port range) entries into the one merged range that covers them, or subsumes
+/// everything under `any`: so the sources are the rules containing `dst` with an entry of the
+/// same protocol inside `allow`'s range. Empty when no rule produces `allow` (an entry the
+/// state does not compile to).
+pub fn sources(rules: &[Rule], dst: std::net::IpAddr, allow: &Allow) -> Vec<usize> {
+    rules
+        .iter()
+        .enumerate()
+        .filter(|(_, rule)| rule.cidr.contains(&dst))
+        .filter(|(_, rule)| {
+            rule.allows().iter().any(|a| {
+                a.protocol == allow.protocol
+                    && allow.port_lo <= a.port_lo
+                    && a.port_hi <= allow.port_hi
+            })
+        })
+        .map(|(i, _)| i)
+        .collect()
 }
 
 /// Canonical form of a set of allows: `any` alone if present, else per protocol the union of
