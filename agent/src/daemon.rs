@@ -410,6 +410,8 @@ impl Core {
 
     fn resync(&mut self) -> Next {
         let _pause = self.reconciler.pause_flow_work();
+        // The drift is measured against the state applied last (the read forgets it).
+        let applied = self.reconciler.applied().cloned();
         if let Err(e) = self.reconciler.refresh() {
             if !matches!(e, ReconcileError::Closed) {
                 tracing::error!(error = %crate::error_chain(&e), "resync: reading the kernel failed; will retry");
@@ -417,6 +419,17 @@ impl Core {
                 return Next::Retry;
             }
             return Next::Idle;
+        }
+        if let Some(applied) = applied {
+            let drift = crate::verify::drift_of(&applied, self.reconciler.actual());
+            if !drift.is_empty() {
+                tracing::warn!(
+                    entries = drift.len(),
+                    first = %drift[0],
+                    "resync: the kernel differs from the applied state; repairing"
+                );
+            }
+            self.metrics.drift_entries.set(drift.len() as i64);
         }
         self.load(true)
     }

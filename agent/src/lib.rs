@@ -21,6 +21,7 @@ pub mod state;
 pub mod status;
 pub mod sweeper;
 pub mod trust;
+pub mod verify;
 pub mod wg;
 
 /// An error and its sources, `outer: inner: innermost`, for logs and the command line. The

@@ -197,6 +197,19 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Compare every pinned map entry and the WireGuard peers' allowed IPs with what the state
+    /// file compiles to; exit 1 naming each entry that differs (drift: a change behind the
+    /// agent's back, which its next resync repairs).
+    Verify {
+        #[command(flatten)]
+        target: Target,
+        /// State file to compare with (default: the running agent's).
+        #[arg(long, short)]
+        state: Option<PathBuf>,
+        /// Machine-readable output: a JSON array of {entry, what}.
+        #[arg(long)]
+        json: bool,
+    },
     /// Remove the program, link and pinned maps of an interface. Peers lose their policy:
     /// traffic is no longer filtered. Works while an agent runs: the agent lets go of its links
     /// within a second, and detach returns once they are gone (the programs are off the
@@ -389,6 +402,11 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             };
             explain_command(&target, &request, state.as_deref(), json)
         }
+        Command::Verify {
+            target,
+            state,
+            json,
+        } => verify_command(&target, state.as_deref(), json),
         Command::Detach {
             target: Target { interface, bpffs },
             timeout,
@@ -731,6 +749,57 @@ fn explain_command(
     Ok(ExitCode::SUCCESS)
 }
 
+fn verify_command(target: &Target, state: Option<&Path>, json: bool) -> Result<ExitCode> {
+    let Some(path) = state_path(&target.interface, state) else {
+        bail!(
+            "no state file: pass --state (no agent runs on {} here)",
+            target.interface
+        );
+    };
+    let desired = match state::parse(&read_state(&path)?) {
+        Ok(desired) => desired,
+        Err(e) => bail!("{}: {e}", path.display()),
+    };
+    let pinned = Dataplane::open_maps(&target.bpffs, &target.interface)
+        .with_context(|| format!("opening the pinned maps of {}", target.interface))?;
+    let maps = read_maps(&pinned)?;
+    let wg = WireGuard::open(&target.interface)?.read()?;
+    let actual = Actual::new(maps, wg);
+    let drift = wgfence::verify::drift_of(&desired, &actual);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&drift)?);
+    } else if drift.is_empty() {
+        println!(
+            "no drift: {} peer entries, {} trie entries and {} WireGuard peers are what {} \
+             compiles to",
+            actual.maps().peers.len(),
+            actual
+                .maps()
+                .policies
+                .values()
+                .map(|p| p.len())
+                .sum::<usize>(),
+            actual.wg().peers.len(),
+            path.display()
+        );
+    } else {
+        println!(
+            "DRIFT: {} entr{} differ from {}:",
+            drift.len(),
+            if drift.len() == 1 { "y" } else { "ies" },
+            path.display()
+        );
+        for d in &drift {
+            println!("  {d}");
+        }
+    }
+    Ok(if drift.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
 /// How often `monitor` re-reads the state file for peer names.
 const NAMES_REFRESH: Duration = Duration::from_secs(2);
 
@@ -818,7 +887,8 @@ mod tests {
                 | Command::Status { target, .. }
                 | Command::Monitor { target, .. }
                 | Command::Detach { target, .. }
-                | Command::Explain { target, .. } => target,
+                | Command::Explain { target, .. }
+                | Command::Verify { target, .. } => target,
                 Command::Check { .. } => unreachable!(),
             };
             assert_eq!(

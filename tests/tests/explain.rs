@@ -1,6 +1,7 @@
 //! `wgfence explain` against real traffic: on a gateway with a running agent, what `explain`
 //! says of a packet is what happens to the real one (`nc`-like TCP/UDP probes and `ping` from
-//! the peers' namespaces), for IPv4, IPv6, non-first fragments and an unknown source.
+//! the peers' namespaces), for IPv4, IPv6, non-first fragments and an unknown source. And
+//! `wgfence verify` with drift made behind the agent's back.
 
 use serde_json::{json, Value};
 use wgfence_tests::{
@@ -236,4 +237,119 @@ fn explain_names_the_rules_an_entry_came_from() {
     assert_eq!(denied["verdict"], "DROP");
     assert_eq!(denied["reason"], "policy_denied");
     assert_eq!(denied["live"]["reply"]["outcome"], "no_flow", "{denied:#}");
+}
+
+/// `wgfence verify` in the node's namespace: (exit code, stdout).
+fn verify(gw: &Gateway, agent: &Agent) -> (i32, String) {
+    let state = agent.state.to_string_lossy().into_owned();
+    let out = gw
+        .node
+        .command(binary())
+        .args(["verify", "--interface", gw.interface(), "--state", &state])
+        .output()
+        .unwrap_or_else(|e| panic!("running verify: {e}"));
+    (
+        out.status.code().unwrap_or(-1),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+fn hex(bytes: &[u8]) -> Vec<String> {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Drift made behind the agent's back: an allow entry written with `bpftool map update` is
+/// named by `verify` (exit 1), and `explain` says the packet it lets through passes and that
+/// this differs from the state file. The agent's next resync counts it in
+/// `wgfence_drift_entries` and repairs it: then both are clean.
+#[test]
+fn verify_and_explain_see_drift_until_the_resync_repairs_it() {
+    let gw = Gateway::new(1);
+    let rules = json!([{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] }]);
+    let text = state(vec![gw.peer_json(0, Some(rules))]);
+    let agent = Agent::start(&gw, Layout::Plain, &text, &["--resync", "8"]);
+    agent.wait_ready(&gw);
+    let (code, out) = verify(&gw, &agent);
+    assert_eq!(code, 0, "verify on a clean agent: {out}");
+    let ssh = ["--peer", "peer0", "--to", "10.2.3.4", "--port", "22"];
+    let before = explain(&gw, &agent, &ssh);
+    assert_eq!(before["verdict"], "DROP", "{before:#}");
+    let policy = before["live"]["peer"]["policy"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no policy id in {before:#}")) as u32;
+
+    // The drift: policy `policy` gains 10.2.3.4/32 -> tcp 22 (an LPM key is the prefix
+    // length, then the policy id and the address; the value a count and 32 allow entries).
+    let mut key = (32u32 + 32).to_le_bytes().to_vec();
+    key.extend(policy.to_le_bytes());
+    key.extend([10, 2, 3, 4]);
+    let mut value = 1u32.to_le_bytes().to_vec();
+    value.extend([6, 0]);
+    value.extend(22u16.to_le_bytes());
+    value.extend(22u16.to_le_bytes());
+    value.resize(4 + 6 * wgfence_common::MAX_ALLOWS, 0);
+    let trie = wgfence::dataplane::pin_dir(&gw.bpffs, gw.interface())
+        .join(wgfence_common::map_names::POLICY_V4);
+    let mut args = vec![
+        "bpftool".to_owned(),
+        "map".to_owned(),
+        "update".to_owned(),
+        "pinned".to_owned(),
+        trie.to_string_lossy().into_owned(),
+        "key".to_owned(),
+        "hex".to_owned(),
+    ];
+    args.extend(hex(&key));
+    args.extend(["value".to_owned(), "hex".to_owned()]);
+    args.extend(hex(&value));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    wgfence_tests::net::run(&args);
+
+    let (code, out) = verify(&gw, &agent);
+    assert_eq!(code, 1, "verify after the drift: {out}");
+    assert!(
+        out.contains(&format!("policy {policy} trie entry 10.2.3.4/32"))
+            && out.contains("[tcp 22] is not in the state file"),
+        "verify does not name the entry: {out}"
+    );
+    let drifted = explain(&gw, &agent, &ssh);
+    assert_eq!(drifted["verdict"], "PASS", "{drifted:#}");
+    assert_eq!(drifted["state_agrees"], false, "{drifted:#}");
+    assert_eq!(drifted["matched"]["rules"], json!([]), "{drifted:#}");
+    let text_out = gw
+        .node
+        .command(binary())
+        .args(["explain", "--interface", gw.interface()])
+        .args(["--state", &agent.state.to_string_lossy()])
+        .args(ssh)
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let text_out = String::from_utf8_lossy(&text_out.stdout).into_owned();
+    assert!(
+        text_out.starts_with("PASS (policy) — differs from the state file"),
+        "{text_out}"
+    );
+
+    // The resync (every 8 s) sees one entry of drift and repairs it.
+    let repaired = wgfence_tests::net::wait_for(std::time::Duration::from_secs(20), || {
+        agent.metric(&gw, "wgfence_drift_entries") == 1.0
+    });
+    assert!(
+        repaired.is_some(),
+        "the gauge never showed the drift; log:\n{}",
+        agent.log_text()
+    );
+    let (code, out) = verify(&gw, &agent);
+    assert_eq!(code, 0, "verify after the resync: {out}");
+    let after = explain(&gw, &agent, &ssh);
+    assert_eq!(after["verdict"], "DROP", "{after:#}");
+    assert_eq!(after["state_agrees"], true, "{after:#}");
+    eprintln!(
+        "drift: verify said\n{}\nexplain said\n{text_out}\nafter the resync: verify clean, gauge 1",
+        out
+    );
 }
