@@ -205,9 +205,16 @@ impl Core {
             return Next::Idle;
         }
         let capacity = self.reconciler.wireguard().max_peers();
+        // Failing policy tests are named in /readyz, not only in the log.
+        let mut failed_tests = Vec::new();
         let parsed = std::str::from_utf8(&bytes)
             .map_err(|e| format!("state file is not UTF-8: {e}"))
-            .and_then(|text| state::parse(text).map_err(|e| e.to_string()))
+            .and_then(|text| {
+                state::parse(text).map_err(|e| {
+                    failed_tests = state::assertions::failed(&e);
+                    e.to_string()
+                })
+            })
             .and_then(|desired| match capacity {
                 // Refused here, whole, rather than halfway through the WireGuard update.
                 Some(max) if desired.peers.len() > max => Err(format!(
@@ -226,7 +233,14 @@ impl Core {
                     "{errors}\nthe last good state stays applied"
                 );
                 self.metrics.state_rejected.inc();
-                self.not_ready("state file rejected by validation (see the agent's log)");
+                if failed_tests.is_empty() {
+                    self.not_ready("state file rejected by validation (see the agent's log)");
+                } else {
+                    self.not_ready(&format!(
+                        "state file rejected: policy test failed: {}",
+                        failed_tests.join("; ")
+                    ));
+                }
                 self.rejected = Some(bytes);
                 self.applied = None;
                 return Next::Idle;

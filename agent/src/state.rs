@@ -20,6 +20,7 @@ use std::{
 use ipnet::IpNet;
 use serde_json::{Map, Value};
 
+pub use crate::explain::assertions::{self, PolicyTest};
 use crate::policy::{compile, CompiledPolicy, PolicyError, PortRange, Protocol, Rule};
 
 /// The schema version this agent reads.
@@ -93,6 +94,9 @@ pub struct DesiredState {
     /// Let replies to flows the network starts toward a peer pass that peer's egress policy
     /// (`"replies"`, default true): the stateless allow-list's ESTABLISHED,RELATED.
     pub replies: bool,
+    /// Policy tests (`"tests"`): packets the peers' compiled policies must pass or drop. A
+    /// state is only valid when they hold ([`parse`] runs them).
+    pub tests: Vec<PolicyTest>,
 }
 
 impl Default for DesiredState {
@@ -100,6 +104,7 @@ impl Default for DesiredState {
         Self {
             peers: Vec::new(),
             replies: true,
+            tests: Vec::new(),
         }
     }
 }
@@ -125,8 +130,11 @@ impl DesiredState {
     /// the same text.
     pub fn to_canonical_json(&self) -> String {
         let peers: Vec<Value> = self.peers.iter().map(PeerSpec::to_json).collect();
-        serde_json::json!({ "version": SCHEMA_VERSION, "replies": self.replies, "peers": peers })
-            .to_string()
+        let mut state = serde_json::json!({ "version": SCHEMA_VERSION, "replies": self.replies, "peers": peers });
+        if !self.tests.is_empty() {
+            state["tests"] = self.tests.iter().map(assertions::to_json).collect();
+        }
+        state.to_string()
     }
 }
 
@@ -243,6 +251,21 @@ impl fmt::Display for StateError {
 /// pass does not accept, it hands to [`parse_value_tree`], which walks the file as a value tree
 /// and names every error; so the result is always exactly what that walk decides.
 pub fn parse(text: &str) -> Result<DesiredState, StateError> {
+    let state = parse_unchecked(text)?;
+    if state.tests.is_empty() {
+        return Ok(state);
+    }
+    let errors = assertions::failures(&state, text);
+    if errors.is_empty() {
+        Ok(state)
+    } else {
+        Err(StateError { errors })
+    }
+}
+
+/// [`parse`] without running the state's policy tests (`wgfence explain` reads a state whose
+/// tests fail, to say why).
+pub fn parse_unchecked(text: &str) -> Result<DesiredState, StateError> {
     match fast::parse(text) {
         Some(state) => Ok(state),
         None => parse_value_tree(text),

@@ -4,6 +4,7 @@
 
 pub mod agent;
 pub mod bench;
+pub mod demo;
 pub mod net;
 pub mod packet;
 pub mod probe;

@@ -353,3 +353,140 @@ fn verify_and_explain_see_drift_until_the_resync_repairs_it() {
         out
     );
 }
+
+/// Every state with `egress` rules, minus one rule at a time: each must be rejected, by a
+/// policy test (not by anything else).
+fn every_removed_rule_fails_a_test(name: &str, text: &str) -> usize {
+    let intact = wgfence::state::parse(text);
+    assert!(intact.is_ok(), "{name} itself: {intact:?}");
+    let root: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let peers = root["peers"].as_array().cloned().unwrap_or_default();
+    let mut removed = 0;
+    for (i, peer) in peers.iter().enumerate() {
+        let rules = peer["egress"].as_array().cloned().unwrap_or_default();
+        for (j, rule) in rules.iter().enumerate() {
+            let mut mutant = root.clone();
+            if let Some(egress) = mutant["peers"][i]["egress"].as_array_mut() {
+                egress.remove(j);
+            }
+            let what = format!("{name} without peers[{i}].egress[{j}] {rule}");
+            match wgfence::state::parse(&mutant.to_string()) {
+                Ok(_) => panic!("{what}: every test still passes"),
+                Err(e) => assert!(
+                    !wgfence::state::assertions::failed(&e).is_empty(),
+                    "{what}: rejected, but not by a test: {e}"
+                ),
+            }
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// The shipped states' tests pin down every rule: the demo's (both of its versions of
+/// alice's rules) and the example overlay's.
+#[test]
+fn the_shipped_states_tests_catch_every_removed_rule() {
+    let key = |i: usize| {
+        let mut k = [0u8; 32];
+        k[0] = i as u8 + 1;
+        wgfence::state::WgKey(k).to_base64()
+    };
+    let peer = |i: usize, egress: Option<Value>| {
+        let mut p = json!({ "name": format!("peer{i}"), "publicKey": key(i),
+            "address": format!("10.8.0.{}", i + 2), "addressV6": format!("fd00:8::{}", i + 2) });
+        if let Some(egress) = egress {
+            p["egress"] = egress;
+        }
+        p
+    };
+    let demo = wgfence_tests::demo::state(peer, wgfence_tests::demo::alice_rules(), true);
+    let mut n = every_removed_rule_fails_a_test("the demo's state", &demo);
+    let example = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/overlays/example/state.json"),
+    )
+    .unwrap_or_else(|e| panic!("the example state: {e}"));
+    n += every_removed_rule_fails_a_test("deploy/overlays/example/state.json", &example);
+    eprintln!("{n} single-rule deletions, each caught by a policy test");
+}
+
+/// A state whose policy test fails, swapped in through `..data` (a Kubernetes volume update)
+/// while a peer probes: it would open tcp/22, but its own test says tcp/22 must be dropped, so
+/// it is rejected whole. No probe result changes; `/readyz` answers 503 naming the assertion
+/// and `wgfence_state_rejected_total` counts it.
+#[test]
+fn a_state_whose_test_fails_is_rejected_live() {
+    use std::{
+        sync::atomic::{AtomicBool, Ordering},
+        thread,
+        time::Duration,
+    };
+
+    let gw = Gateway::new(1);
+    let peer = |rules: Value, tests: Value| {
+        let mut state: Value = serde_json::from_str(&state(vec![gw.peer_json(0, Some(rules))]))
+            .unwrap_or_else(|e| panic!("{e}"));
+        state["tests"] = tests;
+        state.to_string()
+    };
+    let good = peer(
+        json!([{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] }]),
+        json!([{ "peer": "peer0", "accept": ["10.1.2.3:443/tcp"], "deny": ["10.1.2.3:22/tcp"] }]),
+    );
+    let agent = Agent::start(&gw, Layout::Kubernetes, &good, &[]);
+    agent.wait_ready(&gw);
+    assert_eq!(agent.metric(&gw, "wgfence_state_rejected_total"), 0.0);
+
+    let stop = AtomicBool::new(false);
+    let cases = [
+        (Kind::Tcp(443), Reach::Reached),
+        (Kind::Tcp(22), Reach::Blocked),
+    ];
+    let ns = &gw.peers[0].ns;
+    let (rounds, wrong) = thread::scope(|s| {
+        let prober = s.spawn(|| {
+            let mut rounds = 0;
+            let mut wrong = Vec::new();
+            while !stop.load(Ordering::Relaxed) || rounds < 3 {
+                for (kind, want) in cases {
+                    let got = probe(
+                        ns,
+                        kind,
+                        "10.1.2.3".parse().unwrap_or_else(|e| panic!("{e}")),
+                    );
+                    if got != want {
+                        wrong.push(format!("round {rounds}: {kind} {got:?}"));
+                    }
+                }
+                rounds += 1;
+            }
+            (rounds, wrong)
+        });
+        thread::sleep(Duration::from_millis(500));
+        // Opens tcp/22, which the state's own test denies.
+        let bad = peer(
+            json!([{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [22, 443] }]),
+            json!([{ "peer": "peer0", "accept": ["10.1.2.3:443/tcp"], "deny": ["10.1.2.3:22/tcp"] }]),
+        );
+        agent.write_state(&bad);
+        agent.wait_rejected(&gw, "10.1.2.3:22/tcp passes, expected dropped");
+        agent.wait_readyz(&gw, 503);
+        thread::sleep(Duration::from_secs(2));
+        stop.store(true, Ordering::Relaxed);
+        prober
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e))
+    });
+    let (status, body) = agent.get(&gw, "/readyz").unwrap_or_default();
+    assert_eq!(status, 503);
+    assert!(
+        body.contains("policy test failed")
+            && body.contains("tests[0] (peer \"peer0\") deny[0]")
+            && body.contains("10.1.2.3:22/tcp passes, expected dropped"),
+        "/readyz does not name the assertion: {body}"
+    );
+    assert_eq!(agent.metric(&gw, "wgfence_state_rejected_total"), 1.0);
+    assert!(wrong.is_empty(), "probe results changed: {wrong:?}");
+    eprintln!("{rounds} probe rounds, none changed; /readyz: {status} {body}");
+}

@@ -8,6 +8,7 @@
 //! [`kernel`]) and the policy tests of a state file; the differential test checks it against
 //! the loaded program on the whole generated corpus.
 
+pub mod assertions;
 pub mod kernel;
 pub mod report;
 pub mod source;

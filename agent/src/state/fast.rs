@@ -114,6 +114,9 @@ struct RawState<'a> {
     replies: Option<bool>,
     #[serde(borrow)]
     peers: Vec<Obj<RawPeer<'a>>>,
+    /// Policy tests: parsed by the walk's own parser (they are few).
+    #[serde(borrow, default, deserialize_with = "present")]
+    tests: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -176,10 +179,18 @@ pub(super) fn parse(text: &str) -> Option<DesiredState> {
     if v4_entries.max(v6_entries) > MAX_POLICY_ENTRIES as usize {
         return None;
     }
+    let tests = match raw.tests {
+        Some(text) => {
+            let value = serde_json::from_str(text.get()).ok()?;
+            crate::explain::assertions::parse_tests(&value).ok()?
+        }
+        None => Vec::new(),
+    };
     peers.sort_by(|a, b| a.name.cmp(&b.name));
     Some(DesiredState {
         peers,
         replies: raw.replies.unwrap_or(true),
+        tests,
     })
 }
 

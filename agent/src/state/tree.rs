@@ -16,6 +16,7 @@ use super::{
     unique_keys, usable_tunnel_addr, valid_name, Compiled, DesiredState, FieldError, PeerSpec,
     StateError, WgKey, MAX_NAME_LEN, MAX_RULES_PER_PEER, SCHEMA_VERSION,
 };
+use crate::explain::assertions;
 use crate::policy::{PortRange, Protocol, Rule};
 
 pub(super) const PEER_FIELDS: [&str; 8] = [
@@ -85,7 +86,7 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
         location: String::new(),
     };
     for key in root.keys() {
-        if !matches!(key.as_str(), "version" | "peers" | "replies") {
+        if !matches!(key.as_str(), "version" | "peers" | "replies" | "tests") {
             top.add(key.as_str(), "unknown field");
         }
     }
@@ -109,6 +110,15 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
             top.add("replies", "must be true or false");
             true
         }
+    };
+    let tests = match root.get("tests") {
+        None => Vec::new(),
+        Some(raw) => assertions::parse_tests(raw).unwrap_or_else(|errors| {
+            for (field, message) in errors {
+                top.add(field, message);
+            }
+            Vec::new()
+        }),
     };
     let raw_peers = match root.get("peers") {
         Some(Value::Array(peers)) => peers.as_slice(),
@@ -220,7 +230,11 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
         return Err(StateError { errors });
     }
     peers.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(DesiredState { peers, replies })
+    Ok(DesiredState {
+        peers,
+        replies,
+        tests,
+    })
 }
 
 fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Option<PeerSpec> {

@@ -77,22 +77,7 @@ fn policy_entries(path: &str) {
 }
 
 fn state(gw: &Gateway, alice: Value, with_carol: bool) -> String {
-    let mut peers = vec![gw.peer_json(0, Some(alice)), gw.peer_json(1, None)];
-    if with_carol {
-        peers.push(gw.peer_json(
-            2,
-            Some(json!([
-                { "cidr": "10.1.0.0/16", "protocol": "udp", "ports": [53] },
-                { "cidr": "fd00:1::/32", "protocol": "tcp", "ports": [22] },
-            ])),
-        ));
-    }
-    // Names that read better than peer0..2.
-    let mut text = json!({ "version": 1, "peers": peers }).to_string();
-    for (from, to) in [("peer0", "alice"), ("peer1", "bob"), ("peer2", "carol")] {
-        text = text.replace(&format!("\"{from}\""), &format!("\"{to}\""));
-    }
-    text
+    wgfence_tests::demo::state(|i, egress| gw.peer_json(i, egress), alice, with_carol)
 }
 
 fn table(gw: &Gateway, cases: &[(&str, usize, Kind, &str, Reach)]) {
@@ -152,10 +137,7 @@ fn main() {
         gw.node.name(),
         gw.interface()
     );
-    let alice_rules = json!([
-        { "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443, "8000-8100"] },
-        { "cidr": "192.0.2.0/24", "protocol": "icmp" },
-    ]);
+    let alice_rules = wgfence_tests::demo::alice_rules();
     let s1 = state(&gw, alice_rules.clone(), true);
     let agent = Agent::start(&gw, Layout::Kubernetes, &s1, &[]);
     agent.wait_ready(&gw);
