@@ -191,7 +191,16 @@ fn rule_to_json(rule: &Rule) -> Value {
                 }
             })
             .collect();
-        value["ports"] = ports.into();
+        let field = if rule.protocol == Protocol::Icmp {
+            "types"
+        } else {
+            "ports"
+        };
+        value[field] = ports.into();
+    }
+    if !rule.except.is_empty() {
+        let except: Vec<Value> = rule.except.iter().map(|e| e.to_string().into()).collect();
+        value["except"] = except.into();
     }
     value
 }
@@ -674,12 +683,93 @@ mod tests {
                 json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "port": [443] }),
                 "egress[0].port: unknown field",
             ),
+            // ICMP types only on icmp rules; no rule without a protocol takes ports or types.
+            (
+                json!({ "cidr": "10.0.0.0/8", "types": [8] }),
+                "types are only allowed with icmp",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "types": [8] }),
+                "types are only allowed with icmp",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "icmp", "types": [256] }),
+                "256 is not an ICMP type",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "icmp", "types": ["echo"] }),
+                "is not an ICMP type",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "icmp", "types": [] }),
+                "empty: leave types out",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "except": ["10.0.0.0/8"] }),
+                "is not a prefix strictly inside",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "except": ["192.168.0.0/16"] }),
+                "is not a prefix strictly inside",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "except": ["10.1.0.1/16"] }),
+                "has host bits set",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "except": ["fd00::/16"] }),
+                "is not a prefix strictly inside",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "except": [] }),
+                "empty: leave except out",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "except": ["nope"] }),
+                "is not a CIDR prefix",
+            ),
         ];
         for (rule, wanted) in cases {
             let mut p = peer("a", 2);
             p["egress"] = json!([rule]);
             assert_error(&state(vec![p]), wanted);
         }
+    }
+
+    #[test]
+    fn except_and_types_parse_and_round_trip() {
+        let mut p = peer("a", 2);
+        p["egress"] = json!([
+            { "cidr": "0.0.0.0/0", "except": ["10.96.0.0/12", "169.254.169.254/32"],
+              "protocol": "tcp", "ports": [443] },
+            { "cidr": "0.0.0.0/0", "protocol": "icmp", "types": ["echo-request", "3-4"] },
+            { "cidr": "::/0", "protocol": "icmp", "types": ["echo-request"] },
+        ]);
+        let text = state(vec![p]);
+        let parsed = parse(&text).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(parse_value_tree(&text), Ok(parsed.clone()));
+        let rules = parsed.peers[0].rules.clone().unwrap_or_default();
+        let icmp4 = rules
+            .iter()
+            .find(|r| {
+                r.protocol == Protocol::Icmp
+                    && r.cidr.prefix_len() == 0
+                    && matches!(r.cidr, IpNet::V4(_))
+            })
+            .map(|r| r.ports.clone());
+        assert_eq!(
+            icmp4,
+            Some(vec![PortRange::new(3, 4), PortRange::single(8)])
+        );
+        let icmp6 = rules
+            .iter()
+            .find(|r| matches!(r.cidr, IpNet::V6(_)))
+            .map(|r| r.ports.clone());
+        assert_eq!(icmp6, Some(vec![PortRange::single(128)]));
+        assert_eq!(
+            parse(&parsed.to_canonical_json()).unwrap_or_else(|e| panic!("{e}")),
+            parsed
+        );
     }
 
     #[test]

@@ -65,7 +65,14 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
             addr: addr(ip, 16),
         },
     );
-    match decide(POLICY_V4.get(&key), peer.slot, protocol, ports.map(|p| p.1)) {
+    // ICMP is matched by its type where TCP/UDP are by their destination port (first fragment
+    // only; an unread type matches only entries for every type).
+    let port = match ports {
+        Some((_, dst)) => Some(dst),
+        None if first && protocol == PROTO_ICMP => crate::icmp_type(ctx, l4),
+        None => None,
+    };
+    match decide(POLICY_V4.get(&key), peer.slot, protocol, port) {
         Err(Drop {
             why: Counter::DropPolicy,
             ..

@@ -99,7 +99,14 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
     // A later fragment's next header is the sender's word (it need not be the first
     // fragment's): such a fragment matches only entries for every protocol.
     let protocol = if first_fragment { next } else { PROTO_UNKNOWN };
-    match decide(POLICY_V6.get(&key), slot, protocol, ports.map(|p| p.1)) {
+    // ICMPv6 is matched by its type where TCP/UDP are by their destination port (first
+    // fragment only; an unread type matches only entries for every type).
+    let port = match ports {
+        Some((_, dst)) => Some(dst),
+        None if first_fragment && next == PROTO_ICMPV6 => crate::icmp_type(ctx, offset),
+        None => None,
+    };
+    match decide(POLICY_V6.get(&key), slot, protocol, port) {
         Err(Drop {
             why: Counter::DropPolicy,
             ..

@@ -15,10 +15,12 @@
 //! - the source address selects the peer; none: drop (unknown source); unrestricted (no
 //!   `egress`): pass; `"egress": []`: restricted, and no rule matches anything;
 //! - a restricted peer's packet passes if any of its rules matches the destination (prefix
-//!   contains it), the protocol (`icmp` is ICMP for IPv4 rules, ICMPv6 for IPv6 rules) and the
-//!   destination port;
-//! - the destination port is known only for TCP and UDP in a first (or only) fragment; a packet
-//!   whose port is unknown matches only rules without `ports`;
+//!   contains it and none of its `except` prefixes does), the protocol (`icmp` is ICMP for
+//!   IPv4 rules, ICMPv6 for IPv6 rules) and the destination port (for ICMP: the type, against
+//!   the rule's `types`);
+//! - the destination port is known only for TCP and UDP in a first (or only) fragment, the
+//!   ICMP type only for ICMP (ICMPv6) in a first fragment whose type and code are there; a
+//!   packet whose port (type) is unknown matches only rules without `ports` (`types`);
 //! - IPv4 options are skipped by IHL; an IHL below 5 is malformed;
 //! - IPv6 extension headers are walked, at most `MAX_IPV6_EXT_HEADERS` of them; a longer chain
 //!   is dropped (header_chain); a non-first fragment has no port, and no protocol either (its
@@ -88,6 +90,8 @@ struct Model<'a> {
     disagreements: RefCell<Vec<String>>,
     /// The last packet the model parsed whole, as `explain` describes one.
     probe: Cell<Option<Probe>>,
+    /// Packets a rule's `types` or `except` decided on: the generator must reach both.
+    language: Cell<(usize, usize)>,
 }
 
 impl<'a> Model<'a> {
@@ -104,19 +108,33 @@ impl<'a> Model<'a> {
             compiled,
             disagreements: RefCell::new(Vec::new()),
             probe: Cell::new(None),
+            language: Cell::new((0, 0)),
         }
     }
 
     /// A restricted peer's verdict on a well-formed packet: the evaluator on the compiled
     /// entries, which must agree with the rules themselves.
-    fn decide(&self, probe: Probe, rules: &[Rule]) -> Counter {
+    fn decide(&self, probe: Probe, rules: &[Rule], port: Option<u16>) -> Counter {
         let seen = probe.seen();
+        let (mut typed, mut holes) = self.language.get();
+        let icmp = probe.protocol == if probe.dst.is_ipv4() { ICMP } else { ICMPV6 };
+        for rule in rules.iter().filter(|r| r.cidr.contains(&probe.dst)) {
+            typed += usize::from(icmp && rule.protocol == Protocol::Icmp && !rule.ports.is_empty());
+            holes += usize::from(rule.except.iter().any(|e| e.contains(&probe.dst)));
+        }
+        self.language.set((typed, holes));
         let by_rules = allowed(
             rules,
             probe.dst,
             (seen.protocol != PROTO_UNKNOWN).then_some(seen.protocol),
-            seen.port,
+            port,
         );
+        if seen.port != port {
+            self.disagreements.borrow_mut().push(format!(
+                "{probe:?}: the model reads port/type {port:?}, explain's packet {:?}",
+                seen.port
+            ));
+        }
         let by_entries = self.evaluate(probe);
         if by_rules != by_entries {
             self.disagreements.borrow_mut().push(format!(
@@ -124,6 +142,12 @@ impl<'a> Model<'a> {
             ));
         }
         by_entries
+    }
+
+    /// A packet `explain` cannot describe (an ICMP header cut before its type): the rules'
+    /// verdict alone.
+    fn unprobed(&self, rules: &[Rule], dst: IpAddr, protocol: u8, port: Option<u16>) -> Counter {
+        allowed(rules, dst, Some(protocol), port)
     }
 
     /// The evaluator's verdict (no flow is recorded here) on a packet it can describe.
@@ -179,8 +203,14 @@ impl<'a> Model<'a> {
         };
         probe.later_fragment = !first;
         probe.dst_port = port.unwrap_or_default();
-        probe.icmp_type = icmp_type(ip, header_len);
-        self.decide(probe, rules)
+        // ICMP is matched by its type, if the header's first two bytes are there.
+        let port = match icmp_type(ip, header_len) {
+            Some(t) if first && protocol == ICMP => Some(u16::from(t)),
+            None if first && protocol == ICMP => return self.unprobed(rules, dst, protocol, None),
+            _ => port,
+        };
+        probe.icmp_type = icmp_type(ip, header_len).unwrap_or_default();
+        self.decide(probe, rules, port)
     }
 
     /// The rules' verdict on an unknown or unrestricted source, which the evaluator must give.
@@ -259,15 +289,22 @@ impl<'a> Model<'a> {
         probe.protocol = next;
         probe.later_fragment = !first;
         probe.dst_port = port.unwrap_or_default();
-        probe.icmp_type = icmp_type(ip, offset);
-        self.decide(probe, rules)
+        let port = match icmp_type(ip, offset) {
+            Some(t) if first && next == ICMPV6 => Some(u16::from(t)),
+            None if first && next == ICMPV6 => {
+                return self.unprobed(rules, dst, next, None);
+            }
+            _ => port,
+        };
+        probe.icmp_type = icmp_type(ip, offset).unwrap_or_default();
+        self.decide(probe, rules, port)
     }
 }
 
-/// The ICMP type byte at `offset`, if the packet has it (0 otherwise; only an ICMP packet's is
-/// read).
-fn icmp_type(ip: &[u8], offset: usize) -> u8 {
-    ip.get(offset).copied().unwrap_or_default()
+/// The ICMP type at `offset`, if the header's type and code are there (the datapath reads the
+/// two).
+fn icmp_type(ip: &[u8], offset: usize) -> Option<u8> {
+    ip.get(offset..offset.checked_add(2)?).map(|h| h[0])
 }
 
 fn is_extension_header(next: u8) -> bool {
@@ -306,12 +343,14 @@ fn matches(rule: &Rule, dst: IpAddr, protocol: Option<u8>, port: Option<u16>) ->
             IpNet::V6(_) => protocol == Some(ICMPV6),
         },
     };
+    // `ports` of a TCP/UDP rule, `types` of an ICMP rule; the packet's port is its ICMP type
+    // for ICMP (`None`: unknown, which only a rule without matches).
     let port_ok = match port {
         _ if rule.ports.is_empty() => true,
         Some(p) => rule.ports.iter().any(|r| r.lo <= p && p <= r.hi),
         None => false,
     };
-    rule.cidr.contains(&dst) && protocol_ok && port_ok
+    rule.covers(&dst) && protocol_ok && port_ok
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -382,11 +421,36 @@ fn gen_port(rng: &mut Rng) -> Value {
 fn gen_rule(rng: &mut Rng) -> Value {
     let v6 = chance(rng, 40);
     let cidr = gen_cidr(rng, v6);
-    let protocol = pick(rng, &["any", "tcp", "tcp", "udp", "udp", "icmp"]);
+    let protocol = pick(rng, &["any", "tcp", "tcp", "udp", "udp", "icmp", "icmp"]);
     let mut rule = json!({ "cidr": cidr, "protocol": protocol });
     if matches!(protocol, "tcp" | "udp") && chance(rng, 70) {
         let ports: Vec<Value> = (0..1 + rng.below(3)).map(|_| gen_port(rng)).collect();
         rule["ports"] = Value::Array(ports);
+    }
+    if protocol == "icmp" && chance(rng, 60) {
+        let types: Vec<Value> = (0..1 + rng.below(2))
+            .map(|_| match rng.below(4) {
+                0 => json!(pick(rng, &["echo-request", "echo-reply", "time-exceeded"])),
+                1 => json!(pick(rng, &["0-8", "1-4", "128-129", "3-255"])),
+                _ => json!(pick(rng, &[0, 1, 3, 8, 11, 128, 129, 255])),
+            })
+            .collect();
+        rule["types"] = Value::Array(types);
+    }
+    if chance(rng, 25) {
+        // Holes inside the cidr, from the same small space (those outside it are drawn again).
+        let holes: Vec<String> = (0..1 + rng.below(3))
+            .map(|_| gen_cidr(rng, v6))
+            .filter(|hole| {
+                let (Ok(outer), Ok(inner)) = (cidr.parse::<IpNet>(), hole.parse::<IpNet>()) else {
+                    return false;
+                };
+                outer.contains(&inner) && inner.prefix_len() > outer.prefix_len()
+            })
+            .collect();
+        if !holes.is_empty() {
+            rule["except"] = json!(holes);
+        }
     }
     rule
 }
@@ -496,6 +560,19 @@ impl Boundaries {
                 for r in &rule.ports {
                     b.ports
                         .extend([r.lo.wrapping_sub(1), r.lo, r.hi, r.hi.wrapping_add(1)]);
+                }
+                // The edges of the holes, too.
+                for hole in &rule.except {
+                    match hole {
+                        IpNet::V4(n) => {
+                            let (lo, hi) = (u32::from(n.network()), u32::from(n.broadcast()));
+                            b.v4.extend([lo, hi, lo.wrapping_sub(1), hi.wrapping_add(1)]);
+                        }
+                        IpNet::V6(n) => {
+                            let (lo, hi) = (u128::from(n.network()), u128::from(n.broadcast()));
+                            b.v6.extend([lo, hi, lo.wrapping_sub(1), hi.wrapping_add(1)]);
+                        }
+                    }
                 }
             }
         }
@@ -728,14 +805,20 @@ fn differential(variant: Variant, seed: u64, rounds: u64, packets: usize) {
     let mut mismatches = Vec::new();
     let mut by_counter: HashMap<Counter, usize> = HashMap::new();
     let mut explained = 0usize;
+    let mut language = (0usize, 0usize);
     for round in 0..rounds {
         let mut rng = Rng::new(seed.wrapping_add(round.wrapping_mul(0x9e37_79b9_7f4a_7c15)));
         let state = gen_state(&mut rng);
         // Production: the program with its maps pinned, as an agent leaves them; `explain`'s
         // kernel probe runs against those pins.
         let pins = PinDir::new();
-        let mut program = TestProgram::load_pinned(variant, &pins.0)
-            .unwrap_or_else(|e| panic!("loading the datapath ({}): {e}", variant.name));
+        let mut program = TestProgram::load_pinned(variant, &pins.0).unwrap_or_else(|e| {
+            panic!(
+                "loading the datapath ({}): {}",
+                variant.name,
+                wgfence::error_chain(&e)
+            )
+        });
         install(&mut program, &state);
         let mut explain = KernelProbe::from_pin_dir(&pins.0, variant)
             .unwrap_or_else(|e| panic!("loading explain's probe ({}): {e}", variant.name));
@@ -785,6 +868,9 @@ fn differential(variant: Variant, seed: u64, rounds: u64, packets: usize) {
         for d in model.disagreements.borrow().iter().take(10) {
             mismatches.push(format!("round {round}: {d}"));
         }
+        let (typed, holes) = model.language.get();
+        language.0 += typed;
+        language.1 += holes;
         let after = counters(&program);
         for c in Counter::ALL {
             let want = expected.get(&c).copied().unwrap_or(0);
@@ -820,10 +906,19 @@ fn differential(variant: Variant, seed: u64, rounds: u64, packets: usize) {
     }
     eprintln!(
         "differential ({} variant): seed {seed}, {} packets in {:.1}s, 0 mismatches (of which \
-         {explained} also through explain, 0 mismatches), by expected verdict: {by_counter:?}",
+         {explained} also through explain, 0 mismatches; ICMP packets under a rule with types: \
+         {}, packets in a rule's except: {}), by expected verdict: {by_counter:?}",
         variant.name,
         rounds as usize * packets,
-        start.elapsed().as_secs_f64()
+        start.elapsed().as_secs_f64(),
+        language.0,
+        language.1
+    );
+    assert!(
+        language.0 > 0 && language.1 > 0,
+        "the generator reached no ICMP types ({}) or except holes ({}) (seed {seed})",
+        language.0,
+        language.1
     );
     // The generator must reach every verdict, or the comparison proves little. No flow is
     // recorded here (the egress program does not run), so no reply passes; ARP is not sent.

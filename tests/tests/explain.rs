@@ -490,3 +490,76 @@ fn a_state_whose_test_fails_is_rejected_live() {
     assert!(wrong.is_empty(), "probe results changed: {wrong:?}");
     eprintln!("{rounds} probe rounds, none changed; /readyz: {status} {body}");
 }
+
+/// `except` and ICMP `types` with real traffic: tcp/443 anywhere but 10.2.0.0/16, and only
+/// echo requests (ping) of ICMP. What the network starts toward the peer is unaffected: its
+/// echo replies (type 0) and its port unreachable errors (type 3) pass as replies. `explain`
+/// agrees with each probe and names the entry.
+#[test]
+fn except_and_icmp_types_with_real_traffic() {
+    let gw = Gateway::new(1);
+    let rules = json!([
+        { "cidr": "0.0.0.0/0", "except": ["10.2.0.0/16"], "protocol": "tcp", "ports": [443] },
+        { "cidr": "0.0.0.0/0", "protocol": "icmp", "types": ["echo-request"] },
+        { "cidr": "::/0", "protocol": "icmp", "types": ["echo-request"] },
+    ]);
+    let text = state(vec![gw.peer_json(0, Some(rules))]);
+    let agent = Agent::start(&gw, Layout::Plain, &text, &[]);
+    agent.wait_ready(&gw);
+    let ns = &gw.peers[0].ns;
+    let ip = |s: &str| -> std::net::IpAddr { s.parse().unwrap_or_else(|e| panic!("{e}")) };
+    let cases: [(Kind, &str, Reach); 5] = [
+        (Kind::Tcp(443), "10.1.2.3", Reach::Reached),
+        (Kind::Tcp(443), "10.2.3.4", Reach::Blocked),
+        (Kind::Tcp(443), "192.0.2.1", Reach::Reached),
+        (Kind::Ping, "192.0.2.1", Reach::Reached),
+        (Kind::Ping, "fd00:1::1", Reach::Reached),
+    ];
+    for (kind, dst, expect) in cases {
+        let real = probe(ns, kind, ip(dst));
+        let mut args = vec!["--peer", "peer0", "--to", dst];
+        match kind {
+            Kind::Tcp(_) => args.extend(["--port", "443"]),
+            _ => args.extend(["--proto", "icmp"]),
+        }
+        let report = explain(&gw, &agent, &args);
+        assert_eq!(real, expect, "{kind} -> {dst}");
+        assert_eq!(
+            passes(&report),
+            real == Reach::Reached,
+            "{kind} -> {dst}: {report:#}"
+        );
+    }
+    // Another ICMP type from the peer: dropped (explain; ping sends only echo requests).
+    let other = explain(
+        &gw,
+        &agent,
+        &[
+            "--peer",
+            "peer0",
+            "--to",
+            "192.0.2.1",
+            "--proto",
+            "icmp",
+            "--icmp-type",
+            "13",
+        ],
+    );
+    assert_eq!(other["verdict"], "DROP", "{other:#}");
+    assert_eq!(other["allows"][0]["allow"], "icmp type 8", "{other:#}");
+    // The network's ping to the peer and its UDP to a closed port of the peer: the peer's
+    // echo reply and port unreachable pass as replies (both denied by its rules alone).
+    let peer = gw.peers[0].v4.to_string();
+    assert_eq!(
+        probe(&gw.node, Kind::Ping, ip(&peer)),
+        Reach::Reached,
+        "ping to the peer"
+    );
+    assert_eq!(
+        probe(&gw.node, Kind::Udp(9), ip(&peer)),
+        Reach::Reached,
+        "the peer's port unreachable"
+    );
+    let replies = agent.metric(&gw, "wgfence_passed_packets_total{reason=\"reply\"}");
+    assert!(replies >= 2.0, "{replies} packets passed as replies");
+}

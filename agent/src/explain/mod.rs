@@ -104,6 +104,11 @@ impl Probe {
             };
         }
         let ports = self.protocol == PROTO_TCP || self.protocol == PROTO_UDP;
+        // The datapath matches an ICMP packet's type where it matches a port.
+        let icmp = match self.dst {
+            IpAddr::V4(_) => self.protocol == PROTO_ICMP,
+            IpAddr::V6(_) => self.protocol == PROTO_ICMPV6,
+        };
         let echo_reply = (self.protocol == PROTO_ICMP && self.icmp_type == ICMP_ECHO_REPLY)
             || (self.protocol == PROTO_ICMPV6 && self.icmp_type == ICMPV6_ECHO_REPLY);
         let answer = if ports {
@@ -117,7 +122,13 @@ impl Probe {
             src: self.src,
             dst: self.dst,
             protocol: self.protocol,
-            port: ports.then_some(self.dst_port),
+            port: if ports {
+                Some(self.dst_port)
+            } else if icmp {
+                Some(u16::from(self.icmp_type))
+            } else {
+                None
+            },
             answer: answer.map(|(peer_port, remote_port)| ReplyKey {
                 peer: self.src,
                 remote: self.dst,
@@ -247,7 +258,8 @@ pub struct Seen {
     pub dst: IpAddr,
     /// [`PROTO_UNKNOWN`] for a later IPv6 fragment.
     pub protocol: u8,
-    /// The destination port; `None` when unknown (not TCP/UDP, or a later fragment).
+    /// The destination port (TCP/UDP) or the ICMP type; `None` when unknown (another
+    /// protocol, or a later fragment).
     pub port: Option<u16>,
     /// The flow this packet answers if the policy denies it (a first fragment of TCP, UDP or
     /// an ICMP echo reply); `None`: no reply check can pass it.

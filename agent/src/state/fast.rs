@@ -151,6 +151,10 @@ struct RawRule<'a> {
     protocol: Option<Str<'a>>,
     #[serde(borrow, default, deserialize_with = "present")]
     ports: Option<Vec<Port<'a>>>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    types: Option<Vec<Port<'a>>>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    except: Option<Vec<Str<'a>>>,
 }
 
 /// The state, if `text` is a valid state file; `None` if anything is wrong or unusual.
@@ -303,5 +307,26 @@ fn rule(raw: &RawRule<'_>) -> Option<Rule> {
         ports.sort_unstable();
         ports.dedup();
     }
-    Some(Rule::new(cidr, protocol, ports))
+    if let Some(list) = &raw.types {
+        if list.is_empty() || protocol != Protocol::Icmp {
+            return None;
+        }
+        let v6 = matches!(cidr, IpNet::V6(_));
+        for ty in list {
+            ports.push(match ty {
+                Port::Number(v) => crate::policy::icmp_types(None, Some(*v), v6).ok()?,
+                Port::Text(s) => crate::policy::icmp_types(Some(&s.0), None, v6).ok()?,
+            });
+        }
+        ports.sort_unstable();
+        ports.dedup();
+    }
+    let mut except = Vec::new();
+    if let Some(list) = &raw.except {
+        for net in list {
+            except.push(net.0.parse::<IpNet>().ok()?);
+        }
+        crate::policy::check_except(cidr, &except).ok()?;
+    }
+    Some(Rule::new(cidr, protocol, ports).with_except(except))
 }
