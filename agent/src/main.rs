@@ -782,8 +782,8 @@ fn verify_command(target: &Target, state: Option<&Path>, json: bool) -> Result<E
         println!("{}", serde_json::to_string_pretty(&drift)?);
     } else if drift.is_empty() {
         println!(
-            "no drift: {} peer entries, {} trie entries and {} WireGuard peers are what {} \
-             compiles to",
+            "no drift: the {} peer entries, {} trie entries and {} WireGuard peers are what \
+             {} compiles to",
             actual.maps().peers.len(),
             actual
                 .maps()
@@ -796,9 +796,13 @@ fn verify_command(target: &Target, state: Option<&Path>, json: bool) -> Result<E
         );
     } else {
         println!(
-            "DRIFT: {} entr{} differ from {}:",
+            "DRIFT: {} {} from {}:",
             drift.len(),
-            if drift.len() == 1 { "y" } else { "ies" },
+            if drift.len() == 1 {
+                "entry differs"
+            } else {
+                "entries differ"
+            },
             path.display()
         );
         for d in &drift {

@@ -7,19 +7,37 @@ use arbitrary::Arbitrary;
 use serde_json::{json, Value};
 use wgfence::{
     plan::{invariants, plan, plan_update, Actual, PlanError},
-    state::{parse, parse_value_tree, DesiredState, WgKey},
+    state::{parse, parse_unchecked, parse_value_tree, DesiredState, WgKey},
 };
 
 /// `text` as a state file: the typed pass and the value-tree walk decide alike; a valid state
 /// writes back to canonical JSON that parses to the same state and the same text, and plans
 /// from an empty kernel to exactly itself.
 pub fn check_state(text: &str) -> Result<(), String> {
-    let parsed = parse(text);
+    // The two passes validate; the policy tests run after either (`parse`).
+    let parsed = parse_unchecked(text);
     let walked = parse_value_tree(text);
     if parsed != walked {
         return Err(format!(
             "the typed pass and the value-tree walk disagree:\n typed: {parsed:?}\n walk: {walked:?}"
         ));
+    }
+    let checked = parse(text);
+    match (&parsed, &checked) {
+        (Ok(state), Ok(again)) if state == again => {}
+        (Ok(state), Err(e)) if !state.tests.is_empty() && !e.errors.is_empty() => {
+            // Rejected by its own tests: every error is a test's.
+            if let Some(other) = e.errors.iter().find(|e| !e.location.starts_with("tests[")) {
+                return Err(format!("a policy test failure that names no test: {other}"));
+            }
+            return Ok(());
+        }
+        (Err(_), Err(_)) => {}
+        _ => {
+            return Err(format!(
+                "the policy tests changed more than the verdict:\n unchecked: {parsed:?}\n checked: {checked:?}"
+            ))
+        }
     }
     let state = match parsed {
         Ok(state) => state,

@@ -271,11 +271,27 @@ fn verify_and_explain_see_drift_until_the_resync_repairs_it() {
     let gw = Gateway::new(1);
     let rules = json!([{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] }]);
     let text = state(vec![gw.peer_json(0, Some(rules))]);
-    let agent = Agent::start(&gw, Layout::Plain, &text, &["--resync", "8"]);
+    let agent = Agent::start(&gw, Layout::Plain, &text, &["--resync", "60"]);
     agent.wait_ready(&gw);
     let (code, out) = verify(&gw, &agent);
     assert_eq!(code, 0, "verify on a clean agent: {out}");
     let ssh = ["--peer", "peer0", "--to", "10.2.3.4", "--port", "22"];
+    let explain_text = |args: &[&str]| {
+        let out = gw
+            .node
+            .command(binary())
+            .args(["explain", "--interface", gw.interface()])
+            .args(["--state", &agent.state.to_string_lossy()])
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("{e}"));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    eprintln!(
+        "$ wgfence explain {}\n{}",
+        ssh.join(" "),
+        explain_text(&ssh)
+    );
     let before = explain(&gw, &agent, &ssh);
     assert_eq!(before["verdict"], "DROP", "{before:#}");
     let policy = before["live"]["peer"]["policy"]
@@ -310,6 +326,7 @@ fn verify_and_explain_see_drift_until_the_resync_repairs_it() {
     wgfence_tests::net::run(&args);
 
     let (code, out) = verify(&gw, &agent);
+    eprintln!("$ wgfence verify (exit {code})\n{out}");
     assert_eq!(code, 1, "verify after the drift: {out}");
     assert!(
         out.contains(&format!("policy {policy} trie entry 10.2.3.4/32"))
@@ -320,22 +337,15 @@ fn verify_and_explain_see_drift_until_the_resync_repairs_it() {
     assert_eq!(drifted["verdict"], "PASS", "{drifted:#}");
     assert_eq!(drifted["state_agrees"], false, "{drifted:#}");
     assert_eq!(drifted["matched"]["rules"], json!([]), "{drifted:#}");
-    let text_out = gw
-        .node
-        .command(binary())
-        .args(["explain", "--interface", gw.interface()])
-        .args(["--state", &agent.state.to_string_lossy()])
-        .args(ssh)
-        .output()
-        .unwrap_or_else(|e| panic!("{e}"));
-    let text_out = String::from_utf8_lossy(&text_out.stdout).into_owned();
+    let text_out = explain_text(&ssh);
     assert!(
         text_out.starts_with("PASS (policy) — differs from the state file"),
         "{text_out}"
     );
 
-    // The resync (every 8 s) sees one entry of drift and repairs it.
-    let repaired = wgfence_tests::net::wait_for(std::time::Duration::from_secs(20), || {
+    // The resync (every 60 s: the checks above must see the drift first, on a busy machine)
+    // sees one entry of drift and repairs it.
+    let repaired = wgfence_tests::net::wait_for(std::time::Duration::from_secs(90), || {
         agent.metric(&gw, "wgfence_drift_entries") == 1.0
     });
     assert!(
@@ -349,8 +359,10 @@ fn verify_and_explain_see_drift_until_the_resync_repairs_it() {
     assert_eq!(after["verdict"], "DROP", "{after:#}");
     assert_eq!(after["state_agrees"], true, "{after:#}");
     eprintln!(
-        "drift: verify said\n{}\nexplain said\n{text_out}\nafter the resync: verify clean, gauge 1",
-        out
+        "$ wgfence explain {}\n{text_out}\nafter the resync: wgfence_drift_entries 1\n$ wgfence verify\n{out}\n$ wgfence explain {}\n{}",
+        ssh.join(" "),
+        ssh.join(" "),
+        explain_text(&ssh)
     );
 }
 
