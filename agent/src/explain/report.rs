@@ -41,6 +41,8 @@ pub struct Report {
     /// The counter the kernel counted the packet in.
     pub reason: &'static str,
     pub packet: String,
+    /// The packet's source address.
+    pub from: IpAddr,
     /// The peer's name and place in the state file, if the state file has the source.
     pub peer: Option<String>,
     pub peer_place: Option<String>,
@@ -235,6 +237,7 @@ pub fn explain(
         verdict: verdict_word(verdict.counter),
         reason: verdict.counter.name(),
         packet: describe(probe),
+        from: probe.src,
         peer: peer.map(|(_, p)| p.name.clone()),
         peer_place: peer.and_then(|(f, p)| f.sources.peer(&p.name)),
         live: by_live,
@@ -304,10 +307,7 @@ impl Report {
                 let _ = writeln!(
                     s,
                     "  peer       none: no peer entry for {} (unknown source)",
-                    self.live.peer.map_or_else(
-                        || self.packet.split(' ').next().unwrap_or_default().to_owned(),
-                        |p| p.addr.to_string()
-                    )
+                    self.from
                 );
             }
         }
