@@ -163,33 +163,8 @@ enum Command {
     Explain {
         #[command(flatten)]
         target: Target,
-        /// The sending peer, by name (its address of the destination's family).
-        #[arg(long, required_unless_present = "from", conflicts_with = "from")]
-        peer: Option<String>,
-        /// The sending address (any: an unknown source is dropped).
-        #[arg(long)]
-        from: Option<IpAddr>,
-        /// The destination address.
-        #[arg(long)]
-        to: IpAddr,
-        /// tcp, udp, icmp (ICMPv6 toward an IPv6 destination) or an IP protocol number.
-        #[arg(long, default_value = "tcp")]
-        proto: String,
-        /// Destination port (tcp and udp; required for them).
-        #[arg(long)]
-        port: Option<u16>,
-        /// Source port (tcp and udp), e.g. to ask whether a reply on a flow passes.
-        #[arg(long, value_name = "PORT")]
-        from_port: Option<u16>,
-        /// ICMP type (default: echo request).
-        #[arg(long, value_name = "TYPE")]
-        icmp_type: Option<u8>,
-        /// ICMP echo identifier (to ask whether an echo reply answers a flow).
-        #[arg(long, value_name = "ID")]
-        icmp_id: Option<u16>,
-        /// A non-first fragment of the packet (no transport header).
-        #[arg(long)]
-        fragment: bool,
+        #[command(flatten)]
+        request: ExplainRequest,
         /// State file to compare with and name rules by (default: the running agent's).
         #[arg(long, short)]
         state: Option<PathBuf>,
@@ -377,31 +352,10 @@ fn dispatch(command: Command) -> Result<ExitCode> {
         ),
         Command::Explain {
             target,
-            peer,
-            from,
-            to,
-            proto,
-            port,
-            from_port,
-            icmp_type,
-            icmp_id,
-            fragment,
+            request,
             state,
             json,
-        } => {
-            let request = ExplainRequest {
-                peer,
-                from,
-                to,
-                proto,
-                port,
-                from_port,
-                icmp_type,
-                icmp_id,
-                fragment,
-            };
-            explain_command(&target, &request, state.as_deref(), json)
-        }
+        } => explain_command(&target, &request, state.as_deref(), json),
         Command::Verify {
             target,
             state,
@@ -637,16 +591,35 @@ fn print_status(r: &Report) {
     }
 }
 
-/// What `explain` is asked about.
+/// What `explain` is asked about: one packet.
+#[derive(Debug, clap::Args)]
 struct ExplainRequest {
+    /// The sending peer, by name (its address of the destination's family).
+    #[arg(long, required_unless_present = "from", conflicts_with = "from")]
     peer: Option<String>,
+    /// The sending address (any: an unknown source is dropped).
+    #[arg(long)]
     from: Option<IpAddr>,
+    /// The destination address.
+    #[arg(long)]
     to: IpAddr,
+    /// tcp, udp, icmp (ICMPv6 toward an IPv6 destination) or an IP protocol number.
+    #[arg(long, default_value = "tcp")]
     proto: String,
+    /// Destination port (tcp and udp; required for them).
+    #[arg(long)]
     port: Option<u16>,
+    /// Source port (tcp and udp), e.g. to ask whether a reply on a flow passes.
+    #[arg(long, value_name = "PORT")]
     from_port: Option<u16>,
+    /// ICMP type (default: echo request).
+    #[arg(long, value_name = "TYPE")]
     icmp_type: Option<u8>,
+    /// ICMP echo identifier (to ask whether an echo reply answers a flow).
+    #[arg(long, value_name = "ID")]
     icmp_id: Option<u16>,
+    /// A non-first fragment of the packet (no transport header).
+    #[arg(long)]
     fragment: bool,
 }
 

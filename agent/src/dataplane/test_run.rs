@@ -62,11 +62,25 @@ impl TestProgram {
     /// Loads `variant`; the L3 variant runs on raw IP packets (at least [`MIN_TEST_INPUT`]
     /// bytes: the kernel's minimum).
     pub fn load_variant(variant: Variant) -> Result<Self> {
-        let mut ebpf = EbpfLoader::new()
+        Self::load_with(
+            EbpfLoader::new(),
+            variant,
+            &[variant.ingress, variant.egress],
+        )
+    }
+
+    /// Loads the object with `loader` (datapath logging off), takes its maps and loads
+    /// `programs` of `variant`.
+    fn load_with(
+        mut loader: EbpfLoader<'_>,
+        variant: Variant,
+        programs: &[&'static str],
+    ) -> Result<Self> {
+        let mut ebpf = loader
             .override_global("AYA_LOG_LEVEL", &0u8, false)
             .load(OBJECT)?;
         let maps = Maps::from_ebpf(&mut ebpf)?;
-        for program in [variant.ingress, variant.egress] {
+        for program in programs {
             classifier(&mut ebpf, program)?
                 .load()
                 .map_err(program_err(program))?;
@@ -87,7 +101,6 @@ impl TestProgram {
             source,
         })?;
         let mut loader = EbpfLoader::new();
-        loader.override_global("AYA_LOG_LEVEL", &0u8, false);
         let paths: Vec<_> = map_names::ALL
             .iter()
             .map(|name| (*name, pin_dir.join(name)))
@@ -95,18 +108,7 @@ impl TestProgram {
         for (name, path) in &paths {
             loader.map_pin_path(name, path.as_path());
         }
-        let mut ebpf = loader.load(OBJECT)?;
-        let maps = Maps::from_ebpf(&mut ebpf)?;
-        for program in [variant.ingress, variant.egress] {
-            classifier(&mut ebpf, program)?
-                .load()
-                .map_err(program_err(program))?;
-        }
-        Ok(Self {
-            ebpf,
-            maps,
-            variant,
-        })
+        Self::load_with(loader, variant, &[variant.ingress, variant.egress])
     }
 
     /// Loads `variant`'s ingress program against the peer, policy and settings maps pinned in
@@ -117,7 +119,6 @@ impl TestProgram {
     /// created.
     pub fn against_pins(pin_dir: &std::path::Path, variant: Variant) -> Result<Self> {
         let mut loader = EbpfLoader::new();
-        loader.override_global("AYA_LOG_LEVEL", &0u8, false);
         let shared = [
             map_names::PEERS_V4,
             map_names::PEERS_V6,
@@ -135,16 +136,7 @@ impl TestProgram {
             }
             loader.map_pin_path(name, path.as_path());
         }
-        let mut ebpf = loader.load(OBJECT)?;
-        let maps = Maps::from_ebpf(&mut ebpf)?;
-        classifier(&mut ebpf, variant.ingress)?
-            .load()
-            .map_err(program_err(variant.ingress))?;
-        Ok(Self {
-            ebpf,
-            maps,
-            variant,
-        })
+        Self::load_with(loader, variant, &[variant.ingress])
     }
 
     pub fn variant(&self) -> Variant {
