@@ -496,7 +496,7 @@ fn reply<F: Flows>(view: &View<'_, F>, seen: &Seen, entry: &PeerEntry) -> Reply 
 /// them: the planner's own operations applied to an empty model of the kernel.
 pub fn compiled_maps(state: &DesiredState) -> Result<ActualMaps, PlanError> {
     let mut model = Actual::default();
-    for op in &plan(state, &model)?.ops {
+    for op in &plan(state, &model).map_err(|u| u.error)?.ops {
         model.apply(op);
     }
     Ok(model.maps().clone())
