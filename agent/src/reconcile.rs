@@ -452,7 +452,7 @@ impl Reconciler {
 /// Frees `value` on a thread of its own, so that what is proportional to the number of peers
 /// (the previous desired state) is not freed between a file change and the kernel write. If
 /// the thread cannot be started, it is freed here.
-fn drop_later<T: Send + 'static>(value: T) {
+pub fn drop_later<T: Send + 'static>(value: T) {
     type Garbage = Box<dyn Send>;
     static FREER: OnceLock<Option<mpsc::Sender<Garbage>>> = OnceLock::new();
     let freer = FREER.get_or_init(|| {
