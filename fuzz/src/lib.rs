@@ -6,13 +6,8 @@ use std::collections::BTreeSet;
 use arbitrary::Arbitrary;
 use serde_json::{json, Value};
 use wgfence::{
-<<<<<<< HEAD
-    plan::{invariants, plan, plan_update, Actual, PlanError},
-    state::{parse, parse_unchecked, parse_value_tree, DesiredState, WgKey},
-=======
     plan::{invariants, lead, plan, plan_update, Actual, Op, PlanError, Unplanned},
-    state::{parse, parse_value_tree, DesiredState, WgKey},
->>>>>>> main
+    state::{parse, parse_unchecked, parse_value_tree, DesiredState, WgKey},
 };
 
 /// `text` as a state file: the typed pass and the value-tree walk decide alike; a valid state
