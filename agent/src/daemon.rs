@@ -28,7 +28,7 @@ use crate::{
     dataplane::{AttachOptions, Check, Dataplane, DataplaneError, Repair},
     metrics::{self, Endpoints, Health, Metrics},
     reconcile::{ReconcileError, Reconciler},
-    source::{SourceError, StateSource},
+    source::{ReadError, SourceError, StateFile, StateSource},
     state::{self, DesiredState},
     status::{LastReconcile, StatusFile},
     sweeper::{Sweeper, FLOW_SWEEP},
@@ -102,7 +102,7 @@ pub fn run(options: RunOptions) -> Result<(), DaemonError> {
 /// blocking pool, so a large apply never stalls the metrics server or signal handling.
 struct Core {
     reconciler: Reconciler,
-    state_path: PathBuf,
+    state_file: StateFile,
     /// Bytes of the state file that are applied now; an identical read costs nothing.
     applied: Option<Vec<u8>>,
     /// Bytes of the last rejected state, so an unchanged bad file is not re-parsed per event.
@@ -114,7 +114,6 @@ struct Core {
     map_writes_seen: u64,
     flows_freed_seen: u64,
     wg_updates_seen: u64,
-    allow_insecure_state: bool,
     /// The last dataplane check found the interface gone, the pins detached or an error.
     dataplane_fault: bool,
 }
@@ -160,37 +159,23 @@ impl Core {
             tracing::debug!("datapath fault: the state is applied once the datapath is back");
             return Next::Idle;
         }
-        let read = if self.allow_insecure_state {
-            std::fs::read(&self.state_path)
-        } else {
-            match trust::read_trusted(&self.state_path) {
-                Ok(bytes) => Ok(bytes),
-                Err(trust::TrustError::Io { source, .. }) => Err(source),
-                // Replaced between the open and the check (a volume update in progress): not a
-                // verdict on the file, read it again.
-                Err(e @ trust::TrustError::Changed { .. }) => {
-                    tracing::warn!(error = %e, "reading the state file again");
-                    return Next::Retry;
-                }
-                Err(e) => {
-                    let why = format!("state file not trusted: {}", crate::error_chain(&e));
-                    tracing::error!("{why}; keeping what is enforced");
-                    self.not_ready(&why);
-                    self.applied = None;
-                    return Next::Idle;
-                }
-            }
-        };
-        let bytes = match read {
+        let bytes = match self.state_file.read() {
             Ok(bytes) => bytes,
+            Err(e @ ReadError::Replaced(_)) => {
+                tracing::warn!(error = %e, "reading the state file again");
+                return Next::Retry;
+            }
+            Err(e @ ReadError::Untrusted(_)) => {
+                let why = crate::error_chain(&e);
+                tracing::error!("{why}; keeping what is enforced");
+                self.not_ready(&why);
+                self.applied = None;
+                return Next::Idle;
+            }
             Err(e) => {
-                let why = if e.kind() == io::ErrorKind::NotFound {
-                    "state file missing".to_owned()
-                } else {
-                    format!("state file unreadable: {e}")
-                };
+                let why = e.to_string();
                 tracing::warn!(
-                    path = %self.state_path.display(),
+                    path = %self.state_file.path().display(),
                     "{why}; keeping what is enforced"
                 );
                 self.not_ready(&why);
@@ -222,7 +207,7 @@ impl Core {
             Ok(desired) => desired,
             Err(errors) => {
                 tracing::error!(
-                    path = %self.state_path.display(),
+                    path = %self.state_file.path().display(),
                     "{errors}\nthe last good state stays applied"
                 );
                 self.metrics.state_rejected.inc();
@@ -504,7 +489,7 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     let shutdown = shutdown_on_signal(Arc::clone(&closed))?;
     let mut core = Some(Core {
         reconciler,
-        state_path: options.state.clone(),
+        state_file: StateFile::new(&options.state, !options.allow_insecure_state),
         applied: None,
         rejected: None,
         metrics,
@@ -514,7 +499,6 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         map_writes_seen: 0,
         flows_freed_seen: 0,
         wg_updates_seen: 0,
-        allow_insecure_state: options.allow_insecure_state,
         dataplane_fault: false,
     });
 
