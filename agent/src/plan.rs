@@ -573,6 +573,9 @@ enum Scope<'a> {
     Full,
     /// The peers that differ from `previous`, a state the kernel is known to match.
     Since(&'a DesiredState),
+    /// The peers that changed since a state the kernel is known to match, as the state
+    /// pipeline found them: the new versions (sorted by name), and the old versions gone.
+    Changed(Vec<&'a PeerSpec>, Vec<&'a PeerSpec>),
 }
 
 /// Plans the operations that make the kernel match `desired`, comparing everything; pure.
@@ -589,6 +592,19 @@ pub fn plan_update(
     actual: &Actual,
 ) -> Result<Plan, PlanError> {
     plan_scope(desired, Scope::Since(previous), actual)
+}
+
+/// Plans the same operations as [`plan_update`], given the changes themselves instead of the
+/// previous state: `touched`, the desired peers that are new or changed (sorted by name), and
+/// `gone`, the previous versions of the peers that left or changed. Nothing else is looked at,
+/// so the cost follows the change, not the peer count (see [`crate::state::Pipeline`]).
+pub fn plan_changes(
+    desired: &DesiredState,
+    touched: Vec<&PeerSpec>,
+    gone: Vec<&PeerSpec>,
+    actual: &Actual,
+) -> Result<Plan, PlanError> {
+    plan_scope(desired, Scope::Changed(touched, gone), actual)
 }
 
 /// Whether two versions of a peer ask the same of the kernel (the compiled policy follows from
@@ -659,6 +675,7 @@ fn plan_scope(
     let (touched, gone): (Vec<&PeerSpec>, Vec<&PeerSpec>) = match scope {
         Scope::Full => (desired.peers.iter().collect(), Vec::new()),
         Scope::Since(previous) => diff(previous, desired),
+        Scope::Changed(touched, gone) => (touched, gone),
     };
     let maps = &actual.maps;
     let index = &actual.index;

@@ -30,10 +30,12 @@ use std::{
 
 use crate::{
     dataplane::{Dataplane, DataplaneError, Flow, Maps},
-    plan::{plan, plan_update, Actual, ActualMaps, Op, Plan, PlanError, WgPeerChange},
+    plan::{
+        plan, plan_changes, plan_update, Actual, ActualMaps, Op, Plan, PlanError, WgPeerChange,
+    },
     policy::CompiledPolicy,
     settings::{online_cpus, DatapathSettings},
-    state::{DesiredState, WgKey},
+    state::{Changes, DesiredState, WgKey},
     sweeper::{Pause, Sweeper},
     wg::{WgError, WireGuard},
 };
@@ -81,6 +83,8 @@ pub struct Reconciler {
     /// The state the kernel was last made to match: the next plan only looks at what differs
     /// from it. `None` after a failure or a resync: the next plan compares everything.
     applied: Option<DesiredState>,
+    /// The kernel matches the state the pipeline accepted last ([`Self::reconcile_changes`]).
+    tracking: bool,
     /// The cached view may differ from the kernel (after a failure): read before planning.
     stale: bool,
     /// Time spent in WireGuard updates by the current apply.
@@ -105,6 +109,7 @@ impl Reconciler {
             wg,
             actual: Actual::default(),
             applied: None,
+            tracking: false,
             stale: true,
             wg_time: Duration::ZERO,
             settings: DatapathSettings::default(),
@@ -172,6 +177,7 @@ impl Reconciler {
     pub fn refresh(&mut self) -> Result<(), ReconcileError> {
         self.check_open()?;
         self.applied = None;
+        self.tracking = false;
         self.actual = Actual::new(read_maps(self.dataplane.maps())?, self.wg.read()?);
         self.kernel_config = Some(self.dataplane.maps().config()?);
         self.stale = false;
@@ -241,18 +247,57 @@ impl Reconciler {
     pub fn reconcile(&mut self, desired: DesiredState) -> Result<Outcome, ReconcileError> {
         let start = Instant::now();
         let plan = self.plan(&desired)?;
+        self.tracking = false;
+        let result = self.execute(&plan, &desired, start);
+        self.applied = result.is_ok().then_some(desired);
+        result
+    }
+
+    /// Makes the kernel match `desired`, the state [`crate::state::Pipeline`] accepted, given
+    /// its `changes` since the state it accepted before: while the kernel is known to match
+    /// that one (the last call succeeded, no resync since), only the changed peers are
+    /// planned, so a push costs what changed. Otherwise everything is compared. Keeps no copy
+    /// of the state: the pipeline has it.
+    pub fn reconcile_changes(
+        &mut self,
+        desired: &DesiredState,
+        changes: &Changes,
+    ) -> Result<Outcome, ReconcileError> {
+        let start = Instant::now();
+        if self.stale {
+            self.refresh()?;
+        }
+        let plan = if self.tracking {
+            let gone = changes.gone.iter().collect();
+            plan_changes(desired, changes.touched_in(desired), gone, &self.actual)?
+        } else {
+            plan(desired, &self.actual)?
+        };
+        self.applied = None;
+        let result = self.execute(&plan, desired, start);
+        self.tracking = result.is_ok();
+        result
+    }
+
+    /// Applies `plan`, made for `desired` at `start`.
+    fn execute(
+        &mut self,
+        plan: &Plan,
+        desired: &DesiredState,
+        start: Instant,
+    ) -> Result<Outcome, ReconcileError> {
         let plan_duration = start.elapsed();
         self.wg_time = Duration::ZERO;
         let writes_before = self.dataplane.maps().writes();
         let wg_before = self.wg.peer_updates();
-        let moved = moved_addresses(&plan, &desired, &self.actual);
+        let moved = moved_addresses(plan, desired, &self.actual);
         let mut config_ops = 0;
         // The lead (revocations, moving addresses, room in a full map) before anything else:
         // the settings write and the flow work (replies off deletes every flow) can take long
         // or fail, and a revocation waits for neither.
         let lead = plan.lead();
         let applied = self.apply(lead).and_then(|()| {
-            config_ops = usize::from(self.apply_config(&desired)?);
+            config_ops = usize::from(self.apply_config(desired)?);
             // Before and after the rest: the entries of moved addresses are written there.
             self.forget_flows(&moved)?;
             self.apply(&plan.ops[lead.len()..])
@@ -277,9 +322,6 @@ impl Reconciler {
         };
         if result.is_err() {
             self.stale = true;
-            self.applied = None;
-        } else {
-            self.applied = Some(desired);
         }
         let outcome = Outcome {
             ops: plan.ops.len() + config_ops,

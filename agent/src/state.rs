@@ -4,10 +4,13 @@
 //! the whole state if there is any: nothing is ever half-applied. The result does not depend
 //! on the order of peers or of rules: peers are sorted by name and rules are a sorted set.
 
+pub mod edits;
 mod fast;
+mod pipeline;
 mod tree;
 mod unique_keys;
 
+pub use pipeline::{drop_elsewhere, Changes, Pipeline, Rejection};
 pub use tree::parse_value_tree;
 
 use std::{
