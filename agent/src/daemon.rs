@@ -41,6 +41,8 @@ const MAX_RETRY: Duration = Duration::from_secs(30);
 /// Peers added, changed and removed by one push beyond which the freed memory is handed back
 /// to the system after the apply.
 const LARGE_CHANGE: usize = 1024;
+/// Allocations from this size up are served by mmap, and unmapped when freed.
+const MMAP_THRESHOLD: libc::c_int = 256 * 1024;
 /// How often the attachment and the pins are checked (a name lookup and a few `stat`s).
 const DATAPLANE_CHECK: Duration = Duration::from_secs(1);
 
@@ -95,6 +97,12 @@ pub enum DaemonError {
 
 /// Runs the agent until SIGTERM or SIGINT.
 pub fn run(options: RunOptions) -> Result<(), DaemonError> {
+    // Every push reads the file into buffers as large as the file (its bytes, its peers'
+    // fields), freed right after. Served by mmap they go back to the system when freed; glibc
+    // would otherwise raise its mmap threshold after the first such free and keep them in the
+    // heap, resident. Fixed, at 256 KiB, the threshold no longer moves.
+    // SAFETY: mallopt only changes the allocator's tuning; called before any thread starts.
+    unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
