@@ -440,6 +440,15 @@ mod tests {
         ok(fs::rename(&tmp, link));
     }
 
+    /// A directory with a `state.json` of `{}`, watched.
+    fn watched(name: &str) -> (TempDir, PathBuf, StateSource) {
+        let dir = TempDir::new(name);
+        let path = dir.0.join("state.json");
+        ok(fs::write(&path, "{}"));
+        let source = ok(StateSource::watch(&path));
+        (dir, path, source)
+    }
+
     /// `change` is reported within a second.
     async fn reported(source: &mut StateSource, what: &str, change: impl FnOnce()) {
         // Let earlier events settle: a quiet period with nothing pending.
@@ -462,10 +471,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn an_unclosed_write_survives_a_cancelled_wait() {
         use std::io::Write as _;
-        let dir = TempDir::new("cancel");
-        let path = dir.0.join("state.json");
-        ok(fs::write(&path, "{}"));
-        let mut source = ok(StateSource::watch(&path));
+        let (_dir, path, mut source) = watched("cancel");
         let mut file = ok(fs::OpenOptions::new().append(true).open(&path));
         ok(file.write_all(b" "));
         // Cancelled after the event arrived, while waiting for the write to settle.
@@ -483,10 +489,7 @@ mod tests {
     /// (a quiet period before each read would never come).
     #[tokio::test(flavor = "current_thread")]
     async fn a_stream_of_changes_is_reported_without_a_quiet_period() {
-        let dir = TempDir::new("stream");
-        let path = dir.0.join("state.json");
-        ok(fs::write(&path, "{}"));
-        let mut source = ok(StateSource::watch(&path));
+        let (_dir, path, mut source) = watched("stream");
         let writer_path = path.clone();
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = Arc::clone(&stop);
@@ -517,10 +520,7 @@ mod tests {
     /// Changes made while nobody waits (the daemon applying the previous one) are one report.
     #[tokio::test(flavor = "current_thread")]
     async fn changes_during_an_apply_are_one_report() {
-        let dir = TempDir::new("coalesce");
-        let path = dir.0.join("state.json");
-        ok(fs::write(&path, "{}"));
-        let mut source = ok(StateSource::watch(&path));
+        let (_dir, path, mut source) = watched("coalesce");
         for n in 0..5 {
             replace(&path, &format!("{{\"n\":{n}}}"));
         }
@@ -566,10 +566,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn in_place_rename_and_kubernetes_swap_are_reported() {
-        let dir = TempDir::new("plain");
-        let path = dir.0.join("state.json");
-        ok(fs::write(&path, "{}"));
-        let mut source = ok(StateSource::watch(&path));
+        let (_dir, path, mut source) = watched("plain");
         reported(&mut source, "written in place", || {
             ok(fs::write(&path, "{\"a\":1}"))
         })

@@ -582,45 +582,19 @@ impl Pipeline {
     }
 }
 
-/// The changes from `previous` to `desired` by comparing both (both sorted by name).
+/// The changes from `previous` to `desired` by comparing both.
 pub(super) fn diff(previous: &DesiredState, desired: &DesiredState) -> Changes {
     let mut changes = Changes {
         replies: previous.replies != desired.replies,
         ..Changes::default()
     };
-    let (mut old, mut new) = (
-        previous.peers.iter().peekable(),
-        desired.peers.iter().peekable(),
-    );
-    loop {
-        match (old.peek(), new.peek()) {
-            (Some(o), Some(n)) => match o.name.cmp(&n.name) {
-                std::cmp::Ordering::Less => {
-                    changes.gone.push((*o).clone());
-                    old.next();
-                }
-                std::cmp::Ordering::Greater => {
-                    changes.touched.push(n.name.clone());
-                    new.next();
-                }
-                std::cmp::Ordering::Equal => {
-                    if o != n {
-                        changes.gone.push((*o).clone());
-                        changes.touched.push(n.name.clone());
-                    }
-                    old.next();
-                    new.next();
-                }
-            },
-            (Some(o), None) => {
-                changes.gone.push((*o).clone());
-                old.next();
+    for pair in super::by_name(previous, desired) {
+        match pair {
+            (Some(old), Some(new)) if old == new => {}
+            (old, new) => {
+                changes.gone.extend(old.cloned());
+                changes.touched.extend(new.map(|p| p.name.clone()));
             }
-            (None, Some(n)) => {
-                changes.touched.push(n.name.clone());
-                new.next();
-            }
-            (None, None) => break,
         }
     }
     changes
