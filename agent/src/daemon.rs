@@ -29,7 +29,7 @@ use crate::{
     metrics::{self, Endpoints, Health, Metrics},
     reconcile::{ReconcileError, Reconciler},
     source::{ReadError, SourceError, StateFile, StateSource},
-    state::{self, Changes, Pipeline, Rejection},
+    state::{Changes, Pipeline, Rejection},
     status::{LastReconcile, StatusFile},
     sweeper::{Sweeper, FLOW_SWEEP},
     trust::{self, TrustError},
@@ -230,7 +230,7 @@ impl Core {
         let large = changes.touched.len() + changes.gone.len() > LARGE_CHANGE;
         if large {
             // Freeing many peers and handing the memory back, off the path of the next push.
-            state::drop_elsewhere(changes);
+            crate::drop_later(changes);
             trim_heap();
         }
         next
@@ -264,7 +264,11 @@ impl Core {
                         "state applied"
                     );
                 } else {
-                    tracing::debug!(peers = summary.peers, "state unchanged");
+                    tracing::debug!(
+                        peers = summary.peers,
+                        plan_ms = outcome.plan_duration.as_secs_f64() * 1e3,
+                        "state unchanged"
+                    );
                 }
                 self.status.applied(LastReconcile::ok(&outcome), &summary);
                 Next::Idle
@@ -419,6 +423,7 @@ impl Core {
 }
 
 async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
+    tracing::debug!(interface = %options.interface, "starting");
     let metrics = Arc::new(Metrics::new(
         options.bpffs.clone(),
         options.interface.clone(),
@@ -458,13 +463,30 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         datapath_debug: options.datapath_debug,
         hook: options.hook,
     };
-    let mut dataplane = Dataplane::attach(&attach)?;
+    // Adoption: the WireGuard device is read while the datapath is loaded and attached (the
+    // verifier's time does not depend on the peers; the device's read does). The maps are read
+    // after the attach, which may translate them.
+    let interface = options.interface.clone();
+    let device = std::thread::Builder::new()
+        .name("wgfence-adopt".into())
+        .spawn(move || -> Result<_, WgError> {
+            let wg = WireGuard::open(&interface)?;
+            let device = wg.read()?;
+            Ok((wg, device))
+        })?;
+    let attached = Dataplane::attach(&attach);
+    let read = device
+        .join()
+        .map_err(|_| io::Error::other("the thread reading the WireGuard device panicked"))?;
+    // A datapath that cannot attach is the error to report, as before the read was parallel.
+    let mut dataplane = attached?;
+    let (wg, device) = read?;
     if options.datapath_debug {
         spawn_datapath_logger(&mut dataplane);
     }
-    let wg = WireGuard::open(&options.interface)?;
     let backend = wg.backend_name();
-    let reconciler = Reconciler::new(dataplane, wg)?.with_settings(options.settings);
+    let reconciler =
+        Reconciler::adopt(dataplane, wg, Some(device))?.with_settings(options.settings);
     // Attaching recounted every slot's quota from its flows and the reconciler collected the
     // dead ones (nothing else deletes any yet): from here on the sweeper, with map handles of
     // its own, is the one writer of the freed counts.

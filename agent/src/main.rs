@@ -14,9 +14,9 @@ use wgfence::{
     daemon::{self, RunOptions},
     dataplane::{pin_dir, Dataplane, HookMode, DEFAULT_BPFFS, DETACH_TIMEOUT},
     monitor::{Clock, EventView, Monitor},
-    plan::{plan, Actual, ActualMaps},
+    plan::{plan, plan_settings, Actual, ActualMaps},
     reconcile::read_maps,
-    settings::DatapathSettings,
+    settings::{online_cpus, DatapathSettings},
     state,
     status::{self, Report},
     wg::WireGuard,
@@ -123,6 +123,9 @@ enum Command {
         /// The state file to compare with what is enforced.
         #[arg(long, short)]
         state: PathBuf,
+        /// `run`'s datapath settings, to compare with the kernel's settings entry.
+        #[command(flatten)]
+        datapath: DatapathArgs,
     },
     /// Program, link, peers and counters of an interface.
     Status {
@@ -290,7 +293,16 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Check { state } => check(&state),
-        Command::Plan { target, state } => plan_command(&target.interface, &state, &target.bpffs),
+        Command::Plan {
+            target,
+            state,
+            datapath,
+        } => plan_command(
+            &target.interface,
+            &state,
+            &target.bpffs,
+            &datapath.settings(),
+        ),
         Command::Status {
             target: Target { interface, bpffs },
             json,
@@ -385,33 +397,38 @@ fn note_allowed_nothing(desired: &state::DesiredState) {
     );
 }
 
-fn plan_command(interface: &str, state_path: &Path, bpffs: &Path) -> Result<ExitCode> {
+/// Prints the plan `run` would apply now: the same planner, the same settings entry.
+fn plan_command(
+    interface: &str,
+    state_path: &Path,
+    bpffs: &Path,
+    settings: &DatapathSettings,
+) -> Result<ExitCode> {
     let desired = match state::parse(&read_state(state_path)?) {
         Ok(desired) => desired,
         Err(e) => bail!("{}: {e}", state_path.display()),
     };
     note_allowed_nothing(&desired);
-    // The kernel's reply switch, if anything is pinned (the timeouts and the event rate are
-    // `run`'s options, which this command does not know).
-    let (maps, replies) = if pin_dir(bpffs, interface).exists() {
+    let (maps, config) = if pin_dir(bpffs, interface).exists() {
         let pinned = Dataplane::open_maps(bpffs, interface)?;
-        (read_maps(&pinned)?, Some(pinned.config()?.replies()))
+        (read_maps(&pinned)?, Some(pinned.config()?))
     } else {
         println!("note: nothing is pinned for {interface}; planning against empty maps");
         (ActualMaps::default(), None)
     };
     let wg = WireGuard::open(interface)?.read()?;
-    let plan = plan(&desired, &Actual::new(maps, wg))?;
-    let on_off = |b: bool| if b { "on" } else { "off" };
-    let settings_writes = match replies {
-        Some(now) if now == desired.replies => 0,
-        now => {
-            println!(
-                "settings: replies {} -> {}",
-                now.map_or("unset", on_off),
-                on_off(desired.replies)
+    let want = settings.config(desired.replies, online_cpus());
+    let plan = match plan(&desired, &Actual::new(maps, wg)) {
+        Ok(plan) => plan.with_settings(plan_settings(&want, config.as_ref())),
+        Err(unplanned) => {
+            for op in &unplanned.lead.ops {
+                println!("{op}");
+            }
+            bail!(
+                "the state cannot be applied whole: {}; `run` applies only the {} operations above",
+                unplanned.error,
+                unplanned.lead.ops.len()
             );
-            1
         }
     };
     for op in &plan.ops {
@@ -419,7 +436,7 @@ fn plan_command(interface: &str, state_path: &Path, bpffs: &Path) -> Result<Exit
     }
     println!(
         "{} map writes, {} WireGuard peer changes",
-        plan.map_writes() + settings_writes,
+        plan.map_writes(),
         plan.wg_changes()
     );
     Ok(ExitCode::SUCCESS)

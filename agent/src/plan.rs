@@ -9,6 +9,8 @@
 //!    back, while a deletion only takes access away — and the entries of addresses that move to
 //!    another WireGuard peer (a takeover, a key rotation), so the old holder never runs with the
 //!    new holder's entry;
+//!    the reply flows recorded for these addresses are forgotten right after (the flow
+//!    sweeper deletes them, off the apply path);
 //! 2. remove the WireGuard peers that leave the state, also those whose addresses another peer
 //!    takes over (their entries went in step 1): a leaked key loses its session, and the
 //!    address's inbound traffic, even when every put fails;
@@ -26,19 +28,26 @@
 //!    to their new holder;
 //! 8. delete the trie entries of policies step 5's switches left unreferenced.
 //!
+//! The datapath's settings entry ([`plan_settings`]: the replies switch, the flow timeouts and
+//! quota) goes right after the lead ([`Plan::with_settings`]), with the forgetting of every flow
+//! when replies are switched off: `wgfence plan` shows what `wgfence run` does.
+//!
+//! A plan that cannot be made whole (no counter slot, policy id or owner left) still gives its
+//! lead, steps 1–3 ([`Unplanned`]): revocations never wait for room.
+//!
 //! Policies are content-addressed: a policy whose content the kernel already has under some id
 //! keeps that id, so an unchanged state — in any order — plans nothing. Changing a peer's
 //! rules writes a new policy, switches the peer in one update, then deletes the old entries:
 //! a packet sees the old policy or the new one, never a mix.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashMap},
     fmt,
     net::{IpAddr, SocketAddr},
 };
 
 use ipnet::IpNet;
-use wgfence_common::{Allow, PeerEntry, MAX_PEERS, UNRESTRICTED};
+use wgfence_common::{Allow, Config, PeerEntry, MAX_PEERS, UNRESTRICTED};
 
 use crate::{
     policy::{CompiledPolicy, NOTHING},
@@ -299,7 +308,10 @@ impl Actual {
                     .insert_entry(*prefix, allows.clone());
                 self.index_content(*policy);
             }
-            Op::ResetPeerCounters { .. } => {}
+            Op::ResetPeerCounters { .. }
+            | Op::PutSettings { .. }
+            | Op::ForgetFlows { .. }
+            | Op::ForgetAllFlows => {}
             Op::RaiseOwnerHigh { owner } => {
                 self.maps.owner_high = self.maps.owner_high.max(*owner);
                 self.index.owner_high = self.index.owner_high.max(*owner);
@@ -410,20 +422,49 @@ pub enum Op {
         policy: u32,
         prefix: IpNet,
     },
+    /// Writes the datapath's settings entry (the replies switch, the flow timeouts and quota,
+    /// the drop event rate); its owner high-water mark stays the kernel's. `replies_before`:
+    /// the kernel's switch, if it has an entry.
+    PutSettings {
+        config: Config,
+        replies_before: Option<bool>,
+    },
+    /// Deletes the reply flows recorded for these addresses (they left, or moved to another
+    /// WireGuard peer): done off the apply path by the flow sweeper.
+    ForgetFlows {
+        addrs: Vec<IpAddr>,
+    },
+    /// Deletes every reply flow (replies were switched off, so switching them on again starts
+    /// afresh): done off the apply path by the flow sweeper.
+    ForgetAllFlows,
 }
 
 impl Op {
-    /// Whether this is a BPF map write (else a WireGuard change).
+    /// Whether this is one BPF map write (the flow deletions are bulk work of their own).
     pub fn is_map_write(&self) -> bool {
-        !matches!(self, Op::WgPeer(_) | Op::RemoveWgPeer { .. })
+        !self.is_wg() && !self.is_flow_work()
+    }
+
+    /// Whether this is a WireGuard change.
+    pub fn is_wg(&self) -> bool {
+        matches!(self, Op::WgPeer(_) | Op::RemoveWgPeer { .. })
+    }
+
+    /// Whether this deletes reply flows (the sweeper's work, off the apply path).
+    pub fn is_flow_work(&self) -> bool {
+        matches!(self, Op::ForgetFlows { .. } | Op::ForgetAllFlows)
     }
 
     /// Whether this only takes something away (an address entry, a WireGuard peer, a policy
-    /// entry): what a plan's lead is made of.
+    /// entry, reply flows): what a plan's lead is made of.
     pub fn is_deletion(&self) -> bool {
         matches!(
             self,
-            Op::DeletePeerEntry { .. } | Op::RemoveWgPeer { .. } | Op::DeletePolicyEntry { .. }
+            Op::DeletePeerEntry { .. }
+                | Op::RemoveWgPeer { .. }
+                | Op::DeletePolicyEntry { .. }
+                | Op::ForgetFlows { .. }
+                | Op::ForgetAllFlows
         )
     }
 }
@@ -482,6 +523,33 @@ impl fmt::Display for Op {
             Op::DeletePolicyEntry { policy: id, prefix } => {
                 write!(f, "map: delete policy {id} {prefix}")
             }
+            Op::PutSettings {
+                config,
+                replies_before,
+            } => {
+                let on_off = |b: bool| if b { "on" } else { "off" };
+                write!(
+                    f,
+                    "settings: replies {} -> {}, flow timeouts tcp {}s (closing {}s) udp {}s \
+                     icmp {}s unanswered {}s, {} flows per peer",
+                    replies_before.map_or("unset", on_off),
+                    on_off(config.replies()),
+                    config.tcp_timeout_ns / 1_000_000_000,
+                    config.tcp_closing_timeout_ns / 1_000_000_000,
+                    config.udp_timeout_ns / 1_000_000_000,
+                    config.other_timeout_ns / 1_000_000_000,
+                    config.unanswered_timeout_ns / 1_000_000_000,
+                    config.flows_per_peer
+                )
+            }
+            Op::ForgetFlows { addrs } => {
+                write!(f, "flows: forget the reply flows of")?;
+                for addr in addrs {
+                    write!(f, " {addr}")?;
+                }
+                Ok(())
+            }
+            Op::ForgetAllFlows => write!(f, "flows: forget every reply flow"),
         }
     }
 }
@@ -502,7 +570,15 @@ impl Plan {
     }
 
     pub fn wg_changes(&self) -> usize {
-        self.ops.len() - self.map_writes()
+        self.ops.iter().filter(|o| o.is_wg()).count()
+    }
+
+    /// Puts `ops` (the settings: [`plan_settings`]) right after the lead: a revocation waits
+    /// for no settings write and no flow work.
+    pub fn with_settings(mut self, ops: Vec<Op>) -> Self {
+        let at = self.lead().len();
+        self.ops.splice(at..at, ops);
+        self
     }
 
     /// The plan's lead: its operations before the first that is not a deletion (the
@@ -511,6 +587,28 @@ impl Plan {
     pub fn lead(&self) -> &[Op] {
         lead(&self.ops)
     }
+}
+
+/// The settings entry: written when `want` differs from the kernel's entry `have` (but for the
+/// owner high-water mark, which is the planner's and stays the kernel's). Switching replies
+/// off forgets every recorded flow.
+pub fn plan_settings(want: &Config, have: Option<&Config>) -> Vec<Op> {
+    let want = Config {
+        owner_high: have.map_or(0, |c| c.owner_high),
+        ..*want
+    };
+    if have == Some(&want) {
+        return Vec::new();
+    }
+    let replies_before = have.map(Config::replies);
+    let mut ops = vec![Op::PutSettings {
+        config: want,
+        replies_before,
+    }];
+    if replies_before == Some(true) && !want.replies() {
+        ops.push(Op::ForgetAllFlows);
+    }
+    ops
 }
 
 /// The lead of a list of operations (see [`Plan::lead`]).
@@ -571,15 +669,22 @@ impl<F: FnOnce() -> BTreeSet<u32>> Allocator<F> {
 enum Scope<'a> {
     /// Every desired peer, and everything in the kernel: start-up, resync, after a failure.
     Full,
-    /// The peers that differ from `previous`, a state the kernel is known to match.
-    Since(&'a DesiredState),
-    /// The peers that changed since a state the kernel is known to match, as the state
-    /// pipeline found them: the new versions (sorted by name), and the old versions gone.
-    Changed(Vec<&'a PeerSpec>, Vec<&'a PeerSpec>),
+    /// Only these peers, given the kernel matches the state before them.
+    Changes(Changes<'a>),
+}
+
+/// What changed between a state the kernel matches and the desired one: the desired peers that
+/// are new or changed, and the previous versions of the peers that are gone or replaced (a
+/// changed peer is in both). What [`plan_changes`] looks at, and all it looks at.
+#[derive(Debug, Clone, Default)]
+pub struct Changes<'a> {
+    pub touched: Vec<&'a PeerSpec>,
+    pub gone: Vec<&'a PeerSpec>,
 }
 
 /// Plans the operations that make the kernel match `desired`, comparing everything; pure.
-pub fn plan(desired: &DesiredState, actual: &Actual) -> Result<Plan, PlanError> {
+/// When no plan can be made, the error carries the plan's lead: see [`Unplanned`].
+pub fn plan(desired: &DesiredState, actual: &Actual) -> Result<Plan, Unplanned> {
     plan_scope(desired, Scope::Full, actual)
 }
 
@@ -590,21 +695,19 @@ pub fn plan_update(
     previous: &DesiredState,
     desired: &DesiredState,
     actual: &Actual,
-) -> Result<Plan, PlanError> {
-    plan_scope(desired, Scope::Since(previous), actual)
+) -> Result<Plan, Unplanned> {
+    plan_scope(desired, Scope::Changes(diff(previous, desired)), actual)
 }
 
-/// Plans the same operations as [`plan_update`], given the changes themselves instead of the
-/// previous state: `touched`, the desired peers that are new or changed (sorted by name), and
-/// `gone`, the previous versions of the peers that left or changed. Nothing else is looked at,
-/// so the cost follows the change, not the peer count (see [`crate::state::Pipeline`]).
-pub fn plan_changes(
-    desired: &DesiredState,
-    touched: Vec<&PeerSpec>,
-    gone: Vec<&PeerSpec>,
+/// Plans the same operations as [`plan_update`] from the changed peers alone (found without
+/// comparing the two states, e.g. while parsing): a one-peer change costs the same at any
+/// number of peers. `changes` must hold every peer that differs, and only those.
+pub fn plan_changes<'a>(
+    desired: &'a DesiredState,
+    changes: Changes<'a>,
     actual: &Actual,
-) -> Result<Plan, PlanError> {
-    plan_scope(desired, Scope::Changed(touched, gone), actual)
+) -> Result<Plan, Unplanned> {
+    plan_scope(desired, Scope::Changes(changes), actual)
 }
 
 /// Whether two versions of a peer ask the same of the kernel (the compiled policy follows from
@@ -622,10 +725,7 @@ fn same_peer(a: &PeerSpec, b: &PeerSpec) -> bool {
 
 /// Peers of `desired` that are new or changed since `previous`, and the versions of
 /// `previous` that are gone or replaced. Both states are sorted by name.
-fn diff<'a>(
-    previous: &'a DesiredState,
-    desired: &'a DesiredState,
-) -> (Vec<&'a PeerSpec>, Vec<&'a PeerSpec>) {
+fn diff<'a>(previous: &'a DesiredState, desired: &'a DesiredState) -> Changes<'a> {
     let (mut touched, mut gone) = (Vec::new(), Vec::new());
     for pair in crate::state::by_name(previous, desired) {
         match pair {
@@ -636,339 +736,593 @@ fn diff<'a>(
             }
         }
     }
-    (touched, gone)
+    Changes { touched, gone }
+}
+
+/// A plan that could not be made (no slot, policy id or owner is left), with its lead: the
+/// revocations, the removals of leaving WireGuard peers and the trie entries nothing references
+/// once they ran. They take access away only and need no room, so they apply even when the
+/// rest cannot be planned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{error}")]
+pub struct Unplanned {
+    pub error: PlanError,
+    pub lead: Plan,
 }
 
 fn plan_scope(
     desired: &DesiredState,
     scope: Scope<'_>,
     actual: &Actual,
-) -> Result<Plan, PlanError> {
-    let mut ops = Vec::new();
-    let full = matches!(scope, Scope::Full);
-    let (touched, gone): (Vec<&PeerSpec>, Vec<&PeerSpec>) = match scope {
-        Scope::Full => (desired.peers.iter().collect(), Vec::new()),
-        Scope::Since(previous) => diff(previous, desired),
-        Scope::Changed(touched, gone) => (touched, gone),
-    };
-    let maps = &actual.maps;
-    let index = &actual.index;
+) -> Result<Plan, Unplanned> {
+    let mut planner = Planner::new(desired, scope, actual);
+    match planner.plan() {
+        Err(PlanError::SlotsExhausted) if planner.rotate_stranded_slots() => planner.plan(),
+        planned => planned,
+    }
+    .map_err(|error| Unplanned {
+        error,
+        lead: Plan {
+            ops: planner.failure_lead(),
+        },
+    })
+}
 
-    // Policy ids: keep the id of content the kernel already has; new content gets a new id.
-    // `"egress": []` always has the one id [`EMPTY_POLICY`], without entries.
-    let mut new_ids = Allocator::new(1, EMPTY_POLICY - 1, || {
-        let mut used: BTreeSet<u32> = maps.policies.keys().copied().collect();
-        used.extend(index.policy_refs.keys().copied());
-        used
-    });
-    let mut ids: BTreeMap<&CompiledPolicy, u32> = BTreeMap::new();
-    for policy in touched.iter().filter_map(|p| p.policy.as_deref()) {
-        if ids.contains_key(policy) {
-            continue;
+/// The policy id of each touched peer's policy. Peers with equal rules share one compiled
+/// policy, so an id is found by the policy's address (a hash lookup per peer); its content is
+/// compared only for an allocation not seen yet.
+#[derive(Default)]
+struct PolicyIds<'a> {
+    by_address: HashMap<*const CompiledPolicy, u32>,
+    by_content: BTreeMap<&'a CompiledPolicy, u32>,
+}
+
+impl<'a> PolicyIds<'a> {
+    /// Whether `policy` has an id already (then it is known by its address too).
+    fn known(&mut self, policy: &'a CompiledPolicy) -> bool {
+        let address: *const CompiledPolicy = policy;
+        if self.by_address.contains_key(&address) {
+            return true;
         }
-        let existing = if policy.is_empty() {
-            Some(EMPTY_POLICY)
-        } else {
-            index
-                .by_content
-                .get(policy)
-                .and_then(|ids| ids.iter().find(|id| **id != EMPTY_POLICY).copied())
-        };
-        let id = match existing {
-            Some(id) => id,
-            None => {
-                let id = new_ids.allocate().ok_or(PlanError::PolicyIdsExhausted)?;
-                for (prefix, allows) in policy.entries() {
-                    ops.push(Op::PutPolicyEntry {
-                        policy: id,
-                        prefix,
-                        allows: allows.to_vec(),
-                    });
-                }
-                id
+        match self.by_content.get(policy).copied() {
+            Some(id) => {
+                self.by_address.insert(address, id);
+                true
             }
-        };
-        ids.insert(policy, id);
+            None => false,
+        }
     }
 
-    // The address entries the lead deletes: addresses no peer has any more, and addresses
-    // WireGuard still routes to another peer than the one that gets them (they move: the old
-    // holder must not run with the new holder's entry).
-    let want_key: BTreeMap<IpAddr, WgKey> = touched
-        .iter()
-        .flat_map(|p| p.addrs().map(|a| (a, p.public_key)))
-        .collect();
-    let moves = |addr: &IpAddr| {
-        want_key.get(addr).is_some_and(|key| {
-            index
+    fn insert(&mut self, policy: &'a CompiledPolicy, id: u32) {
+        self.by_address.insert(policy, id);
+        self.by_content.insert(policy, id);
+    }
+
+    fn get(&self, policy: &CompiledPolicy) -> Option<u32> {
+        let address: *const CompiledPolicy = policy;
+        self.by_address.get(&address).copied()
+    }
+}
+
+/// An address entry the plan writes: the peer's name and key, and the entry.
+type Wanted<'a> = BTreeMap<IpAddr, (&'a str, WgKey, PeerEntry)>;
+
+/// One plan in the making: its scope and what its steps (see the module's documentation)
+/// share. Each step is one method.
+struct Planner<'a> {
+    desired: &'a DesiredState,
+    actual: &'a Actual,
+    full: bool,
+    /// The desired peers the plan looks at: all of them, or those new or changed.
+    touched: Vec<&'a PeerSpec>,
+    /// The previous versions of peers that are gone or changed (incremental plans only).
+    gone: Vec<&'a PeerSpec>,
+    /// The WireGuard key each address of a touched peer goes to.
+    want_key: BTreeMap<IpAddr, WgKey>,
+    /// The address entries the lead deletes (step 1).
+    lead_deleted: BTreeSet<IpAddr>,
+}
+
+impl<'a> Planner<'a> {
+    fn new(desired: &'a DesiredState, scope: Scope<'a>, actual: &'a Actual) -> Self {
+        let full = matches!(scope, Scope::Full);
+        let (touched, gone) = match scope {
+            Scope::Full => (desired.peers.iter().collect(), Vec::new()),
+            Scope::Changes(Changes { touched, gone }) => (touched, gone),
+        };
+        let want_key = touched
+            .iter()
+            .flat_map(|p| p.addrs().map(|a| (a, p.public_key)))
+            .collect();
+        let mut planner = Self {
+            desired,
+            actual,
+            full,
+            touched,
+            gone,
+            want_key,
+            lead_deleted: BTreeSet::new(),
+        };
+        planner.lead_deleted = planner.lead_deletions();
+        planner
+    }
+
+    /// Whether WireGuard routes `addr` to another peer than the one that gets it.
+    fn moves(&self, addr: &IpAddr) -> bool {
+        self.want_key.get(addr).is_some_and(|key| {
+            self.actual
+                .index
                 .holders
                 .get(&IpNet::from(*addr))
                 .is_some_and(|holder| holder != key)
         })
-    };
-    let lead_deleted: BTreeSet<IpAddr> = if full {
-        maps.peers
-            .keys()
-            .filter(|a| !want_key.contains_key(a) || moves(a))
-            .copied()
-            .collect()
-    } else {
-        gone.iter()
-            .flat_map(|p| p.addrs())
-            .filter(|a| !want_key.contains_key(a))
-            .chain(want_key.keys().copied().filter(|a| moves(a)))
-            .filter(|a| maps.peers.contains_key(a))
-            .collect()
-    };
+    }
 
-    // Counter slots, one per peer, kept across restarts via the entries. Entries per slot that
-    // the lead deletes:
-    let mut deleted_per_slot: BTreeMap<u32, usize> = BTreeMap::new();
-    for addr in &lead_deleted {
-        if let Some(entry) = maps.peers.get(addr) {
-            count_up(&mut deleted_per_slot, entry.slot);
+    /// Step 1's address entries: addresses no peer has any more, and addresses WireGuard still
+    /// routes to another peer than the one that gets them (they move: the old holder must not
+    /// run with the new holder's entry).
+    fn lead_deletions(&self) -> BTreeSet<IpAddr> {
+        let peers = &self.actual.maps.peers;
+        if self.full {
+            peers
+                .keys()
+                .filter(|a| !self.want_key.contains_key(a) || self.moves(a))
+                .copied()
+                .collect()
+        } else {
+            self.gone
+                .iter()
+                .flat_map(|p| p.addrs())
+                .filter(|a| !self.want_key.contains_key(a))
+                .chain(self.want_key.keys().copied().filter(|a| self.moves(a)))
+                .filter(|a| peers.contains_key(a))
+                .collect()
         }
     }
-    // Whether a slot has no user after the lead but `own` addresses of one peer: a peer keeps
-    // (or takes) only a slot no other peer's remaining entry uses, never shared for a moment.
-    let only = |slot: u32, own: &[IpAddr]| {
-        let users = index.slot_refs.get(&slot).copied().unwrap_or(0);
-        let own = own
-            .iter()
-            .filter(|a| !lead_deleted.contains(a))
-            .filter(|a| maps.peers.get(a).is_some_and(|e| e.slot == slot))
-            .count();
-        own + deleted_per_slot.get(&slot).copied().unwrap_or(0) >= users
-    };
-    // First the slot each peer keeps: of one of its addresses, or of an address WireGuard still
-    // has for its key (an address change keeps the peer's counters).
-    let mut taken = BTreeSet::new();
-    let kept_slots: Vec<Option<u32>> = touched
-        .iter()
-        .map(|peer| {
-            let own: Vec<IpAddr> = peer.addrs().collect();
-            let previous = actual
-                .wg
-                .peers
-                .get(&peer.public_key)
-                .into_iter()
-                .flat_map(|p| p.allowed_ips.iter().map(|net| net.addr()));
-            let kept = peer
-                .addrs()
-                .chain(previous)
-                .filter_map(|a| maps.peers.get(&a).map(|e| e.slot))
-                .find(|s| !taken.contains(s) && only(*s, &own));
-            if let Some(slot) = kept {
-                taken.insert(slot);
+
+    /// The whole plan, in the module's order.
+    fn plan(&self) -> Result<Plan, PlanError> {
+        let mut ops = Vec::new();
+        let ids = self.policy_ids(&mut ops)?;
+        let slots = self.slots(&mut ops)?;
+        let wanted = self.entries(&ids, &slots, &mut ops)?;
+        let (mut lead, lead_delta) = self.revocations();
+        let (moved, delta) = self.entry_writes(&wanted, &mut ops);
+        ops.extend(self.wg_changes());
+        ops.extend(moved);
+        let (gc_lead, gc_last) = self.policy_gc(&delta, &lead_delta);
+        lead.extend(gc_lead);
+        lead.append(&mut ops);
+        lead.extend(gc_last);
+        Ok(Plan { ops: lead })
+    }
+
+    /// What applies of a plan that failed: its lead alone (steps 1–3), with every trie entry
+    /// nothing references once the lead ran collected.
+    fn failure_lead(&self) -> Vec<Op> {
+        let (mut lead, lead_delta) = self.revocations();
+        let (gc, _) = self.policy_gc(&lead_delta, &lead_delta);
+        lead.extend(gc);
+        lead
+    }
+
+    /// Policy ids: keep the id of content the kernel already has; new content gets a new id,
+    /// whose trie entries are written (step 4). `"egress": []` always has the one id
+    /// [`EMPTY_POLICY`], without entries.
+    fn policy_ids(&self, ops: &mut Vec<Op>) -> Result<PolicyIds<'a>, PlanError> {
+        let (maps, index) = (&self.actual.maps, &self.actual.index);
+        let mut new_ids = Allocator::new(1, EMPTY_POLICY - 1, || {
+            let mut used: BTreeSet<u32> = maps.policies.keys().copied().collect();
+            used.extend(index.policy_refs.keys().copied());
+            used
+        });
+        let mut ids = PolicyIds::default();
+        for policy in self.touched.iter().filter_map(|p| p.policy.as_deref()) {
+            if ids.known(policy) {
+                continue;
             }
-            kept
-        })
-        .collect();
-    // A new peer gets a slot no entry uses; failing that (a full map), a slot whose every entry
-    // the lead deletes and no peer keeps. Never a slot an entry that stays still uses: the
-    // reset would wipe that peer's counters, and the two would share a flow quota.
-    let mut free_slots = Allocator::new(0, actual.slots().saturating_sub(1), || {
-        index.slot_refs.keys().copied().collect::<BTreeSet<u32>>()
-    });
-    let mut released: BTreeSet<u32> = deleted_per_slot
-        .keys()
-        .copied()
-        .filter(|slot| !taken.contains(slot) && only(*slot, &[]))
-        .collect();
-    let mut owner_high = index.owner_high;
-    let mut wanted: BTreeMap<IpAddr, (&str, WgKey, PeerEntry)> = BTreeMap::new();
-    for (peer, kept) in touched.iter().zip(kept_slots) {
-        let slot = match kept {
-            Some(slot) => slot,
-            None => {
-                let slot = free_slots
-                    .allocate()
-                    .or_else(|| released.pop_first())
-                    .ok_or(PlanError::SlotsExhausted)?;
-                ops.push(Op::ResetPeerCounters { slot });
-                slot
-            }
-        };
-        let policy = peer.policy.as_deref().map_or(UNRESTRICTED, |p| ids[p]);
-        for addr in peer.addrs() {
-            // An address keeps its owner while its WireGuard holder and its slot stay; any
-            // other change gets a new owner, so the entry write ends the old holder's flows.
-            let kept = maps.peers.get(&addr).filter(|e| {
-                e.slot == slot && index.holders.get(&IpNet::from(addr)) == Some(&peer.public_key)
-            });
-            let owner = match kept {
-                Some(entry) => entry.owner,
+            let existing = if policy.is_empty() {
+                Some(EMPTY_POLICY)
+            } else {
+                index
+                    .by_content
+                    .get(policy)
+                    .and_then(|ids| ids.iter().find(|id| **id != EMPTY_POLICY).copied())
+            };
+            let id = match existing {
+                Some(id) => id,
                 None => {
-                    owner_high = owner_high
-                        .checked_add(1)
-                        .ok_or(PlanError::OwnersExhausted)?;
-                    owner_high
+                    let id = new_ids.allocate().ok_or(PlanError::PolicyIdsExhausted)?;
+                    for (prefix, allows) in policy.entries() {
+                        ops.push(Op::PutPolicyEntry {
+                            policy: id,
+                            prefix,
+                            allows: allows.to_vec(),
+                        });
+                    }
+                    id
                 }
             };
-            wanted.insert(
-                addr,
-                (
-                    &peer.name,
-                    peer.public_key,
-                    PeerEntry {
-                        policy,
-                        slot,
-                        owner,
-                    },
-                ),
-            );
+            ids.insert(policy, id);
         }
-    }
-    // Persisted before any entry carries a new owner.
-    if owner_high > index.owner_high {
-        ops.push(Op::RaiseOwnerHigh { owner: owner_high });
+        Ok(ids)
     }
 
-    let mut moved = Vec::new();
-    // Policy reference counts after the plan, and after its lead, for the ids whose count
-    // changes.
-    let mut delta: BTreeMap<u32, i64> = BTreeMap::new();
-    let mut lead_delta: BTreeMap<u32, i64> = BTreeMap::new();
-    for (addr, (name, _, entry)) in &wanted {
-        let current = maps.peers.get(addr);
-        if current == Some(entry) {
-            continue;
+    /// Entries per counter slot that the lead deletes.
+    fn deleted_per_slot(&self) -> BTreeMap<u32, usize> {
+        let mut deleted = BTreeMap::new();
+        for addr in &self.lead_deleted {
+            if let Some(entry) = self.actual.maps.peers.get(addr) {
+                count_up(&mut deleted, entry.slot);
+            }
         }
-        if let Some(current) = current {
-            *delta.entry(current.policy).or_default() -= 1;
-        }
-        *delta.entry(entry.policy).or_default() += 1;
-        let put = Op::PutPeerEntry {
-            peer: (*name).to_owned(),
-            addr: *addr,
-            entry: *entry,
-        };
-        // An address WireGuard still routes to another peer must not carry the new holder's
-        // policy, or its new owner, before it moves: deleted in the lead, written after the
-        // WireGuard step. (With the new owner in place early, the old holder's traffic could
-        // record flows the new holder would then answer.)
-        if moves(addr) {
-            moved.push(put);
-        } else {
-            ops.push(put);
-        }
+        deleted
     }
 
-    // Revocations (and moving addresses) first, before any put and the WireGuard work: a put
-    // can fail (a full map or trie), and a deletion only ever takes access away.
-    let mut revoke = Vec::new();
-    for addr in &lead_deleted {
-        if let Some(current) = maps.peers.get(addr) {
-            if !wanted.contains_key(addr) {
+    /// Whether `slot` has no user after the lead but `own` addresses of one peer: a peer keeps
+    /// (or takes) only a slot no other peer's remaining entry uses, never shared for a moment.
+    fn only(&self, deleted: &BTreeMap<u32, usize>, slot: u32, own: &[IpAddr]) -> bool {
+        let users = self.actual.index.slot_refs.get(&slot).copied().unwrap_or(0);
+        let own = own
+            .iter()
+            .filter(|a| !self.lead_deleted.contains(a))
+            .filter(|a| {
+                self.actual
+                    .maps
+                    .peers
+                    .get(a)
+                    .is_some_and(|e| e.slot == slot)
+            })
+            .count();
+        own + deleted.get(&slot).copied().unwrap_or(0) >= users
+    }
+
+    /// The slot each touched peer keeps, if any: first the slot of its entries that stay, then
+    /// of its entries the lead deletes, then of an address WireGuard still has for its key (an
+    /// address change keeps the peer's counters). The entries that stay come first: a peer
+    /// that took another slot would leave theirs to nobody until its puts ran, and a full map
+    /// has no slot to spare for that.
+    fn kept_slots(&self, deleted: &BTreeMap<u32, usize>) -> Vec<Option<u32>> {
+        let maps = &self.actual.maps;
+        let mut taken = BTreeSet::new();
+        self.touched
+            .iter()
+            .map(|peer| {
+                let own: Vec<IpAddr> = peer.addrs().collect();
+                let previous = self
+                    .actual
+                    .wg
+                    .peers
+                    .get(&peer.public_key)
+                    .into_iter()
+                    .flat_map(|p| p.allowed_ips.iter().map(|net| net.addr()));
+                let (staying, leaving): (Vec<IpAddr>, Vec<IpAddr>) =
+                    own.iter().partition(|a| !self.lead_deleted.contains(a));
+                let kept = staying
+                    .into_iter()
+                    .chain(leaving)
+                    .chain(previous)
+                    .filter_map(|a| maps.peers.get(&a).map(|e| e.slot))
+                    .find(|s| !taken.contains(s) && self.only(deleted, *s, &own));
+                if let Some(slot) = kept {
+                    taken.insert(slot);
+                }
+                kept
+            })
+            .collect()
+    }
+
+    /// Counter slots, one per touched peer, kept across restarts via the entries (step 5). A
+    /// new peer gets a slot no entry uses; failing that (a full map), a slot whose every entry
+    /// the lead deletes and no peer keeps. Never a slot an entry that stays still uses: the
+    /// reset would wipe that peer's counters, and the two would share a flow quota.
+    fn slots(&self, ops: &mut Vec<Op>) -> Result<Vec<u32>, PlanError> {
+        let deleted = self.deleted_per_slot();
+        let kept = self.kept_slots(&deleted);
+        let index = &self.actual.index;
+        let mut free = Allocator::new(0, self.actual.slots().saturating_sub(1), || {
+            index.slot_refs.keys().copied().collect::<BTreeSet<u32>>()
+        });
+        let taken: BTreeSet<u32> = kept.iter().flatten().copied().collect();
+        let mut released: BTreeSet<u32> = deleted
+            .keys()
+            .copied()
+            .filter(|slot| !taken.contains(slot) && self.only(&deleted, *slot, &[]))
+            .collect();
+        kept.into_iter()
+            .map(|kept| match kept {
+                Some(slot) => Ok(slot),
+                None => {
+                    let slot = free
+                        .allocate()
+                        .or_else(|| released.pop_first())
+                        .ok_or(PlanError::SlotsExhausted)?;
+                    ops.push(Op::ResetPeerCounters { slot });
+                    Ok(slot)
+                }
+            })
+            .collect()
+    }
+
+    /// At a full map, slots that no touched peer can keep while entries that stay use them:
+    /// shared by two peers' entries (a kernel changed behind the agent's back, or a plan
+    /// stopped halfway), or left by a peer that has another slot. Their entries are rewritten
+    /// with other slots anyway; deleting them in the lead frees the slots for the puts (they
+    /// are written again later in the plan). Whether any was added to the lead.
+    fn rotate_stranded_slots(&mut self) -> bool {
+        let deleted = self.deleted_per_slot();
+        let kept: BTreeSet<u32> = self.kept_slots(&deleted).into_iter().flatten().collect();
+        let stranded: Vec<IpAddr> = self
+            .actual
+            .maps
+            .peers
+            .iter()
+            .filter(|(addr, entry)| {
+                !kept.contains(&entry.slot)
+                    && !self.lead_deleted.contains(addr)
+                    && self.want_key.contains_key(addr)
+            })
+            .map(|(addr, _)| *addr)
+            .collect();
+        // Only slots every remaining user of which is rewritten: a slot an unchanged peer
+        // uses stays with it.
+        let mut users: BTreeMap<u32, usize> = BTreeMap::new();
+        for addr in &stranded {
+            if let Some(entry) = self.actual.maps.peers.get(addr) {
+                count_up(&mut users, entry.slot);
+            }
+        }
+        let rotate: Vec<IpAddr> = stranded
+            .into_iter()
+            .filter(|addr| {
+                self.actual.maps.peers.get(addr).is_some_and(|e| {
+                    let remaining = self
+                        .actual
+                        .index
+                        .slot_refs
+                        .get(&e.slot)
+                        .copied()
+                        .unwrap_or(0)
+                        .saturating_sub(deleted.get(&e.slot).copied().unwrap_or(0));
+                    users.get(&e.slot).copied().unwrap_or(0) >= remaining
+                })
+            })
+            .collect();
+        let any = !rotate.is_empty();
+        self.lead_deleted.extend(rotate);
+        any
+    }
+
+    /// Each touched peer's address entries, and the owner high-water mark persisted before
+    /// any entry carries a new owner.
+    fn entries(
+        &self,
+        ids: &PolicyIds<'a>,
+        slots: &[u32],
+        ops: &mut Vec<Op>,
+    ) -> Result<Wanted<'a>, PlanError> {
+        let (maps, index) = (&self.actual.maps, &self.actual.index);
+        let mut owner_high = index.owner_high;
+        let mut wanted = Wanted::new();
+        for (peer, &slot) in self.touched.iter().zip(slots) {
+            // Every touched peer's policy has an id; were one missing, nothing would pass.
+            let policy = peer
+                .policy
+                .as_deref()
+                .map_or(UNRESTRICTED, |p| ids.get(p).unwrap_or(EMPTY_POLICY));
+            for addr in peer.addrs() {
+                // An address keeps its owner while its WireGuard holder and its slot stay; any
+                // other change gets a new owner, so the entry write ends the old holder's
+                // flows. An entry the lead deletes is written again with a new owner.
+                let kept = maps.peers.get(&addr).filter(|e| {
+                    e.slot == slot
+                        && !self.lead_deleted.contains(&addr)
+                        && index.holders.get(&IpNet::from(addr)) == Some(&peer.public_key)
+                });
+                let owner = match kept {
+                    Some(entry) => entry.owner,
+                    None => {
+                        owner_high = owner_high
+                            .checked_add(1)
+                            .ok_or(PlanError::OwnersExhausted)?;
+                        owner_high
+                    }
+                };
+                let entry = PeerEntry {
+                    policy,
+                    slot,
+                    owner,
+                };
+                wanted.insert(addr, (&peer.name, peer.public_key, entry));
+            }
+        }
+        if owner_high > index.owner_high {
+            ops.push(Op::RaiseOwnerHigh { owner: owner_high });
+        }
+        Ok(wanted)
+    }
+
+    /// Step 5's writes into `ops`, and step 7's (the entries of moving addresses, written after
+    /// WireGuard moved them), with the change of each policy id's references over the plan.
+    fn entry_writes(
+        &self,
+        wanted: &Wanted<'a>,
+        ops: &mut Vec<Op>,
+    ) -> (Vec<Op>, BTreeMap<u32, i64>) {
+        let peers = &self.actual.maps.peers;
+        let mut moved = Vec::new();
+        let mut delta: BTreeMap<u32, i64> = BTreeMap::new();
+        for (addr, (name, _, entry)) in wanted {
+            let current = peers
+                .get(addr)
+                .filter(|_| !self.lead_deleted.contains(addr));
+            if current == Some(entry) {
+                continue;
+            }
+            if let Some(current) = peers.get(addr) {
                 *delta.entry(current.policy).or_default() -= 1;
             }
-            *lead_delta.entry(current.policy).or_default() -= 1;
-            revoke.push(Op::DeletePeerEntry { addr: *addr });
-        }
-    }
-
-    // WireGuard: per-peer changes only.
-    for peer in &touched {
-        let want_ips: Vec<IpNet> = peer.addrs().map(IpNet::from).collect();
-        let change = match actual.wg.peers.get(&peer.public_key) {
-            None => Some(WgPeerChange {
-                key: peer.public_key,
-                peer: peer.name.clone(),
-                create: true,
-                endpoint: peer.endpoint,
-                preshared_key: peer.preshared_key.map(Some),
-                persistent_keepalive: peer.persistent_keepalive.map(Some),
-                add_allowed_ips: want_ips,
-            }),
-            Some(have) => {
-                let endpoint = peer.endpoint.filter(|e| have.endpoint != Some(*e));
-                let preshared_key =
-                    (have.preshared_key != peer.preshared_key).then_some(peer.preshared_key);
-                let keepalive_now = have.persistent_keepalive.filter(|s| *s != 0);
-                let persistent_keepalive = (keepalive_now != peer.persistent_keepalive)
-                    .then_some(peer.persistent_keepalive);
-                let add_allowed_ips: Vec<IpNet> = want_ips
-                    .into_iter()
-                    .filter(|ip| !have.allowed_ips.contains(ip))
-                    .collect();
-                let change = WgPeerChange {
-                    key: peer.public_key,
-                    peer: peer.name.clone(),
-                    create: false,
-                    endpoint,
-                    preshared_key,
-                    persistent_keepalive,
-                    add_allowed_ips,
-                };
-                let unchanged = change.endpoint.is_none()
-                    && change.preshared_key.is_none()
-                    && change.persistent_keepalive.is_none()
-                    && change.add_allowed_ips.is_empty();
-                (!unchanged).then_some(change)
+            *delta.entry(entry.policy).or_default() += 1;
+            let put = Op::PutPeerEntry {
+                peer: (*name).to_owned(),
+                addr: *addr,
+                entry: *entry,
+            };
+            // An address WireGuard still routes to another peer must not carry the new
+            // holder's policy, or its new owner, before it moves. (With the new owner in place
+            // early, the old holder's traffic could record flows the new holder would then
+            // answer.)
+            if self.moves(addr) {
+                moved.push(put);
+            } else {
+                ops.push(put);
             }
-        };
-        ops.extend(change.map(Op::WgPeer));
+        }
+        for addr in self.lead_deleted.iter().filter(|a| !wanted.contains_key(a)) {
+            if let Some(current) = peers.get(addr) {
+                *delta.entry(current.policy).or_default() -= 1;
+            }
+        }
+        (moved, delta)
     }
 
-    ops.extend(moved);
-
-    let leaving_keys: BTreeSet<WgKey> = if full {
-        let desired_keys: BTreeSet<WgKey> = desired.peers.iter().map(|p| p.public_key).collect();
-        actual
-            .wg
-            .peers
-            .keys()
-            .filter(|key| !desired_keys.contains(key))
-            .copied()
-            .collect()
-    } else {
-        // A gone version's key stays only if a changed peer has it (unchanged peers had their
-        // keys in the previous state too, where keys are unique).
-        let kept: BTreeSet<WgKey> = touched.iter().map(|p| p.public_key).collect();
-        gone.iter()
-            .map(|p| p.public_key)
-            .filter(|k| !kept.contains(k) && actual.wg.peers.contains_key(k))
-            .collect()
-    };
-    // A leaving peer goes with the revocations, after the address entries, also when another
-    // peer takes over its addresses: those entries are deleted in the lead, and the old key
-    // (a leaked one, in a rotation) must not keep a session, or the address's inbound traffic,
-    // while the puts before the handover fail.
-    revoke.extend(leaving_keys.into_iter().map(|key| Op::RemoveWgPeer { key }));
-
-    // Policies no peer entry references after the plan. Those nothing references once the
-    // lead's deletions ran (a revoked peer's, or a failed put's leftovers, which a full plan
-    // also collects) go in the lead: deleting them takes access from nobody, and at a full
-    // trie the puts need their room. Those the plan's switches unreference go last.
-    let candidates: BTreeSet<u32> = if full {
-        maps.policies.keys().copied().collect()
-    } else {
-        delta.keys().copied().collect()
-    };
-    let mut last = Vec::new();
-    for id in candidates {
-        let now = index.policy_refs.get(&id).copied().unwrap_or(0) as i64;
-        let after_lead = now + lead_delta.get(&id).copied().unwrap_or(0);
-        let after = now + delta.get(&id).copied().unwrap_or(0);
-        // The empty policy never has entries: any there (drift) are deleted at once.
-        let garbage = id == EMPTY_POLICY || (id != UNRESTRICTED && after <= 0);
-        if !garbage {
-            continue;
+    /// Steps 1 and 2: the address entries the lead deletes, then the WireGuard peers that
+    /// leave; with the change of each policy id's references they make.
+    fn revocations(&self) -> (Vec<Op>, BTreeMap<u32, i64>) {
+        let mut lead_delta: BTreeMap<u32, i64> = BTreeMap::new();
+        let mut lead = Vec::new();
+        let mut forget = Vec::new();
+        for addr in &self.lead_deleted {
+            if let Some(current) = self.actual.maps.peers.get(addr) {
+                *lead_delta.entry(current.policy).or_default() -= 1;
+                lead.push(Op::DeletePeerEntry { addr: *addr });
+                forget.push(*addr);
+            }
         }
-        let to = if id == EMPTY_POLICY || after_lead <= 0 {
-            &mut revoke
+        // Their flows were recorded for the old holder (or for nobody, from now on).
+        if !forget.is_empty() {
+            lead.push(Op::ForgetFlows { addrs: forget });
+        }
+        // A leaving peer goes with the revocations, after the address entries, also when
+        // another peer takes over its addresses: those entries are deleted in the lead, and the
+        // old key (a leaked one, in a rotation) must not keep a session, or the address's
+        // inbound traffic, while the puts before the handover fail.
+        lead.extend(
+            self.leaving_keys()
+                .into_iter()
+                .map(|key| Op::RemoveWgPeer { key }),
+        );
+        (lead, lead_delta)
+    }
+
+    /// The WireGuard peers that leave the state.
+    fn leaving_keys(&self) -> BTreeSet<WgKey> {
+        let wg = &self.actual.wg.peers;
+        if self.full {
+            let desired: BTreeSet<WgKey> =
+                self.desired.peers.iter().map(|p| p.public_key).collect();
+            wg.keys()
+                .filter(|key| !desired.contains(key))
+                .copied()
+                .collect()
         } else {
-            &mut last
-        };
-        if let Some(content) = maps.policies.get(&id) {
-            for (prefix, _) in content.entries() {
-                to.push(Op::DeletePolicyEntry { policy: id, prefix });
-            }
+            // A gone version's key stays only if a changed peer has it (unchanged peers had
+            // their keys in the previous state too, where keys are unique).
+            let kept: BTreeSet<WgKey> = self.touched.iter().map(|p| p.public_key).collect();
+            self.gone
+                .iter()
+                .map(|p| p.public_key)
+                .filter(|k| !kept.contains(k) && wg.contains_key(k))
+                .collect()
         }
     }
-    revoke.append(&mut ops);
-    revoke.append(&mut last);
-    Ok(Plan { ops: revoke })
+
+    /// Step 6: per-peer WireGuard changes only.
+    fn wg_changes(&self) -> Vec<Op> {
+        self.touched
+            .iter()
+            .filter_map(|peer| wg_change(peer, self.actual.wg.peers.get(&peer.public_key)))
+            .map(Op::WgPeer)
+            .collect()
+    }
+
+    /// Steps 3 and 8: the trie entries of policies no peer entry references after the plan.
+    /// Those nothing references once the lead ran (a revoked peer's, or a failed put's
+    /// leftovers, which a full plan also collects) go in the lead: deleting them takes access
+    /// from nobody, and at a full trie the puts need their room. Those the plan's switches
+    /// unreference go last.
+    /// `delta`: the change of each policy id's references over the plan (a full plan looks at
+    /// every id, an incremental one only at those).
+    fn policy_gc(
+        &self,
+        delta: &BTreeMap<u32, i64>,
+        lead_delta: &BTreeMap<u32, i64>,
+    ) -> (Vec<Op>, Vec<Op>) {
+        let (maps, index) = (&self.actual.maps, &self.actual.index);
+        let candidates: BTreeSet<u32> = if self.full {
+            maps.policies.keys().copied().collect()
+        } else {
+            delta.keys().copied().collect()
+        };
+        let (mut lead, mut last) = (Vec::new(), Vec::new());
+        for id in candidates {
+            let now = index.policy_refs.get(&id).copied().unwrap_or(0) as i64;
+            let after_lead = now + lead_delta.get(&id).copied().unwrap_or(0);
+            let after = now + delta.get(&id).copied().unwrap_or(0);
+            // The empty policy never has entries: any there (drift) are deleted at once.
+            let garbage = id == EMPTY_POLICY || (id != UNRESTRICTED && after <= 0);
+            if !garbage {
+                continue;
+            }
+            let to = if id == EMPTY_POLICY || after_lead <= 0 {
+                &mut lead
+            } else {
+                &mut last
+            };
+            if let Some(content) = maps.policies.get(&id) {
+                for (prefix, _) in content.entries() {
+                    to.push(Op::DeletePolicyEntry { policy: id, prefix });
+                }
+            }
+        }
+        (lead, last)
+    }
+}
+
+/// The change that makes WireGuard's peer `have` (if the device has it) what `peer` asks.
+fn wg_change(peer: &PeerSpec, have: Option<&WgPeer>) -> Option<WgPeerChange> {
+    let want_ips: Vec<IpNet> = peer.addrs().map(IpNet::from).collect();
+    let Some(have) = have else {
+        return Some(WgPeerChange {
+            key: peer.public_key,
+            peer: peer.name.clone(),
+            create: true,
+            endpoint: peer.endpoint,
+            preshared_key: peer.preshared_key.map(Some),
+            persistent_keepalive: peer.persistent_keepalive.map(Some),
+            add_allowed_ips: want_ips,
+        });
+    };
+    let keepalive_now = have.persistent_keepalive.filter(|s| *s != 0);
+    let endpoint = peer.endpoint.filter(|e| have.endpoint != Some(*e));
+    let preshared_key = (have.preshared_key != peer.preshared_key).then_some(peer.preshared_key);
+    let persistent_keepalive =
+        (keepalive_now != peer.persistent_keepalive).then_some(peer.persistent_keepalive);
+    let missing = |ip: &IpNet| !have.allowed_ips.contains(ip);
+    let unchanged = endpoint.is_none()
+        && preshared_key.is_none()
+        && persistent_keepalive.is_none()
+        && !want_ips.iter().any(missing);
+    // Most peers of a full plan are unchanged: nothing is allocated for them.
+    (!unchanged).then(|| WgPeerChange {
+        key: peer.public_key,
+        peer: peer.name.clone(),
+        create: false,
+        endpoint,
+        preshared_key,
+        persistent_keepalive,
+        add_allowed_ips: want_ips.into_iter().filter(missing).collect(),
+    })
 }
 
 #[cfg(test)]
@@ -1111,20 +1465,52 @@ mod tests {
     const SLOTS: u32 = 4;
 
     /// Whether `new` needs more counter slots than a kernel of [`SLOTS`] has: then planning it
-    /// must fail, before any operation.
-    fn over_capacity(new: &DesiredState, planned: &Result<Plan, PlanError>) -> bool {
+    /// must fail, with a lead of deletions only that revokes what leaves the state.
+    fn over_capacity(
+        kernel: &Kernel,
+        new: &DesiredState,
+        planned: &Result<Plan, Unplanned>,
+    ) -> bool {
         let over = new.peers.len() > SLOTS as usize;
         assert_eq!(
             over,
-            matches!(planned, Err(PlanError::SlotsExhausted)),
+            matches!(
+                planned,
+                Err(Unplanned {
+                    error: PlanError::SlotsExhausted,
+                    ..
+                })
+            ),
             "{} peers at {SLOTS} slots planned {planned:?}",
             new.peers.len()
         );
+        if let Err(Unplanned { lead, .. }) = planned {
+            assert_eq!(
+                lead.lead(),
+                lead.ops.as_slice(),
+                "not only deletions: {lead:?}"
+            );
+            if let Err(e) = invariants::check_revocations_lead(&kernel.0, new, &lead.ops) {
+                panic!("the lead of a failed plan: {e}");
+            }
+        }
         over
     }
 
     fn apply_checked(kernel: &mut Kernel, old: &DesiredState, new: &DesiredState) -> Plan {
         let plan = plan(new, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+        apply_plan_checked(kernel, old, new, &plan);
+        plan
+    }
+
+    /// Applies `plan` (old -> new) with its lead and every midway invariant checked.
+    #[track_caller]
+    fn apply_plan_checked(
+        kernel: &mut Kernel,
+        old: &DesiredState,
+        new: &DesiredState,
+        plan: &Plan,
+    ) {
         if let Err(e) = invariants::check_revocations_lead(&kernel.0, new, &plan.ops) {
             panic!("{e}");
         }
@@ -1132,7 +1518,6 @@ mod tests {
             kernel.apply(op);
             assert_safe_midway(kernel, old, new);
         }
-        plan
     }
 
     proptest! {
@@ -1146,7 +1531,7 @@ mod tests {
             let mut old = DesiredState::default();
             for gens in &states {
                 let (_, new) = build(gens);
-                if over_capacity(&new, &plan(&new, &kernel.actual())) {
+                if over_capacity(&kernel, &new, &plan(&new, &kernel.actual())) {
                     continue;
                 }
                 apply_checked(&mut kernel, &old, &new);
@@ -1178,17 +1563,11 @@ mod tests {
             for gens in &states {
                 let (_, new) = build(gens);
                 let update = plan_update(&old, &new, &kernel.actual());
-                if over_capacity(&new, &update) {
+                if over_capacity(&kernel, &new, &update) {
                     continue;
                 }
                 let update = update.unwrap_or_else(|e| panic!("{e}"));
-                if let Err(e) = invariants::check_revocations_lead(&kernel.0, &new, &update.ops) {
-                    panic!("{e}");
-                }
-                for op in &update.ops {
-                    kernel.apply(op);
-                    assert_safe_midway(&kernel, &old, &new);
-                }
+                apply_plan_checked(&mut kernel, &old, &new, &update);
                 assert_converged(&kernel, &new);
                 let full = plan(&new, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
                 prop_assert!(full.is_empty(), "a full plan after the incremental one: {:?}", full.ops);
@@ -1216,11 +1595,34 @@ mod tests {
         // The new policy's entry and one switch; the old policy is still used by 49 peers.
         assert_eq!(update.ops.len(), 2, "{:#?}", update.ops);
         assert_eq!(update, plan(&after, &kernel.actual()).unwrap_or_default());
+        // The same from the change set alone, without comparing the states.
+        let changes = Changes {
+            touched: vec![&after.peers[7]],
+            gone: vec![&before.peers[7]],
+        };
+        assert_eq!(
+            Ok(update),
+            plan_changes(&after, changes, &kernel.actual()).map_err(|u| u.error)
+        );
     }
 
     fn one(peers: Value) -> DesiredState {
         parse(&json!({ "version": 1, "peers": peers }).to_string())
             .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A full plan, or one that looks only at what differs from `previous`.
+    fn plan_either(
+        incremental: bool,
+        previous: &DesiredState,
+        desired: &DesiredState,
+        kernel: &Kernel,
+    ) -> Result<Plan, Unplanned> {
+        if incremental {
+            plan_update(previous, desired, &kernel.0)
+        } else {
+            plan(desired, &kernel.0)
+        }
     }
 
     fn converge(kernel: &mut Kernel, old: &DesiredState, new: &DesiredState) -> Plan {
@@ -1258,12 +1660,13 @@ mod tests {
             .iter()
             .map(|op| match op {
                 Op::DeletePeerEntry { .. } => "peer",
+                Op::ForgetFlows { .. } => "flows",
                 Op::RemoveWgPeer { .. } => "wg",
                 Op::DeletePolicyEntry { .. } => "policy",
                 _ => "other",
             })
             .collect();
-        assert_eq!(kinds, ["peer", "wg", "policy"]);
+        assert_eq!(kinds, ["peer", "flows", "wg", "policy"]);
     }
 
     /// Issue 11 item 5: at capacity (a full peer map, a full trie) a put fails, so a
@@ -1290,6 +1693,12 @@ mod tests {
             },
             Op::DeletePeerEntry {
                 addr: "fd00:8::2".parse().unwrap_or(IpAddr::from([0; 16])),
+            },
+            Op::ForgetFlows {
+                addrs: vec![
+                    IpAddr::from([10, 8, 0, 2]),
+                    "fd00:8::2".parse().unwrap_or(IpAddr::from([0; 16])),
+                ],
             },
             Op::RemoveWgPeer {
                 key: WgKey([1; 32]),
@@ -1460,6 +1869,7 @@ mod tests {
                 [
                     Op::DeletePeerEntry { .. },
                     Op::DeletePeerEntry { .. },
+                    Op::ForgetFlows { .. },
                     Op::RemoveWgPeer { .. },
                     Op::RaiseOwnerHigh { owner: 4 },
                     Op::WgPeer(c),
@@ -1560,7 +1970,7 @@ mod tests {
         assert!(
             matches!(
                 change.ops.as_slice(),
-                [Op::DeletePeerEntry { .. }, Op::RaiseOwnerHigh { .. }, Op::PutPeerEntry { .. }, Op::WgPeer(c)] if !c.create && c.add_allowed_ips.len() == 1
+                [Op::DeletePeerEntry { .. }, Op::ForgetFlows { .. }, Op::RaiseOwnerHigh { .. }, Op::PutPeerEntry { .. }, Op::WgPeer(c)] if !c.create && c.add_allowed_ips.len() == 1
             ),
             "{:#?}",
             change.ops
@@ -1664,12 +2074,8 @@ mod tests {
         for incremental in [false, true] {
             let mut kernel = Kernel::default();
             converge(&mut kernel, &DesiredState::default(), &before);
-            let p = if incremental {
-                plan_update(&before, &after, &kernel.actual())
-            } else {
-                plan(&after, &kernel.actual())
-            }
-            .unwrap_or_else(|e| panic!("{e}"));
+            let p = plan_either(incremental, &before, &after, &kernel)
+                .unwrap_or_else(|e| panic!("{e}"));
             if let Err(e) = invariants::check_revocations_lead(&kernel.0, &after, &p.ops) {
                 panic!("incremental {incremental}: {e}");
             }
@@ -1734,12 +2140,8 @@ mod tests {
             converge(&mut kernel, &DesiredState::default(), &before);
             // The trie is full: it holds z's two entries and no more.
             let capacity = 2;
-            let first = if incremental {
-                plan_update(&before, &after, &kernel.actual())
-            } else {
-                plan(&after, &kernel.actual())
-            }
-            .unwrap_or_else(|e| panic!("{e}"));
+            let first = plan_either(incremental, &before, &after, &kernel)
+                .unwrap_or_else(|e| panic!("{e}"));
             let gc = lead(&first.ops)
                 .iter()
                 .filter(|op| matches!(op, Op::DeletePolicyEntry { .. }))
@@ -1811,12 +2213,8 @@ mod tests {
             converge(&mut kernel, &DesiredState::default(), &before);
             let slot = |k: &Kernel, n: u8| kernel_entry(k, IpAddr::from([10, 8, 0, n])).slot;
             let (a, r) = (slot(&kernel, 2), slot(&kernel, 3));
-            let p = if incremental {
-                plan_update(&before, &after, &kernel.actual())
-            } else {
-                plan(&after, &kernel.actual())
-            }
-            .unwrap_or_else(|e| panic!("{e}"));
+            let p = plan_either(incremental, &before, &after, &kernel)
+                .unwrap_or_else(|e| panic!("{e}"));
             for op in &p.ops {
                 kernel.apply(op);
                 assert_safe_midway(&kernel, &before, &after);
@@ -1843,13 +2241,155 @@ mod tests {
             { "name": "n", "publicKey": key(3), "address": "10.8.0.4" },
             { "name": "r", "publicKey": key(2), "address": "10.8.0.3" },
         ]));
-        assert_eq!(
+        for planned in [
             plan_update(&before, &more, &kernel.actual()),
-            Err(PlanError::SlotsExhausted)
-        );
-        assert_eq!(
             plan(&more, &kernel.actual()),
-            Err(PlanError::SlotsExhausted)
+        ] {
+            assert_eq!(planned.map_err(|u| u.error), Err(PlanError::SlotsExhausted));
+        }
+    }
+
+    /// The fuzzer's fuzz/corpus/plan/slots-exhausted-at-a-full-map: four peers at four slots,
+    /// after two states that moved addresses between keys. Peer-0 (key 4) keeps its entry
+    /// fd00:8::8 in slot 0 and takes over 10.8.0.2 (slot 1, key 1's). It used to keep slot 1,
+    /// leaving slot 0 to nobody until its puts ran, so the fourth peer found no slot.
+    #[test]
+    fn a_full_map_keeps_the_slot_of_the_entries_that_stay() {
+        let states = [
+            json!([{ "name": "peer-3", "publicKey": key(1), "address": "10.8.0.5" }]),
+            json!([
+                { "name": "peer-2", "publicKey": key(4), "address": "10.8.0.5", "addressV6": "fd00:8::8",
+                  "egress": [{ "cidr": "fd00:1::/103", "protocol": "tcp", "ports": ["444-446", "442-443", 444] }] },
+                { "name": "peer-3", "publicKey": key(1), "address": "10.8.0.2", "persistentKeepalive": 0 },
+            ]),
+            json!([
+                { "name": "peer-3", "publicKey": key(7), "address": "10.8.0.3" },
+                { "name": "peer-0", "publicKey": key(4), "address": "10.8.0.2", "addressV6": "fd00:8::8",
+                  "egress": [{ "cidr": "0.0.0.0/0", "protocol": "any" }], "persistentKeepalive": 0 },
+                { "name": "peer-1", "publicKey": key(1), "address": "10.8.0.4", "addressV6": "fd00:8::3",
+                  "egress": [], "endpoint": "198.51.100.1:51820", "persistentKeepalive": 50 },
+                { "name": "peer-2", "publicKey": key(3), "address": "10.8.0.5", "addressV6": "fd00:8::7",
+                  "egress": [{ "cidr": "fd00:3::/126", "protocol": "icmp" }], "endpoint": "198.51.100.1:51820",
+                  "presharedKey": key(102) },
+            ]),
+        ];
+        for incremental in [false, true] {
+            let mut kernel = Kernel(Actual::default().with_slot_limit(4));
+            let mut old = DesiredState::default();
+            for peers in &states {
+                let new = one(peers.clone());
+                let p = plan_either(incremental, &old, &new, &kernel)
+                    .unwrap_or_else(|e| panic!("incremental {incremental}: {e}"));
+                apply_plan_checked(&mut kernel, &old, &new, &p);
+                assert_converged(&kernel, &new);
+                old = new;
+            }
+        }
+    }
+
+    /// A plan that fails for want of a slot still revokes: its lead (the revoked peer's entry,
+    /// its WireGuard peer, its policy) comes with the error, and applies.
+    #[test]
+    fn a_plan_without_room_still_revokes() {
+        let rules = json!([{ "cidr": "10.0.0.0/8", "protocol": "tcp" }]);
+        let before = one(json!([
+            { "name": "a", "publicKey": key(1), "address": "10.8.0.2" },
+            { "name": "r", "publicKey": key(2), "address": "10.8.0.3", "egress": rules },
+        ]));
+        // r goes, two come: three peers at two slots.
+        let after = one(json!([
+            { "name": "a", "publicKey": key(1), "address": "10.8.0.2" },
+            { "name": "n", "publicKey": key(3), "address": "10.8.0.4" },
+            { "name": "o", "publicKey": key(4), "address": "10.8.0.5" },
+        ]));
+        for incremental in [false, true] {
+            let mut kernel = Kernel(Actual::default().with_slot_limit(2));
+            converge(&mut kernel, &DesiredState::default(), &before);
+            let planned = plan_either(incremental, &before, &after, &kernel);
+            let Err(Unplanned { error, lead }) = planned else {
+                panic!("incremental {incremental}: planned {planned:?}");
+            };
+            assert_eq!(error, PlanError::SlotsExhausted);
+            for op in &lead.ops {
+                kernel.apply(op);
+                assert_safe_midway(&kernel, &before, &after);
+            }
+            let maps = kernel.0.maps();
+            assert!(
+                !maps.peers.contains_key(&IpAddr::from([10, 8, 0, 3])),
+                "incremental {incremental}: r's entry stays: {lead:?}"
+            );
+            assert!(!kernel.0.wg().peers.contains_key(&WgKey([2; 32])));
+            assert!(maps.policies.is_empty(), "r's policy stays: {lead:?}");
+            assert!(maps.peers.contains_key(&IpAddr::from([10, 8, 0, 2])));
+        }
+    }
+
+    /// Two peers' entries share a slot (changed behind the agent's back) at a full map: neither
+    /// can keep it while the other uses it, so the lead deletes both entries, which frees the
+    /// slot, and the plan converges with one slot each.
+    #[test]
+    fn a_shared_slot_at_a_full_map_rotates_through_the_lead() {
+        let s = one(json!([
+            { "name": "a", "publicKey": key(1), "address": "10.8.0.2" },
+            { "name": "b", "publicKey": key(2), "address": "10.8.0.3" },
+        ]));
+        let mut kernel = Kernel(Actual::default().with_slot_limit(2));
+        converge(&mut kernel, &DesiredState::default(), &s);
+        let mut maps = kernel.0.maps().clone();
+        for entry in maps.peers.values_mut() {
+            entry.slot = 0;
+        }
+        kernel.0 = Actual::new(maps, kernel.0.wg().clone()).with_slot_limit(2);
+        let p = plan(&s, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+        for op in &p.ops {
+            kernel.apply(op);
+        }
+        assert_converged(&kernel, &s);
+        assert!(plan(&s, &kernel.actual()).is_ok_and(|p| p.is_empty()));
+    }
+
+    /// The settings entry is part of the plan, right after the lead: written only when it
+    /// differs (never for the owner high-water mark alone); replies switched off forget every
+    /// flow.
+    #[test]
+    fn settings_follow_the_lead_and_replies_off_forgets_every_flow() {
+        let settings = crate::settings::DatapathSettings::default();
+        let on = settings.config(true, 2);
+        let off = settings.config(false, 2);
+        let kernel = Config {
+            owner_high: 7,
+            ..on
+        };
+        assert!(plan_settings(&on, Some(&kernel)).is_empty());
+        assert_eq!(
+            plan_settings(&off, Some(&kernel)),
+            [
+                Op::PutSettings {
+                    config: Config {
+                        owner_high: 7,
+                        ..off
+                    },
+                    replies_before: Some(true),
+                },
+                Op::ForgetAllFlows
+            ]
         );
+        assert_eq!(plan_settings(&on, None).len(), 1);
+        let revoke = Plan {
+            ops: vec![Op::DeletePeerEntry {
+                addr: IpAddr::from([10, 8, 0, 2]),
+            }],
+        };
+        let with = revoke.with_settings(plan_settings(&off, Some(&kernel)));
+        assert!(matches!(
+            with.ops.as_slice(),
+            [
+                Op::DeletePeerEntry { .. },
+                Op::PutSettings { .. },
+                Op::ForgetAllFlows
+            ]
+        ));
+        assert_eq!((with.map_writes(), with.wg_changes()), (2, 0));
     }
 }

@@ -10,7 +10,7 @@ mod pipeline;
 mod tree;
 mod unique_keys;
 
-pub use pipeline::{drop_elsewhere, Changes, Pipeline, Rejection};
+pub use pipeline::{Changes, Pipeline, Rejection};
 pub use tree::parse_value_tree;
 
 use std::{

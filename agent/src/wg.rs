@@ -2,12 +2,24 @@
 //! netlink interface or a userspace implementation's UAPI socket (wireguard-go), whichever
 //! runs the interface.
 //!
+//! Updates to a userspace implementation go over one UAPI stream that stays open (connected at
+//! the first update, connected again if the implementation closed it), not a connection per
+//! update. The kernel's netlink interface is still reached through wireguard-control, which
+//! opens a socket per update.
+//!
 //! wgfence manages the peers of an interface that already exists: its private key and listen
 //! port are the operator's. It never sends `replace_peers`, never replaces a live peer's allowed
 //! IPs, and never creates an interface (wireguard-control's userspace backend would start
 //! wireguard-go for a missing socket; that is refused here).
 
-use std::{collections::BTreeSet, io, path::Path};
+use std::{
+    collections::BTreeSet,
+    fmt::Write as _,
+    io::{self, BufRead, BufReader, Write as _},
+    os::unix::net::UnixStream,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use ipnet::IpNet;
 use wireguard_control::{Backend, Device, DeviceUpdate, InterfaceName, Key, PeerConfigBuilder};
@@ -19,6 +31,9 @@ use crate::{
 
 /// wireguard-go's `device.MaxPeers`.
 pub const WIREGUARD_GO_MAX_PEERS: usize = 1 << 16;
+
+/// How long an update waits for the userspace implementation's answer.
+const UAPI_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Where userspace implementations put their UAPI sockets.
 const UAPI_DIRS: [&str; 2] = ["/var/run/wireguard", "/run/wireguard"];
@@ -40,6 +55,8 @@ pub enum WgError {
     Gone { interface: String },
     #[error("WireGuard interface {interface} reports an allowed IP with an invalid prefix length")]
     InvalidAllowedIp { interface: String },
+    #[error("WireGuard interface {interface} refused the update (UAPI errno {errno})")]
+    Refused { interface: String, errno: i64 },
 }
 
 /// A WireGuard interface and the backend that drives it.
@@ -50,6 +67,8 @@ pub struct WireGuard {
     backend: Backend,
     /// Per-peer changes applied (creates, updates, removals).
     peer_updates: u64,
+    /// The open UAPI stream of a userspace implementation, once an update connected it.
+    uapi: Option<BufReader<UnixStream>>,
 }
 
 impl WireGuard {
@@ -68,6 +87,7 @@ impl WireGuard {
             name,
             backend,
             peer_updates: 0,
+            uapi: None,
         })
     }
 
@@ -143,11 +163,19 @@ impl WireGuard {
             return Ok(());
         }
         self.ensure_present()?;
-        let peers: Vec<PeerConfigBuilder> = changes.iter().map(|c| builder(c)).collect();
-        DeviceUpdate::new()
-            .add_peers(&peers)
-            .apply(&self.name, self.backend)
-            .map_err(|e| self.io_err(e))?;
+        if self.backend == Backend::Userspace {
+            let mut request = String::from("set=1\n");
+            for change in changes {
+                uapi_change(&mut request, change);
+            }
+            self.uapi_set(request)?;
+        } else {
+            let peers: Vec<PeerConfigBuilder> = changes.iter().map(|c| builder(c)).collect();
+            DeviceUpdate::new()
+                .add_peers(&peers)
+                .apply(&self.name, self.backend)
+                .map_err(|e| self.io_err(e))?;
+        }
         self.peer_updates += changes.len() as u64;
         Ok(())
     }
@@ -159,15 +187,120 @@ impl WireGuard {
             return Ok(());
         }
         self.ensure_present()?;
-        let mut update = DeviceUpdate::new();
-        for key in keys {
-            update = update.remove_peer_by_key(&Key(key.0));
+        if self.backend == Backend::Userspace {
+            let mut request = String::from("set=1\n");
+            for key in keys {
+                let _ = writeln!(request, "public_key={}\nremove=true", hex(&key.0));
+            }
+            self.uapi_set(request)?;
+        } else {
+            let mut update = DeviceUpdate::new();
+            for key in keys {
+                update = update.remove_peer_by_key(&Key(key.0));
+            }
+            update
+                .apply(&self.name, self.backend)
+                .map_err(|e| self.io_err(e))?;
         }
-        update
-            .apply(&self.name, self.backend)
-            .map_err(|e| self.io_err(e))?;
         self.peer_updates += keys.len() as u64;
         Ok(())
+    }
+
+    /// Sends one `set` operation (`request` without its closing blank line) over the open UAPI
+    /// stream, connecting it first if needed. A stream the implementation closed (it restarted,
+    /// say) is connected again once and the operation sent again: a `set` of per-peer changes
+    /// does the same when repeated.
+    fn uapi_set(&mut self, mut request: String) -> Result<(), WgError> {
+        request.push('\n');
+        let first = match self.uapi.take() {
+            Some(stream) => self.uapi_exchange(stream, &request),
+            None => Err(io::Error::from(io::ErrorKind::NotConnected)),
+        };
+        let answer = match first {
+            Ok(answer) => answer,
+            Err(_) => {
+                let stream = self.uapi_connect().map_err(|e| self.io_err(e))?;
+                self.uapi_exchange(stream, &request)
+                    .map_err(|e| self.io_err(e))?
+            }
+        };
+        match answer {
+            0 => Ok(()),
+            errno => Err(WgError::Refused {
+                interface: self.interface.clone(),
+                errno,
+            }),
+        }
+    }
+
+    fn uapi_connect(&self) -> io::Result<BufReader<UnixStream>> {
+        let path: PathBuf = uapi_socket(&self.interface).ok_or(io::ErrorKind::NotFound)?;
+        let stream = UnixStream::connect(path)?;
+        stream.set_read_timeout(Some(UAPI_TIMEOUT))?;
+        stream.set_write_timeout(Some(UAPI_TIMEOUT))?;
+        Ok(BufReader::new(stream))
+    }
+
+    /// Writes `request` and reads the answer (`errno=N` and a blank line); keeps the stream
+    /// open for the next update when the exchange completed.
+    fn uapi_exchange(
+        &mut self,
+        mut stream: BufReader<UnixStream>,
+        request: &str,
+    ) -> io::Result<i64> {
+        stream.get_mut().write_all(request.as_bytes())?;
+        let mut errno = None;
+        loop {
+            let mut line = String::new();
+            if stream.read_line(&mut line)? == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            if let Some(value) = line.strip_prefix("errno=") {
+                errno = value.parse().ok();
+            }
+        }
+        let errno = errno.ok_or(io::ErrorKind::InvalidData)?;
+        self.uapi = Some(stream);
+        Ok(errno)
+    }
+}
+
+fn hex(bytes: &[u8; 32]) -> String {
+    let mut s = String::with_capacity(64);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+/// One peer's change in the UAPI's `set` syntax (the keys of wireguard-go's IPC protocol).
+fn uapi_change(request: &mut String, change: &WgPeerChange) {
+    let _ = writeln!(request, "public_key={}", hex(&change.key.0));
+    match change.preshared_key {
+        Some(Some(psk)) => {
+            let _ = writeln!(request, "preshared_key={}", hex(&psk.0));
+        }
+        Some(None) => {
+            let _ = writeln!(request, "preshared_key={}", hex(&[0; 32]));
+        }
+        None => {}
+    }
+    if let Some(endpoint) = change.endpoint {
+        let _ = writeln!(request, "endpoint={endpoint}");
+    }
+    if let Some(secs) = change.persistent_keepalive {
+        let _ = writeln!(
+            request,
+            "persistent_keepalive_interval={}",
+            secs.unwrap_or(0)
+        );
+    }
+    for ip in &change.add_allowed_ips {
+        let _ = writeln!(request, "allowed_ip={}/{}", ip.addr(), ip.prefix_len());
     }
 }
 
@@ -197,4 +330,34 @@ fn uapi_socket(interface: &str) -> Option<std::path::PathBuf> {
         .iter()
         .map(|dir| Path::new(dir).join(format!("{interface}.sock")))
         .find(|p| p.exists())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The UAPI text of a change: what wireguard-control's userspace backend sent for it.
+    #[test]
+    fn a_change_in_the_uapi_syntax() {
+        let change = WgPeerChange {
+            key: WgKey([1; 32]),
+            peer: "a".into(),
+            create: false,
+            endpoint: "[fd00::1]:51820".parse().ok(),
+            preshared_key: Some(None),
+            persistent_keepalive: Some(None),
+            add_allowed_ips: vec!["10.8.0.2/32".parse().unwrap_or_else(|e| panic!("{e}"))],
+        };
+        let mut request = String::new();
+        uapi_change(&mut request, &change);
+        let key = "01".repeat(32);
+        let zero = "00".repeat(32);
+        assert_eq!(
+            request,
+            format!(
+                "public_key={key}\npreshared_key={zero}\nendpoint=[fd00::1]:51820\n\
+                 persistent_keepalive_interval=0\nallowed_ip=10.8.0.2/32\n"
+            )
+        );
+    }
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use arbitrary::Arbitrary;
 use serde_json::{json, Value};
 use wgfence::{
-    plan::{invariants, plan, plan_update, Actual, PlanError},
+    plan::{invariants, lead, plan, plan_update, Actual, Op, PlanError, Unplanned},
     state::{parse, parse_value_tree, DesiredState, WgKey},
 };
 
@@ -57,6 +57,9 @@ pub fn check_state(text: &str) -> Result<(), String> {
 enum Mode {
     Full,
     Since,
+    /// A full plan from a kernel where a failed plan's lead ran: it matches no state (the
+    /// revoked peers are already cut off), so the midway checks against `old` do not apply.
+    AfterFailure,
 }
 
 /// Plans `new` against `kernel` (known to match `old`), applies it to the model operation by
@@ -69,7 +72,7 @@ fn converge(
     mode: Mode,
 ) -> Result<(), String> {
     let ops = match mode {
-        Mode::Full => plan(new, kernel),
+        Mode::Full | Mode::AfterFailure => plan(new, kernel),
         Mode::Since => plan_update(old, new, kernel),
     }
     .map_err(|e| format!("planning failed: {e}"))?
@@ -78,7 +81,10 @@ fn converge(
     for op in &ops {
         invariants::check_op(kernel, op).map_err(|e| format!("{op}: {e}"))?;
         kernel.apply(op);
-        invariants::check_safe_midway(kernel, old, new).map_err(|e| format!("after {op}: {e}"))?;
+        if !matches!(mode, Mode::AfterFailure) {
+            invariants::check_safe_midway(kernel, old, new)
+                .map_err(|e| format!("after {op}: {e}"))?;
+        }
     }
     invariants::check_converged(kernel, new)?;
     for (what, again) in [
@@ -90,6 +96,26 @@ fn converge(
             Ok(p) => return Err(format!("a {what} plan after converging: {:?}", p.ops)),
             Err(e) => return Err(format!("a {what} plan after converging failed: {e}")),
         }
+    }
+    Ok(())
+}
+
+/// Applies the lead of a plan that failed: deletions only, every revocation among them, each
+/// operation safe.
+fn apply_lead(
+    kernel: &mut Actual,
+    old: &DesiredState,
+    new: &DesiredState,
+    ops: &[Op],
+) -> Result<(), String> {
+    if lead(ops).len() != ops.len() {
+        return Err(format!("not only deletions: {ops:?}"));
+    }
+    invariants::check_revocations_lead(kernel, new, ops)?;
+    for op in ops {
+        invariants::check_op(kernel, op).map_err(|e| format!("{op}: {e}"))?;
+        kernel.apply(op);
+        invariants::check_safe_midway(kernel, old, new).map_err(|e| format!("after {op}: {e}"))?;
     }
     Ok(())
 }
@@ -125,12 +151,10 @@ pub struct GenRule {
 
 const MAX_STATES: usize = 6;
 const MAX_PEERS: usize = 8;
-/// Counter slots of the modelled kernel. At 4 (fewer than a scenario's six distinct names, so
-/// that plans meet a full peer map) the fuzzer found a full plan failing with SlotsExhausted
-/// for a state that fits (fuzz/corpus/plan/slots-exhausted-at-a-full-map replays it): slots
-/// that history left shared between peers are not rotated. Until the planner handles that, the
-/// fuzzer models room for every peer; the unit proptests keep a 4-slot model.
-const SLOTS: u32 = MAX_PEERS as u32;
+/// Counter slots of the modelled kernel: fewer than a scenario's six distinct names, so that
+/// plans meet a full peer map (fuzz/corpus/plan/slots-exhausted-at-a-full-map is a state that
+/// fits and once failed there).
+const SLOTS: u32 = 4;
 const MAX_RULES: usize = 4;
 /// Port range starts near the edges and near each other (overlapping and adjacent ranges).
 const PORTS: [u16; 8] = [1, 2, 22, 442, 443, 444, 65534, 65535];
@@ -240,29 +264,50 @@ pub fn check_plans(scenario: &Scenario) -> Result<(), String> {
     let mut full = Actual::default().with_slot_limit(SLOTS);
     let mut incremental = Actual::default().with_slot_limit(SLOTS);
     let mut old = DesiredState::default();
+    // After a failed plan the kernel matches no state: the next plan compares everything.
+    let mut stale = false;
     for gens in scenario.states.iter().take(MAX_STATES) {
         let text = state_json(gens, false);
         // A generated state the schema rejects (e.g. too many allows) is skipped, as the agent
         // keeps the last good state.
         let Ok(new) = parse(&text) else { continue };
-        // More peers than counter slots: both plans must fail, before any operation, and the
-        // kernel keeps the last good state. (No slot is ever shared to make room.)
+        // More peers than counter slots: both plans must fail, and only their leads apply
+        // (deletions that revoke what leaves the state, safely), to the same kernel. (No slot
+        // is ever shared to make room.) The agent then reads the kernel and plans in full.
         if new.peers.len() > SLOTS as usize {
-            for (how, planned) in [
-                ("full", plan(&new, &full)),
-                ("incremental", plan_update(&old, &new, &incremental)),
-            ] {
-                if !matches!(planned, Err(PlanError::SlotsExhausted)) {
+            let planned = [plan(&new, &full), plan_update(&old, &new, &incremental)];
+            for ((how, kernel), planned) in [("full", &mut full), ("incremental", &mut incremental)]
+                .into_iter()
+                .zip(planned)
+            {
+                let Err(Unplanned {
+                    error: PlanError::SlotsExhausted,
+                    lead,
+                }) = planned
+                else {
                     return Err(format!(
                         "{how}: {} peers at {SLOTS} slots planned {planned:?}\n{text}",
                         new.peers.len()
                     ));
-                }
+                };
+                apply_lead(kernel, &old, &new, &lead.ops)
+                    .map_err(|e| format!("{how}, the lead of a failed plan: {e}\n{text}"))?;
             }
+            if incremental != full {
+                return Err(format!(
+                    "the leads of failed plans left different kernels\n{text}"
+                ));
+            }
+            stale = true;
             continue;
         }
-        converge(&mut full, &old, &new, Mode::Full).map_err(|e| format!("full: {e}\n{text}"))?;
-        converge(&mut incremental, &old, &new, Mode::Since)
+        let (full_mode, incremental_mode) = if std::mem::take(&mut stale) {
+            (Mode::AfterFailure, Mode::AfterFailure)
+        } else {
+            (Mode::Full, Mode::Since)
+        };
+        converge(&mut full, &old, &new, full_mode).map_err(|e| format!("full: {e}\n{text}"))?;
+        converge(&mut incremental, &old, &new, incremental_mode)
             .map_err(|e| format!("incremental: {e}\n{text}"))?;
         // Planning only what differs from the previous state must do what a full plan does.
         if incremental != full {

@@ -14,6 +14,7 @@ use std::{
 };
 
 use crate::{
+    container::{self, Podman},
     net::{unique, Netns},
     topology::Gateway,
 };
@@ -126,6 +127,8 @@ pub struct Agent {
     generation: AtomicU32,
     /// A command the agent is started through (its arguments follow), if any.
     wrapper: Vec<String>,
+    /// The container the agent runs in, if it runs from its image.
+    pub container: Option<Podman>,
 }
 
 impl Agent {
@@ -169,12 +172,36 @@ impl Agent {
         Self::start_with(binary(), gw, layout, state, extra, METRICS, wrapper)
     }
 
+    /// [`Agent::start`] from the container `image`, run by podman as the DaemonSet runs it
+    /// ([`crate::container`]): the state directory (Kubernetes layout) is its volume.
+    pub fn start_container(gw: &Gateway, image: &str, state: &str, extra: &[&str]) -> Self {
+        let mut agent = Self::prepare(PathBuf::from(image), gw, Layout::Kubernetes, METRICS, &[]);
+        agent.container = Some(Podman::new(image));
+        agent.write_state(state);
+        agent.spawn(gw, extra);
+        agent
+    }
+
     fn start_with(
         bin: PathBuf,
         gw: &Gateway,
         layout: Layout,
         state: &str,
         extra: &[&str],
+        metrics: &str,
+        wrapper: &[&str],
+    ) -> Self {
+        let mut agent = Self::prepare(bin, gw, layout, metrics, wrapper);
+        agent.write_state(state);
+        agent.spawn(gw, extra);
+        agent
+    }
+
+    /// The agent's directory and state path (with the layout's links), not yet started.
+    fn prepare(
+        bin: PathBuf,
+        gw: &Gateway,
+        layout: Layout,
         metrics: &str,
         wrapper: &[&str],
     ) -> Self {
@@ -196,6 +223,7 @@ impl Agent {
             layout,
             generation: AtomicU32::new(0),
             wrapper: wrapper.iter().map(|s| (*s).to_owned()).collect(),
+            container: None,
         };
         match layout {
             Layout::Kubernetes => symlink("..data/state.json", &agent.state)
@@ -208,9 +236,6 @@ impl Agent {
             }
             Layout::Plain | Layout::InPlace | Layout::ParentLink => {}
         }
-        agent.write_state(state);
-        let mut agent = agent;
-        agent.spawn(gw, extra);
         agent
     }
 
@@ -221,14 +246,18 @@ impl Agent {
             .open(&self.log)
             .unwrap_or_else(|e| panic!("{}: {e}", self.log.display()));
         let log2 = log.try_clone().unwrap_or_else(|e| panic!("{e}"));
-        let state = self.state.to_string_lossy().into_owned();
-        let mut command = match self.wrapper.split_first() {
-            Some((program, args)) => {
+        let mut state = self.state.to_string_lossy().into_owned();
+        let mut command = match (&self.container, self.wrapper.split_first()) {
+            (Some(podman), _) => {
+                state = container::STATE_FILE.to_owned();
+                podman.run_command(&gw.node, &gw.bpffs, &self.dir)
+            }
+            (None, Some((program, args))) => {
                 let mut command = gw.node.command(program);
                 command.args(args).arg(&self.binary);
                 command
             }
-            None => gw.node.command(&self.binary),
+            (None, None) => gw.node.command(&self.binary),
         };
         command
             .args([
@@ -391,6 +420,10 @@ impl Agent {
 
     /// SIGKILL: the agent gets no chance to clean up (nor should it need one).
     pub fn kill(&mut self) {
+        if let Some(podman) = &self.container {
+            // Killing `podman run` would leave the container running.
+            podman.remove();
+        }
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();

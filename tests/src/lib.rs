@@ -4,6 +4,8 @@
 
 pub mod agent;
 pub mod bench;
+pub mod container;
+pub mod demo;
 pub mod net;
 pub mod packet;
 pub mod probe;
@@ -82,81 +84,12 @@ pub fn install_policy(maps: &mut Maps, policy: u32, rules: &[Rule]) -> CompiledP
     compiled
 }
 
-/// What differs between the maps and what `desired` compiles to, if anything: address entries
-/// missing or left over, a peer's entries on different slots or policies, a restricted peer's
-/// policy id not holding exactly its compiled entries, policy ids no peer references.
+/// What differs between the maps and what `desired` compiles to, if anything: the planner's
+/// own convergence check ([`wgfence::plan::invariants::check_maps_converged`]) on the maps as
+/// read back.
 pub fn map_mismatch(maps: &Maps, desired: &wgfence::state::DesiredState) -> Option<String> {
-    use std::collections::{BTreeMap, BTreeSet};
-    let peers: BTreeMap<_, _> = match maps.peers() {
-        Ok(p) => p.into_iter().collect(),
-        Err(e) => return Some(format!("reading peers: {e}")),
-    };
-    let mut tries: BTreeMap<u32, BTreeMap<ipnet::IpNet, Vec<wgfence_common::Allow>>> =
-        BTreeMap::new();
-    match maps.policies() {
-        Ok(entries) => {
-            for e in entries {
-                tries
-                    .entry(e.policy)
-                    .or_default()
-                    .insert(e.prefix, e.value.allows().to_vec());
-            }
-        }
-        Err(e) => return Some(format!("reading policies: {e}")),
+    match wgfence::reconcile::read_maps(maps) {
+        Ok(actual) => wgfence::plan::invariants::check_maps_converged(&actual, desired).err(),
+        Err(e) => Some(format!("reading the maps: {e}")),
     }
-    let want: BTreeSet<_> = desired.peers.iter().flat_map(|p| p.addrs()).collect();
-    let have: BTreeSet<_> = peers.keys().copied().collect();
-    if want != have {
-        return Some(format!(
-            "address entries: {} left over, {} missing",
-            have.difference(&want).count(),
-            want.difference(&have).count()
-        ));
-    }
-    let mut referenced = BTreeSet::new();
-    let mut slots = BTreeSet::new();
-    for p in &desired.peers {
-        let entries: Vec<_> = p.addrs().filter_map(|a| peers.get(&a)).collect();
-        let Some(first) = entries.first() else {
-            return Some(format!("peer {} has no address entry", p.name));
-        };
-        if entries
-            .iter()
-            .any(|e| e.slot != first.slot || e.policy != first.policy)
-        {
-            return Some(format!("peer {}'s addresses disagree", p.name));
-        }
-        if !slots.insert(first.slot) {
-            return Some(format!("slot {} is used twice", first.slot));
-        }
-        match &p.policy {
-            None if first.policy != wgfence_common::UNRESTRICTED => {
-                return Some(format!("peer {} should be unrestricted", p.name))
-            }
-            None => {}
-            Some(_) if first.policy == wgfence_common::UNRESTRICTED => {
-                return Some(format!("peer {} should be restricted", p.name))
-            }
-            Some(policy) => {
-                referenced.insert(first.policy);
-                let compiled: BTreeMap<_, _> =
-                    policy.entries().map(|(n, a)| (n, a.to_vec())).collect();
-                // `"egress": []`: an id without a single trie entry.
-                if tries.get(&first.policy).cloned().unwrap_or_default() != compiled {
-                    return Some(format!(
-                        "peer {}'s policy {} does not hold its rules",
-                        p.name, first.policy
-                    ));
-                }
-            }
-        }
-    }
-    let ids: BTreeSet<u32> = tries.keys().copied().collect();
-    if !ids.is_subset(&referenced) {
-        return Some(format!(
-            "policy ids no peer references: {:?}",
-            ids.difference(&referenced).collect::<Vec<_>>()
-        ));
-    }
-    None
 }

@@ -17,7 +17,7 @@ use std::{
 use ipnet::IpNet;
 use serde_json::{json, Value};
 use wgfence::dataplane::{pin_dir, Dataplane, LINK_PIN, LINK_PIN_EGRESS};
-use wgfence_common::{Allow, UNRESTRICTED};
+use wgfence_common::UNRESTRICTED;
 use wgfence_tests::{
     agent::{binary, Agent, Layout},
     bench::gen::{self, Rng},
@@ -59,80 +59,9 @@ fn assert_converged(gw: &Gateway, desired_json: &str) {
         .unwrap_or_else(|e| panic!("the test's own state is invalid: {e}"));
     let maps = Dataplane::open_maps(&gw.bpffs, gw.interface())
         .unwrap_or_else(|e| panic!("opening the pinned maps: {e}"));
-    let peers: BTreeMap<IpAddr, _> = maps
-        .peers()
-        .unwrap_or_else(|e| panic!("reading peers: {e}"))
-        .into_iter()
-        .collect();
-    let mut tries: BTreeMap<u32, BTreeMap<IpNet, Vec<Allow>>> = BTreeMap::new();
-    for e in maps
-        .policies()
-        .unwrap_or_else(|e| panic!("reading policies: {e}"))
-    {
-        tries
-            .entry(e.policy)
-            .or_default()
-            .insert(e.prefix, e.value.allows().to_vec());
+    if let Some(mismatch) = wgfence_tests::map_mismatch(&maps, &desired) {
+        panic!("the maps do not hold the state: {mismatch}");
     }
-
-    let want_addrs: BTreeSet<IpAddr> = desired.peers.iter().flat_map(|p| p.addrs()).collect();
-    let have_addrs: BTreeSet<IpAddr> = peers.keys().copied().collect();
-    let leaked: Vec<_> = have_addrs.difference(&want_addrs).take(5).collect();
-    let missing: Vec<_> = want_addrs.difference(&have_addrs).take(5).collect();
-    assert!(
-        leaked.is_empty() && missing.is_empty(),
-        "address entries: {} leaked (e.g. {leaked:?}), {} missing (e.g. {missing:?})",
-        have_addrs.difference(&want_addrs).count(),
-        want_addrs.difference(&have_addrs).count()
-    );
-
-    let mut slots = BTreeSet::new();
-    let mut referenced = BTreeSet::new();
-    for p in &desired.peers {
-        let entries: Vec<_> = p.addrs().filter_map(|a| peers.get(&a)).collect();
-        let Some(first) = entries.first().copied() else {
-            panic!("peer {} has no address entry", p.name);
-        };
-        assert!(
-            entries
-                .iter()
-                .all(|e| e.slot == first.slot && e.policy == first.policy),
-            "peer {}'s addresses disagree: {entries:?}",
-            p.name
-        );
-        assert!(slots.insert(first.slot), "slot {} used twice", first.slot);
-        match &p.policy {
-            None => assert_eq!(
-                first.policy, UNRESTRICTED,
-                "peer {} should be unrestricted",
-                p.name
-            ),
-            Some(policy) => {
-                assert_ne!(
-                    first.policy, UNRESTRICTED,
-                    "peer {} should be restricted",
-                    p.name
-                );
-                referenced.insert(first.policy);
-                let want: BTreeMap<IpNet, Vec<Allow>> =
-                    policy.entries().map(|(n, a)| (n, a.to_vec())).collect();
-                // `"egress": []`: an id without a single trie entry.
-                assert_eq!(
-                    tries.get(&first.policy).cloned().unwrap_or_default(),
-                    want,
-                    "peer {}'s policy {} does not hold its rules",
-                    p.name,
-                    first.policy
-                );
-            }
-        }
-    }
-    let ids: BTreeSet<u32> = tries.keys().copied().collect();
-    let unreferenced: Vec<_> = ids.difference(&referenced).collect();
-    assert!(
-        unreferenced.is_empty(),
-        "policy entries no peer references (leaked): ids {unreferenced:?}"
-    );
 
     // WireGuard: exactly these peers, each with exactly its addresses.
     let out = wgfence_tests::net::run(&["wg", "show", gw.interface(), "allowed-ips"]);

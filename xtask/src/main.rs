@@ -6,6 +6,7 @@ mod build;
 mod demo;
 mod dump;
 mod fuzz;
+mod image;
 mod linker;
 mod setup;
 mod test;
@@ -49,7 +50,7 @@ enum Task {
         args: Vec<OsString>,
     },
     /// Set up, check formatting, lint, run the unit tests, then the privileged integration tests,
-    /// then `vm-test` on every kernel.
+    /// then `image --run`, then `vm-test` on every kernel.
     Test(test::Options),
     /// Set up, build, and show wgfence at work on a sandboxed gateway with three peers: allowed
     /// and denied traffic, a live policy change, a live revocation (root; removes what it made).
@@ -74,6 +75,9 @@ enum Task {
     /// inside each (kernel WireGuard, enforcement, policy change, revocation, restart, status,
     /// monitor, detach); prints the table of docs/operations.md "Supported kernels".
     VmTest(vm::Options),
+    /// Build the container image offline (base from Debian's packages, the agent from `build`);
+    /// `--run` also runs it as the DaemonSet does on the demo's sandbox (root).
+    Image(image::Options),
     /// Show what the agent pinned for an interface: its maps' contents and its tcx link.
     Dump {
         /// The WireGuard interface.
@@ -108,6 +112,7 @@ fn run(cli: Cli) -> Result<()> {
         Task::V1Agent => v1agent::run(),
         Task::VmTest(options) => vm::run(options),
         Task::Dump { interface, bpffs } => dump::run(&interface, &bpffs),
+        Task::Image(options) => image::run(&options),
     }
 }
 

@@ -1,5 +1,6 @@
 //! `cargo xtask test`: what CI runs. Set up, check formatting, lint, run the unit tests, then the
-//! privileged integration tests (root: network namespaces, BPF, wireguard-go), then `vm-test`:
+//! privileged integration tests (root: network namespaces, BPF, wireguard-go), then `image
+//! --run` (the container image built and run as the DaemonSet runs it), then `vm-test`:
 //! the conformance subset on Debian's 5.10, 6.1 and 6.12 kernels under qemu.
 
 use std::{
@@ -13,7 +14,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use crate::{fuzz, setup, util, v1agent, vm};
+use crate::{fuzz, image, setup, util, v1agent, vm};
 
 /// Seconds each fuzz target runs in `cargo xtask test` (CI has 2 cores and 90 minutes).
 const FUZZ_SECONDS: u64 = 25;
@@ -29,6 +30,9 @@ pub struct Options {
     /// Skip the short fuzzing run of every cargo-fuzz target.
     #[arg(long)]
     pub no_fuzz: bool,
+    /// Skip `image --run` (the container image built and run as the DaemonSet runs it).
+    #[arg(long)]
+    pub no_image: bool,
     /// Skip `vm-test` (Debian's 5.10, 6.1 and 6.12 kernels under qemu, about a minute each).
     #[arg(long)]
     pub no_vm: bool,
@@ -140,6 +144,9 @@ pub fn run(options: Options) -> Result<()> {
             }
             totals.run(&mut cmd)
         })?;
+    }
+    if !options.unit && !options.no_image {
+        step("image --run", || image::run(&image::Options { run: true }))?;
     }
     if !options.unit && !options.no_vm {
         // Last: every kernel of the matrix (they fit CI's budget with wide room, see README).

@@ -9,7 +9,9 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use wgfence_common::UNRESTRICTED;
 
-use super::{Actual, Op, EMPTY_POLICY};
+use wgfence_common::PeerEntry;
+
+use super::{Actual, ActualMaps, Op, EMPTY_POLICY};
 use crate::{
     policy::CompiledPolicy,
     state::{DesiredState, PeerSpec, WgKey},
@@ -34,7 +36,11 @@ fn holder(actual: &Actual, addr: IpAddr) -> Option<WgKey> {
 /// under [`EMPTY_POLICY`] (`"egress": []`). `None` for any other id without entries: a policy
 /// whose entries are not written, never mistaken for the empty policy.
 fn content(actual: &Actual, id: u32) -> Option<CompiledPolicy> {
-    match actual.maps().policies.get(&id) {
+    maps_content(actual.maps(), id)
+}
+
+fn maps_content(maps: &ActualMaps, id: u32) -> Option<CompiledPolicy> {
+    match maps.policies.get(&id) {
         Some(content) => Some(content.clone()),
         None if id == EMPTY_POLICY => Some(CompiledPolicy::default()),
         None => None,
@@ -94,31 +100,13 @@ pub fn check_op(actual: &Actual, op: &Op) -> Result<(), String> {
     Ok(())
 }
 
-/// The kernel enforces exactly `desired`: every address points at its peer's policy and is
-/// routed to its peer, nothing else is in the maps or the device, no policy entry is leaked,
-/// and each peer has one counter slot of its own.
+/// The kernel enforces exactly `desired`: the maps do ([`check_maps_converged`]), every
+/// address is routed to its peer, and the device has exactly the desired peers, with their
+/// endpoints, preshared keys and keepalives.
 pub fn check_converged(actual: &Actual, desired: &DesiredState) -> Result<(), String> {
-    let maps = actual.maps();
-    let mut addrs = BTreeSet::new();
+    check_maps_converged(actual.maps(), desired)?;
     for peer in &desired.peers {
         for addr in peer.addrs() {
-            addrs.insert(addr);
-            let Some(entry) = maps.peers.get(&addr).copied() else {
-                return Err(format!("{} has no entry for {addr}", peer.name));
-            };
-            match policy_of(peer) {
-                None if entry.policy != UNRESTRICTED => {
-                    return Err(format!("{}: {addr} is restricted", peer.name))
-                }
-                // An empty policy (`"egress": []`) is a restricted id without trie entries.
-                Some(_) if entry.policy == UNRESTRICTED => {
-                    return Err(format!("{}: {addr} is unrestricted", peer.name))
-                }
-                Some(p) if content(actual, entry.policy).as_ref() != Some(&p) => {
-                    return Err(format!("{}: {addr} has another policy", peer.name))
-                }
-                _ => {}
-            }
             if holder(actual, addr) != Some(peer.public_key) {
                 return Err(format!("{addr} is not routed to {}", peer.name));
             }
@@ -135,14 +123,68 @@ pub fn check_converged(actual: &Actual, desired: &DesiredState) -> Result<(), St
             return Err(format!("{}: preshared key or keepalive differ", peer.name));
         }
     }
-    let present: BTreeSet<IpAddr> = maps.peers.keys().copied().collect();
-    if present != addrs {
-        return Err(format!("address entries {present:?}, wanted {addrs:?}"));
-    }
     let keys: BTreeSet<WgKey> = desired.peers.iter().map(|p| p.public_key).collect();
     let wg_keys: BTreeSet<WgKey> = actual.wg().peers.keys().copied().collect();
     if wg_keys != keys {
         return Err(format!("WireGuard peers {wg_keys:?}, wanted {keys:?}"));
+    }
+    Ok(())
+}
+
+/// The maps enforce exactly `desired` (the one convergence check of the planner's tests, the
+/// fuzzer, the integration tests and the benchmarks): every address has an entry and nothing
+/// else has one, a peer's addresses share one policy id and one counter slot of their own, each
+/// policy id holds exactly its peer's compiled rules (`"egress": []`: the empty policy, without
+/// entries), no policy entry is leaked, and no two addresses share an owner.
+pub fn check_maps_converged(maps: &ActualMaps, desired: &DesiredState) -> Result<(), String> {
+    let mut addrs = BTreeSet::new();
+    let mut slots = BTreeMap::new();
+    for peer in &desired.peers {
+        let mut first: Option<PeerEntry> = None;
+        for addr in peer.addrs() {
+            addrs.insert(addr);
+            let Some(entry) = maps.peers.get(&addr).copied() else {
+                return Err(format!("{} has no entry for {addr}", peer.name));
+            };
+            let first = *first.get_or_insert(entry);
+            if entry.slot != first.slot || entry.policy != first.policy {
+                return Err(format!("{}'s addresses disagree", peer.name));
+            }
+            match policy_of(peer) {
+                None if entry.policy != UNRESTRICTED => {
+                    return Err(format!("{}: {addr} is restricted", peer.name))
+                }
+                // An empty policy (`"egress": []`) is a restricted id without trie entries.
+                Some(_) if entry.policy == UNRESTRICTED => {
+                    return Err(format!("{}: {addr} is unrestricted", peer.name))
+                }
+                Some(p) if maps_content(maps, entry.policy).as_ref() != Some(&p) => {
+                    return Err(format!(
+                        "{}: {addr}'s policy {} does not hold its rules",
+                        peer.name, entry.policy
+                    ))
+                }
+                _ => {}
+            }
+        }
+        if let Some(entry) = first {
+            if let Some(other) = slots.insert(entry.slot, &peer.name) {
+                return Err(format!(
+                    "slot {} shared by {other} and {}",
+                    entry.slot, peer.name
+                ));
+            }
+        }
+    }
+    let present: BTreeSet<IpAddr> = maps.peers.keys().copied().collect();
+    if present != addrs {
+        return Err(format!(
+            "address entries: {} left over (e.g. {:?}), {} missing (e.g. {:?})",
+            present.difference(&addrs).count(),
+            present.difference(&addrs).take(5).collect::<Vec<_>>(),
+            addrs.difference(&present).count(),
+            addrs.difference(&present).take(5).collect::<Vec<_>>()
+        ));
     }
     // No leaked policy entries: only referenced ids have entries (a referenced id without
     // entries is the empty policy, checked above).
@@ -155,7 +197,8 @@ pub fn check_converged(actual: &Actual, desired: &DesiredState) -> Result<(), St
     let policies: BTreeSet<u32> = maps.policies.keys().copied().collect();
     if !policies.is_subset(&referenced) {
         return Err(format!(
-            "policy ids {policies:?} in the tries, {referenced:?} referenced"
+            "policy ids no peer references (leaked): {:?}",
+            policies.difference(&referenced).collect::<Vec<_>>()
         ));
     }
     // One owner per address: a flow recorded for one address's holder counts for no other.
@@ -166,18 +209,6 @@ pub fn check_converged(actual: &Actual, desired: &DesiredState) -> Result<(), St
                 "owner {} shared by {other} and {addr}",
                 entry.owner
             ));
-        }
-    }
-    // One slot per peer.
-    let mut slots = BTreeMap::new();
-    for peer in &desired.peers {
-        for addr in peer.addrs() {
-            let slot = maps.peers.get(&addr).map(|e| e.slot);
-            if let Some(other) = slot.and_then(|slot| slots.insert(slot, &peer.name)) {
-                if other != &peer.name {
-                    return Err(format!("slot {slot:?} shared by {other} and {}", peer.name));
-                }
-            }
         }
     }
     Ok(())
@@ -377,7 +408,7 @@ mod tests {
               "egress": [{ "cidr": "10.0.0.0/8", "protocol": "tcp" }] },
         ]));
         let mut kernel = Actual::default();
-        for op in plan(&old, &kernel).unwrap_or_default().ops {
+        for op in plan(&old, &kernel).map(|p| p.ops).unwrap_or_default() {
             kernel.apply(&op);
         }
         assert_eq!(check_converged(&kernel, &old), Ok(()));

@@ -84,8 +84,14 @@ fn check_plan(
     changes: &Changes,
 ) -> Result<(), String> {
     let compared = plan_update(old, new, kernel);
-    let gone = changes.gone.iter().collect();
-    let from_changes = plan_changes(new, changes.touched_in(new), gone, kernel);
+    let from_changes = plan_changes(
+        new,
+        crate::plan::Changes {
+            touched: changes.touched_in(new),
+            gone: changes.gone.iter().collect(),
+        },
+        kernel,
+    );
     if compared != from_changes {
         return Err(format!(
             "other plans:\n from the changes: {from_changes:?}\n compared: {compared:?}"

@@ -565,7 +565,7 @@ impl Pipeline {
         self.state = desired;
         let changes = diff(&previous.state, &self.state);
         // Freeing the previous state is O(peers): off the path to the kernel.
-        drop_elsewhere(previous);
+        crate::drop_later(previous);
         Ok(changes)
     }
 
@@ -598,15 +598,4 @@ pub(super) fn diff(previous: &DesiredState, desired: &DesiredState) -> Changes {
         }
     }
     changes
-}
-
-/// Drops `value` on a thread of its own: freeing a large state must not delay what follows.
-pub fn drop_elsewhere<T: Send + 'static>(value: T) {
-    if std::thread::Builder::new()
-        .name("wgfence-free".into())
-        .spawn(move || drop(value))
-        .is_err()
-    {
-        // No thread to be had: dropped here by the failed spawn's closure.
-    }
 }

@@ -7,10 +7,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use serde_json::{json, Value};
+use serde_json::Value;
 use wgfence_tests::{
     agent::{binary, Agent, Layout},
-    probe::{probe, run_all, Expect, Kind, Reach},
+    demo::{alice_rules, alice_rules_changed, state, table, CHANGED_PROBES, FIRST_PROBES},
+    probe::{probe, Kind, Reach},
     topology::Gateway,
 };
 
@@ -76,70 +77,6 @@ fn policy_entries(path: &str) {
     }
 }
 
-fn state(gw: &Gateway, alice: Value, with_carol: bool) -> String {
-    let mut peers = vec![gw.peer_json(0, Some(alice)), gw.peer_json(1, None)];
-    if with_carol {
-        peers.push(gw.peer_json(
-            2,
-            Some(json!([
-                { "cidr": "10.1.0.0/16", "protocol": "udp", "ports": [53] },
-                { "cidr": "fd00:1::/32", "protocol": "tcp", "ports": [22] },
-            ])),
-        ));
-    }
-    // Names that read better than peer0..2.
-    let mut text = json!({ "version": 1, "peers": peers }).to_string();
-    for (from, to) in [("peer0", "alice"), ("peer1", "bob"), ("peer2", "carol")] {
-        text = text.replace(&format!("\"{from}\""), &format!("\"{to}\""));
-    }
-    text
-}
-
-fn table(gw: &Gateway, cases: &[(&str, usize, Kind, &str, Reach)]) {
-    let expects: Vec<Expect<'_>> = cases
-        .iter()
-        .map(|(name, i, kind, dst, expect)| {
-            Expect::new(name, &gw.peers[*i].ns, *kind, dst, *expect)
-        })
-        .collect();
-    let results = run_all(&expects);
-    println!(
-        "  {:<7} {:<9} {:<14} {:<9} expected",
-        "peer", "probe", "destination", "result"
-    );
-    for (case, got) in expects.iter().zip(&results) {
-        let word = |r: Reach| {
-            if r == Reach::Reached {
-                "allowed"
-            } else {
-                "denied"
-            }
-        };
-        let mark = if *got == case.expect {
-            "ok"
-        } else {
-            "MISMATCH"
-        };
-        println!(
-            "  {:<7} {:<9} {:<14} {:<9} {:<8} {mark}",
-            case.from,
-            case.kind.to_string(),
-            case.dst.to_string(),
-            word(*got),
-            word(case.expect)
-        );
-    }
-    let mismatches = expects
-        .iter()
-        .zip(&results)
-        .filter(|(c, got)| c.expect != **got)
-        .count();
-    assert_eq!(
-        mismatches, 0,
-        "{mismatches} probes did not match the policy"
-    );
-}
-
 fn main() {
     println!("wgfence demo: a WireGuard gateway (wireguard-go) with three peers, each in its own");
     println!("network namespace; the node runs `wgfence run` on its WireGuard interface.");
@@ -152,11 +89,7 @@ fn main() {
         gw.node.name(),
         gw.interface()
     );
-    let alice_rules = json!([
-        { "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443, "8000-8100"] },
-        { "cidr": "192.0.2.0/24", "protocol": "icmp" },
-    ]);
-    let s1 = state(&gw, alice_rules.clone(), true);
+    let s1 = state(&gw, alice_rules(), true);
     let agent = Agent::start(&gw, Layout::Kubernetes, &s1, &[]);
     agent.wait_ready(&gw);
     println!(
@@ -171,23 +104,7 @@ fn main() {
     section("traffic from each peer");
     use Kind::{Ping, Tcp, Udp};
     use Reach::{Blocked as D, Reached as A};
-    table(
-        &gw,
-        &[
-            ("alice", 0, Tcp(443), "10.2.3.4", A),
-            ("alice", 0, Tcp(8100), "10.2.3.4", A),
-            ("alice", 0, Tcp(8101), "10.2.3.4", D),
-            ("alice", 0, Tcp(80), "10.2.3.4", D),
-            ("alice", 0, Ping, "192.0.2.1", A),
-            ("alice", 0, Ping, "10.2.3.4", D),
-            ("bob", 1, Tcp(80), "10.2.3.4", A),
-            ("bob", 1, Udp(53), "fd00:9::1", A),
-            ("carol", 2, Udp(53), "10.1.2.3", A),
-            ("carol", 2, Udp(53), "10.2.3.4", D),
-            ("carol", 2, Tcp(22), "fd00:1::1", A),
-            ("carol", 2, Tcp(443), "10.1.2.3", D),
-        ],
-    );
+    table(&gw, &FIRST_PROBES);
 
     section("replies: the node reaches alice, alice cannot reach the node");
     println!("alice's rules do not allow the node (10.8.0.1); what the node starts still gets its");
@@ -278,23 +195,14 @@ fn main() {
     section("live policy change: alice may now reach tcp/80");
     let writes = agent.metric(&gw, "wgfence_bpf_map_writes_total");
     let before = agent.reconciles(&gw);
-    let mut alice_more = alice_rules.clone();
-    if let Some(rules) = alice_more.as_array_mut() {
-        rules.push(json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [80] }));
-    }
+    let alice_more = alice_rules_changed();
     agent.write_state(&state(&gw, alice_more.clone(), true));
     agent.wait_reconciles(&gw, before, 1.0);
     println!(
         "applied with {} map writes (the new policy's entries, one switch per address, the old entries' deletion)",
         agent.metric(&gw, "wgfence_bpf_map_writes_total") - writes
     );
-    table(
-        &gw,
-        &[
-            ("alice", 0, Tcp(80), "10.2.3.4", A),
-            ("bob", 1, Tcp(80), "10.2.3.4", A),
-        ],
-    );
+    table(&gw, &CHANGED_PROBES);
 
     section("live revocation: carol is removed from the state file");
     // Carol probes back to back (an answered probe returns in about a millisecond); the
