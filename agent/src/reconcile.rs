@@ -28,9 +28,9 @@ use std::{
     time::{Duration, Instant},
 };
 
+pub use crate::drop_later;
 use crate::{
     dataplane::{Dataplane, DataplaneError, Flow, Maps},
-    drop_later,
     plan::{
         plan, plan_changes, plan_settings, plan_update, Actual, ActualMaps, ActualWg, Op, Plan,
         PlanError, Unplanned, WgPeerChange,

@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 
 use crate::{build, util};
 
-pub fn run(quick: bool, only: Option<String>) -> Result<()> {
+pub fn run(quick: bool, only: Option<String>, sizes: Option<String>) -> Result<()> {
     let release = build::build_sandbox_tool("wgfence-bench")?;
     let root = util::workspace_root()?;
     let mut cmd = std::process::Command::new(release.join("wgfence-bench"));
@@ -19,6 +19,9 @@ pub fn run(quick: bool, only: Option<String>) -> Result<()> {
     }
     if let Some(only) = only {
         cmd.args(["--only", &only]);
+    }
+    if let Some(sizes) = sizes {
+        cmd.args(["--sizes", &sizes]);
     }
     util::run(&mut cmd).context("the benchmarks failed")
 }

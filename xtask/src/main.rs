@@ -65,6 +65,10 @@ enum Task {
         /// revocation, restart, replies, soak); the report then goes to target/bench/partial.md.
         #[arg(long)]
         only: Option<String>,
+        /// Only these of each scenario's sizes (comma-separated peer counts, e.g. 131072); the
+        /// report then goes to target/bench/partial.md.
+        #[arg(long)]
+        sizes: Option<String>,
     },
     /// Run a cargo-fuzz target (installs cargo-fuzz if missing): `fuzz state --seconds 600`.
     Fuzz(fuzz::Options),
@@ -107,7 +111,7 @@ fn run(cli: Cli) -> Result<()> {
         Task::Run { args } => build::run_agent(args),
         Task::Test(options) => test::run(options),
         Task::Demo => demo::run(),
-        Task::Bench { quick, only } => bench::run(quick, only),
+        Task::Bench { quick, only, sizes } => bench::run(quick, only, sizes),
         Task::Fuzz(options) => fuzz::run(&options),
         Task::V1Agent => v1agent::run(),
         Task::VmTest(options) => vm::run(options),

@@ -131,7 +131,8 @@ pub fn shuffled(state: &Value, seed: u64) -> Value {
     if let Some(peers) = state["peers"].as_array_mut() {
         rng.shuffle(peers);
         for p in peers.iter_mut() {
-            if let Some(rules) = p["egress"].as_array_mut() {
+            // `p["egress"]` would insert `"egress": null` into an unrestricted peer.
+            if let Some(rules) = p.get_mut("egress").and_then(Value::as_array_mut) {
                 rng.shuffle(rules);
             }
         }
