@@ -422,8 +422,6 @@ impl Core {
 
     fn resync(&mut self) -> Next {
         let _pause = self.reconciler.pause_flow_work();
-        // The drift is measured against the state applied last (the read forgets it).
-        let applied = self.reconciler.applied().cloned();
         if let Err(e) = self.reconciler.refresh() {
             if !matches!(e, ReconcileError::Closed) {
                 tracing::error!(error = %crate::error_chain(&e), "resync: reading the kernel failed; will retry");
@@ -432,8 +430,9 @@ impl Core {
             }
             return Next::Idle;
         }
-        if let Some(applied) = applied {
-            let drift = crate::verify::drift_of(&applied, self.reconciler.actual());
+        // Against the last accepted state (the pipeline keeps it), before the load repairs.
+        if self.applied.is_some() {
+            let drift = crate::verify::drift_of(self.pipeline.state(), self.reconciler.actual());
             if !drift.is_empty() {
                 tracing::warn!(
                     entries = drift.len(),
