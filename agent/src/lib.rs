@@ -39,6 +39,27 @@ pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
+/// Frees `value` on a thread of its own, so that what is proportional to the number of peers
+/// (a previous state, the peers a push removed) is not freed between a file change and the
+/// kernel write. If the thread cannot be started, it is freed here.
+pub fn drop_later<T: Send + 'static>(value: T) {
+    type Garbage = Box<dyn Send>;
+    static FREER: std::sync::OnceLock<Option<std::sync::mpsc::Sender<Garbage>>> =
+        std::sync::OnceLock::new();
+    let freer = FREER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Garbage>();
+        std::thread::Builder::new()
+            .name("wgfence-free".into())
+            .spawn(move || rx.into_iter().for_each(drop))
+            .ok()
+            .map(|_| tx)
+    });
+    if let Some(tx) = freer {
+        // Only fails if the thread is gone: then the value comes back and is freed here.
+        let _ = tx.send(Box::new(value));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[derive(Debug, thiserror::Error)]

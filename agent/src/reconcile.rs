@@ -23,20 +23,21 @@ use std::{
     net::IpAddr,
     sync::{
         atomic::{AtomicBool, Ordering},
-        mpsc, Arc, OnceLock,
+        Arc,
     },
     time::{Duration, Instant},
 };
 
+pub use crate::drop_later;
 use crate::{
     dataplane::{Dataplane, DataplaneError, Flow, Maps},
     plan::{
-        plan, plan_settings, plan_update, Actual, ActualMaps, ActualWg, Op, Plan, PlanError,
-        Unplanned, WgPeerChange,
+        plan, plan_changes, plan_settings, plan_update, Actual, ActualMaps, ActualWg, Op, Plan,
+        PlanError, Unplanned, WgPeerChange,
     },
     policy::CompiledPolicy,
     settings::{online_cpus, DatapathSettings},
-    state::{DesiredState, WgKey},
+    state::{self, DesiredState, WgKey},
     sweeper::{Pause, Sweeper},
     wg::{WgError, WireGuard},
 };
@@ -85,6 +86,8 @@ pub struct Reconciler {
     /// The state the kernel was last made to match: the next plan only looks at what differs
     /// from it. `None` after a failure or a resync: the next plan compares everything.
     applied: Option<DesiredState>,
+    /// The kernel matches the state the pipeline accepted last ([`Self::reconcile_changes`]).
+    tracking: bool,
     /// The cached view may differ from the kernel (after a failure): read before planning.
     stale: bool,
     /// Time spent in WireGuard updates by the current apply.
@@ -141,6 +144,7 @@ impl Reconciler {
             wg,
             actual: Actual::default(),
             applied: None,
+            tracking: false,
             stale: true,
             wg_time: Duration::ZERO,
             settings: DatapathSettings::default(),
@@ -211,6 +215,7 @@ impl Reconciler {
     fn read_kernel(&mut self, device: Option<ActualWg>) -> Result<(), ReconcileError> {
         self.check_open()?;
         drop_later(self.applied.take());
+        self.tracking = false;
         let t = Instant::now();
         let maps = read_maps(self.dataplane.maps())?;
         let maps_read = t.elapsed();
@@ -290,13 +295,26 @@ impl Reconciler {
 
     /// What `reconcile` would do now: the plan, with the settings entry after its lead, or why
     /// there is none with the plan's lead.
-    fn plan(&mut self, desired: &DesiredState) -> Result<Result<Plan, Unplanned>, ReconcileError> {
+    /// `changes`: the pipeline's, since the state it accepted before (see
+    /// [`Self::reconcile_changes`]).
+    fn plan(
+        &mut self,
+        desired: &DesiredState,
+        changes: Option<&state::Changes>,
+    ) -> Result<Result<Plan, Unplanned>, ReconcileError> {
         if self.stale {
             self.refresh()?;
         }
-        let planned = match &self.applied {
-            Some(previous) => plan_update(previous, desired, &self.actual),
-            None => plan(desired, &self.actual),
+        let planned = match (changes, &self.applied) {
+            (Some(changes), _) if self.tracking => {
+                let changes = crate::plan::Changes {
+                    touched: changes.touched_in(desired),
+                    gone: changes.gone.iter().collect(),
+                };
+                plan_changes(desired, changes, &self.actual)
+            }
+            (None, Some(previous)) => plan_update(previous, desired, &self.actual),
+            _ => plan(desired, &self.actual),
         };
         let want = self.settings.config(desired.replies, self.cpus);
         let settings = plan_settings(&want, self.kernel_config.as_ref());
@@ -311,10 +329,44 @@ impl Reconciler {
     /// Makes the kernel match `desired`, changing only what differs.
     pub fn reconcile(&mut self, desired: DesiredState) -> Result<Outcome, ReconcileError> {
         let start = Instant::now();
-        let plan = match self.plan(&desired)? {
+        let plan = match self.plan(&desired, None)? {
             Ok(plan) => plan,
             Err(unplanned) => return Err(self.apply_lead_only(unplanned)),
         };
+        self.tracking = false;
+        let result = self.execute(&plan, start);
+        if result.is_err() {
+            drop_later(self.applied.take());
+        } else {
+            // The previous state is freed off the apply path (milliseconds at 100,000 peers).
+            drop_later(self.applied.replace(desired));
+        }
+        result
+    }
+
+    /// Makes the kernel match `desired`, the state [`crate::state::Pipeline`] accepted, given
+    /// its `changes` since the state it accepted before: while the kernel is known to match
+    /// that one (the last call succeeded, no resync since), only the changed peers are
+    /// planned, so a push costs what changed. Otherwise everything is compared. Keeps no copy
+    /// of the state: the pipeline has it.
+    pub fn reconcile_changes(
+        &mut self,
+        desired: &DesiredState,
+        changes: &state::Changes,
+    ) -> Result<Outcome, ReconcileError> {
+        let start = Instant::now();
+        let plan = match self.plan(desired, Some(changes))? {
+            Ok(plan) => plan,
+            Err(unplanned) => return Err(self.apply_lead_only(unplanned)),
+        };
+        drop_later(self.applied.take());
+        let result = self.execute(&plan, start);
+        self.tracking = result.is_ok();
+        result
+    }
+
+    /// Applies `plan`, made from `start` on.
+    fn execute(&mut self, plan: &Plan, start: Instant) -> Result<Outcome, ReconcileError> {
         let plan_duration = start.elapsed();
         self.wg_time = Duration::ZERO;
         let writes_before = self.dataplane.maps().writes();
@@ -325,10 +377,6 @@ impl Reconciler {
         let result = self.apply(&plan.ops);
         if result.is_err() {
             self.stale = true;
-            drop_later(self.applied.take());
-        } else {
-            // The previous state is freed off the apply path (milliseconds at 100,000 peers).
-            drop_later(self.applied.replace(desired));
         }
         let outcome = Outcome {
             ops: plan.ops.len(),
@@ -348,6 +396,7 @@ impl Reconciler {
         let Unplanned { error, lead } = unplanned;
         let applied = self.apply(&lead.ops);
         self.stale = true;
+        self.tracking = false;
         drop_later(self.applied.take());
         if let Err(e) = applied {
             return e;
@@ -478,26 +527,6 @@ impl Reconciler {
             i += run;
         }
         Ok(())
-    }
-}
-
-/// Frees `value` on a thread of its own, so that what is proportional to the number of peers
-/// (the previous desired state) is not freed between a file change and the kernel write. If
-/// the thread cannot be started, it is freed here.
-pub fn drop_later<T: Send + 'static>(value: T) {
-    type Garbage = Box<dyn Send>;
-    static FREER: OnceLock<Option<mpsc::Sender<Garbage>>> = OnceLock::new();
-    let freer = FREER.get_or_init(|| {
-        let (tx, rx) = mpsc::channel::<Garbage>();
-        std::thread::Builder::new()
-            .name("wgfence-free".into())
-            .spawn(move || rx.into_iter().for_each(drop))
-            .ok()
-            .map(|_| tx)
-    });
-    if let Some(tx) = freer {
-        // Only fails if the thread is gone: then the value comes back and is freed here.
-        let _ = tx.send(Box::new(value));
     }
 }
 

@@ -4,10 +4,13 @@
 //! the whole state if there is any: nothing is ever half-applied. The result does not depend
 //! on the order of peers or of rules: peers are sorted by name and rules are a sorted set.
 
+pub mod edits;
 mod fast;
+mod pipeline;
 mod tree;
 mod unique_keys;
 
+pub use pipeline::{Changes, Pipeline, Rejection};
 pub use tree::parse_value_tree;
 
 use std::{
@@ -349,6 +352,29 @@ fn port_text(s: &str) -> Result<PortRange, String> {
             Err(_) => Err(format!("{s:?} is not a port or a \"lo-hi\" range")),
         },
     }
+}
+
+/// The peers of two states side by side by name (both are sorted by name): `(Some, Some)` for
+/// a name both have, `(Some, None)` for one only `previous` has, `(None, Some)` for one only
+/// `desired` has.
+pub fn by_name<'a>(
+    previous: &'a DesiredState,
+    desired: &'a DesiredState,
+) -> impl Iterator<Item = (Option<&'a PeerSpec>, Option<&'a PeerSpec>)> + 'a {
+    let (mut old, mut new) = (
+        previous.peers.iter().peekable(),
+        desired.peers.iter().peekable(),
+    );
+    std::iter::from_fn(move || match (old.peek(), new.peek()) {
+        (Some(o), Some(n)) => Some(match o.name.cmp(&n.name) {
+            std::cmp::Ordering::Less => (old.next(), None),
+            std::cmp::Ordering::Greater => (None, new.next()),
+            std::cmp::Ordering::Equal => (old.next(), new.next()),
+        }),
+        (Some(_), None) => Some((old.next(), None)),
+        (None, Some(_)) => Some((None, new.next())),
+        (None, None) => None,
+    })
 }
 
 /// Policies of a state by content, for callers that need each distinct policy once.
