@@ -499,18 +499,27 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
             Ok((wg, device))
         })?;
     let attached = Dataplane::attach(&attach);
-    let read = device
-        .join()
-        .map_err(|_| io::Error::other("the thread reading the WireGuard device panicked"))?;
     // A datapath that cannot attach is the error to report, as before the read was parallel.
-    let mut dataplane = attached?;
-    let (wg, device) = read?;
+    let mut dataplane = match attached {
+        Ok(dataplane) => dataplane,
+        Err(e) => {
+            let _ = device.join();
+            return Err(e.into());
+        }
+    };
     if options.datapath_debug {
         spawn_datapath_logger(&mut dataplane);
     }
-    let backend = wg.backend_name();
-    let reconciler =
-        Reconciler::adopt(dataplane, wg, Some(device))?.with_settings(options.settings);
+    // The maps are read while the device's read still runs.
+    let reconciler = Reconciler::adopt_reading(dataplane, || -> Result<_, DaemonError> {
+        let read = device
+            .join()
+            .map_err(|_| io::Error::other("the thread reading the WireGuard device panicked"))?;
+        let (wg, device) = read?;
+        Ok((wg, device))
+    })?
+    .with_settings(options.settings);
+    let backend = reconciler.wireguard().backend_name();
     // Attaching recounted every slot's quota from its flows and the reconciler collected the
     // dead ones (nothing else deletes any yet): from here on the sweeper, with map handles of
     // its own, is the one writer of the freed counts.

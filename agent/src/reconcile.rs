@@ -117,7 +117,29 @@ impl Reconciler {
         wg: WireGuard,
         device: Option<ActualWg>,
     ) -> Result<Self, ReconcileError> {
-        let mut r = Self {
+        let mut r = Self::unread(dataplane, wg);
+        r.read_kernel(device)?;
+        Ok(r)
+    }
+
+    /// The same, with the WireGuard side still being read (on another thread, at start-up):
+    /// the maps are read first, meanwhile, then `device` is waited for.
+    pub fn adopt_reading<E: From<ReconcileError>>(
+        dataplane: Dataplane,
+        device: impl FnOnce() -> Result<(WireGuard, ActualWg), E>,
+    ) -> Result<Self, E> {
+        let t = Instant::now();
+        let maps = read_maps(dataplane.maps()).map_err(ReconcileError::from)?;
+        let maps_read = t.elapsed();
+        let (wg, device) = device()?;
+        let mut r = Self::unread(dataplane, wg);
+        r.take_kernel(t, maps, maps_read, device)?;
+        Ok(r)
+    }
+
+    /// A reconciler that has read nothing yet.
+    fn unread(dataplane: Dataplane, wg: WireGuard) -> Self {
+        Self {
             dataplane,
             wg,
             actual: Actual::default(),
@@ -131,9 +153,7 @@ impl Reconciler {
             flows_freed: 0,
             sweeper: None,
             closed: Arc::new(AtomicBool::new(false)),
-        };
-        r.read_kernel(device)?;
-        Ok(r)
+        }
     }
 
     /// Hands every later flow deletion to `sweeper`, which deletes off the apply path; from
@@ -203,6 +223,18 @@ impl Reconciler {
             Some(device) => device,
             None => self.wg.read()?,
         };
+        self.take_kernel(t, maps, maps_read, wg)
+    }
+
+    /// Takes the kernel's state read since `t` (the maps in `maps_read`, then the device) as
+    /// the actual state.
+    fn take_kernel(
+        &mut self,
+        t: Instant,
+        maps: ActualMaps,
+        maps_read: Duration,
+        wg: ActualWg,
+    ) -> Result<(), ReconcileError> {
         let wg_read = t.elapsed() - maps_read;
         drop_later(std::mem::replace(&mut self.actual, Actual::new(maps, wg)));
         let indexed = t.elapsed() - maps_read - wg_read;

@@ -773,8 +773,10 @@ fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
         "layout 1 not tidied (only the tombstone stays): {left:?}"
     );
     assert!(
-        left.iter()
-            .all(|p| p.starts_with("wgf2_") || p.starts_with("link_") || p == "wgf1_peers_v4"),
+        left.iter().all(|p| p.starts_with("wgf2_")
+            || p.starts_with("link_")
+            || p.starts_with("prog_")
+            || p == "wgf1_peers_v4"),
         "leftovers: {left:?}"
     );
     assert_eq!(
