@@ -65,11 +65,25 @@ pub fn state_of(
     alice: Value,
     with_carol: bool,
 ) -> String {
+    // Alice's tcp/80 is denied at first and allowed after the live change: a test pins
+    // either, so the changed state's extra rule is covered too.
+    let web = "10.2.3.4:80/tcp";
+    let (web_accept, web_deny) = if alice == alice_rules_changed() {
+        (Some(web), None)
+    } else {
+        (None, Some(web))
+    };
     let mut peers = vec![peer(0, Some(alice)), peer(1, None)];
+    let alice_accept: Vec<&str> = ["10.2.3.4:443/tcp", "10.1.2.3:8080/tcp", "192.0.2.1/icmp"]
+        .into_iter()
+        .chain(web_accept)
+        .collect();
+    let alice_deny: Vec<&str> = ["10.2.3.4:22/tcp", "10.9.1.1/icmp", "[fd00:1::1]:443/tcp"]
+        .into_iter()
+        .chain(web_deny)
+        .collect();
     let mut tests = vec![
-        json!({ "peer": "alice",
-                "accept": ["10.2.3.4:443/tcp", "10.1.2.3:8080/tcp", "192.0.2.1/icmp"],
-                "deny": ["10.2.3.4:22/tcp", "10.9.1.1/icmp", "[fd00:1::1]:443/tcp"] }),
+        json!({ "peer": "alice", "accept": alice_accept, "deny": alice_deny }),
         json!({ "peer": "bob", "accept": ["10.2.3.4:22/tcp", "[2001:db8::1]:53/udp"] }),
     ];
     if with_carol {

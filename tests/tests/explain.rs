@@ -395,8 +395,8 @@ fn every_removed_rule_fails_a_test(name: &str, text: &str) -> usize {
     removed
 }
 
-/// The shipped states' tests pin down every rule: the demo's first state and the example
-/// overlay's.
+/// The shipped states' tests pin down every rule: the demo's first state, its state after the
+/// live change, and the example overlay's.
 #[test]
 fn the_shipped_states_tests_catch_every_removed_rule() {
     let key = |i: usize| {
@@ -414,6 +414,9 @@ fn the_shipped_states_tests_catch_every_removed_rule() {
     };
     let demo = wgfence_tests::demo::state_of(peer, wgfence_tests::demo::alice_rules(), true);
     let mut n = every_removed_rule_fails_a_test("the demo's state", &demo);
+    let changed =
+        wgfence_tests::demo::state_of(peer, wgfence_tests::demo::alice_rules_changed(), true);
+    n += every_removed_rule_fails_a_test("the demo's state after its live change", &changed);
     let example = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../deploy/overlays/example/state.json"),
