@@ -8,7 +8,7 @@
 //!
 //! 1. the v2 maps are created and pinned (by the loader) and both v2 programs loaded;
 //! 2. [`Upgrade::fill`] translates the v1 maps into them: peer entries get owners (one per
-//!    counter slot, i.e. per peer), policy tries are copied verbatim, packet and per-peer
+//!    address, as the planner gives them), policy tries are copied verbatim, packet and per-peer
 //!    counters carried over, live flows translated to the owner of their peer's entry and
 //!    counted in `wgf2_flow_made`, the config carried with the new fields at their defaults;
 //! 3. the switch marker (`wgf2_switch`, the ids of the v2 programs) is pinned, then each
@@ -771,8 +771,8 @@ pub(crate) struct Upgrade {
     /// after that.
     stats: Vec<Vec<u64>>,
     peer_stats: BTreeMap<u32, v1::PeerCounters>,
-    /// Owner of each v1 counter slot.
-    owners: BTreeMap<u32, u64>,
+    /// Owner of each v1 peer entry's address.
+    owners: BTreeMap<IpAddr, u64>,
     report: UpgradeReport,
 }
 
@@ -850,26 +850,23 @@ impl Upgrade {
         let config = self.v1.config()?;
         let peers = self.v1.peers()?;
 
-        // Owners: one per v1 slot (a peer's IPv4 and IPv6 entries share a slot and a holder),
-        // kept if the v2 maps already hold the slot (a resumed upgrade), else new ones above
-        // the high-water mark.
+        // Owners: one per address, as the planner allocates them (a flow counts only for the
+        // entry of its own address), kept if the v2 maps already hold the address with the
+        // same slot (a resumed upgrade), else new ones above the high-water mark.
         let old_config = v2.config.get(&0, 0).map_err(map_err(map_names::CONFIG))?;
         let mut high = old_config.owner_high;
-        let existing: BTreeMap<u32, u64> = v2
-            .peers()?
-            .into_iter()
-            .map(|(_, e)| (e.slot, e.owner))
-            .collect();
+        let existing: BTreeMap<IpAddr, wgfence_common::PeerEntry> =
+            v2.peers()?.into_iter().collect();
         let slots: BTreeSet<u32> = peers.iter().map(|(_, e)| e.slot).collect();
-        for slot in &slots {
-            let owner = match existing.get(slot) {
-                Some(owner) if *owner != 0 => *owner,
+        for (addr, entry) in &peers {
+            let owner = match existing.get(addr) {
+                Some(have) if have.owner != 0 && have.slot == entry.slot => have.owner,
                 _ => {
                     high += 1;
                     high
                 }
             };
-            self.owners.insert(*slot, owner);
+            self.owners.insert(*addr, owner);
         }
 
         // The config first (nothing runs on these maps yet): timeouts decide which flows are
@@ -915,7 +912,7 @@ impl Upgrade {
 
         // Peer entries, after the policies they reference; entries of no v1 peer go.
         for (addr, entry) in &peers {
-            let owner = self.owners.get(&entry.slot).copied().unwrap_or_default();
+            let owner = self.owners.get(addr).copied().unwrap_or_default();
             v2.upsert_peer(
                 *addr,
                 wgfence_common::PeerEntry {
@@ -946,7 +943,7 @@ impl Upgrade {
         remove_other_entries(&mut v2.policy_v4, map_names::POLICY_V4, &keep_v4)?;
         remove_other_entries(&mut v2.policy_v6, map_names::POLICY_V6, &keep_v6)?;
         self.report.peer_entries = peers.len();
-        self.report.owners = slots.len() as u64;
+        self.report.owners = self.owners.len() as u64;
 
         // Counters: the v1 values now; what the v1 programs count until the switch is added
         // after it.
@@ -1006,7 +1003,7 @@ impl Upgrade {
             let v = flow.value;
             let live = now.saturating_sub(v.last_seen_ns) <= config.timeout(flow.protocol, v.state);
             let owner = (slot_of.get(&flow.peer) == Some(&v.slot))
-                .then(|| self.owners.get(&v.slot).copied())
+                .then(|| self.owners.get(&flow.peer).copied())
                 .flatten();
             let Some(owner) = owner.filter(|_| live) else {
                 dropped += 1;
