@@ -28,8 +28,8 @@ use crate::{
     dataplane::{AttachOptions, Check, Dataplane, DataplaneError, Repair},
     metrics::{self, Endpoints, Health, Metrics},
     reconcile::{ReconcileError, Reconciler},
-    source::{SourceError, StateSource},
-    state::{self, DesiredState},
+    source::{ReadError, SourceError, StateFile, StateSource},
+    state::{Changes, Pipeline, Rejection},
     status::{LastReconcile, StatusFile},
     sweeper::{Sweeper, FLOW_SWEEP},
     trust::{self, TrustError},
@@ -38,6 +38,11 @@ use crate::{
 
 /// Longest wait before retrying after a kernel error.
 const MAX_RETRY: Duration = Duration::from_secs(30);
+/// Peers added, changed and removed by one push beyond which the freed memory is handed back
+/// to the system after the apply.
+const LARGE_CHANGE: usize = 1024;
+/// Allocations from this size up are served by mmap, and unmapped when freed.
+const MMAP_THRESHOLD: libc::c_int = 256 * 1024;
 /// How often the attachment and the pins are checked (a name lookup and a few `stat`s).
 const DATAPLANE_CHECK: Duration = Duration::from_secs(1);
 
@@ -92,6 +97,12 @@ pub enum DaemonError {
 
 /// Runs the agent until SIGTERM or SIGINT.
 pub fn run(options: RunOptions) -> Result<(), DaemonError> {
+    // Every push reads the file into buffers as large as the file (its bytes, its peers'
+    // fields), freed right after. Served by mmap they go back to the system when freed; glibc
+    // would otherwise raise its mmap threshold after the first such free and keep them in the
+    // heap, resident. Fixed, at 256 KiB, the threshold no longer moves.
+    // SAFETY: mallopt only changes the allocator's tuning; called before any thread starts.
+    unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -102,11 +113,13 @@ pub fn run(options: RunOptions) -> Result<(), DaemonError> {
 /// blocking pool, so a large apply never stalls the metrics server or signal handling.
 struct Core {
     reconciler: Reconciler,
-    state_path: PathBuf,
-    /// Bytes of the state file that are applied now; an identical read costs nothing.
-    applied: Option<Vec<u8>>,
-    /// Bytes of the last rejected state, so an unchanged bad file is not re-parsed per event.
-    rejected: Option<Vec<u8>>,
+    state_file: StateFile,
+    /// Reads each new state file, keeping the last accepted state and what decides the next.
+    pipeline: Pipeline,
+    /// Hash of the state file's bytes that are applied now; an identical read costs nothing.
+    applied: Option<u128>,
+    /// Hash of the last rejected state, so an unchanged bad file is not re-parsed per event.
+    rejected: Option<u128>,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
     peer_metrics: bool,
@@ -114,12 +127,12 @@ struct Core {
     map_writes_seen: u64,
     flows_freed_seen: u64,
     wg_updates_seen: u64,
-    allow_insecure_state: bool,
     /// The last dataplane check found the interface gone, the pins detached or an error.
     dataplane_fault: bool,
 }
 
-/// Counts of a desired state, for logs, metrics and the status snapshot (O(peers), cheap).
+/// Counts of the accepted state, for logs, metrics and the status snapshot (kept by the
+/// pipeline: no pass over the peers).
 pub(crate) struct Summary {
     pub peers: usize,
     pub restricted: usize,
@@ -127,17 +140,11 @@ pub(crate) struct Summary {
 }
 
 impl Summary {
-    fn of(desired: &DesiredState) -> Self {
-        // Peers with equal rules share one compiled policy: count distinct allocations.
-        let policies: std::collections::HashSet<*const _> = desired
-            .peers
-            .iter()
-            .filter_map(|p| p.policy.as_ref().map(Arc::as_ptr))
-            .collect();
+    fn of(pipeline: &Pipeline) -> Self {
         Self {
-            peers: desired.peers.len(),
-            restricted: desired.restricted_peers(),
-            policies: policies.len(),
+            peers: pipeline.state().peers.len(),
+            restricted: pipeline.restricted_peers(),
+            policies: pipeline.distinct_policies(),
         }
     }
 }
@@ -160,37 +167,23 @@ impl Core {
             tracing::debug!("datapath fault: the state is applied once the datapath is back");
             return Next::Idle;
         }
-        let read = if self.allow_insecure_state {
-            std::fs::read(&self.state_path)
-        } else {
-            match trust::read_trusted(&self.state_path) {
-                Ok(bytes) => Ok(bytes),
-                Err(trust::TrustError::Io { source, .. }) => Err(source),
-                // Replaced between the open and the check (a volume update in progress): not a
-                // verdict on the file, read it again.
-                Err(e @ trust::TrustError::Changed { .. }) => {
-                    tracing::warn!(error = %e, "reading the state file again");
-                    return Next::Retry;
-                }
-                Err(e) => {
-                    let why = format!("state file not trusted: {}", crate::error_chain(&e));
-                    tracing::error!("{why}; keeping what is enforced");
-                    self.not_ready(&why);
-                    self.applied = None;
-                    return Next::Idle;
-                }
-            }
-        };
-        let bytes = match read {
+        let bytes = match self.state_file.read() {
             Ok(bytes) => bytes,
+            Err(e @ ReadError::Replaced(_)) => {
+                tracing::warn!(error = %e, "reading the state file again");
+                return Next::Retry;
+            }
+            Err(e @ ReadError::Untrusted(_)) => {
+                let why = crate::error_chain(&e);
+                tracing::error!("{why}; keeping what is enforced");
+                self.not_ready(&why);
+                self.applied = None;
+                return Next::Idle;
+            }
             Err(e) => {
-                let why = if e.kind() == io::ErrorKind::NotFound {
-                    "state file missing".to_owned()
-                } else {
-                    format!("state file unreadable: {e}")
-                };
+                let why = e.to_string();
                 tracing::warn!(
-                    path = %self.state_path.display(),
+                    path = %self.state_file.path().display(),
                     "{why}; keeping what is enforced"
                 );
                 self.not_ready(&why);
@@ -198,59 +191,76 @@ impl Core {
                 return Next::Idle;
             }
         };
-        if !force && self.applied.as_ref() == Some(&bytes) {
-            return Next::Idle;
-        }
-        if !force && self.rejected.as_ref() == Some(&bytes) {
+        let hash = self.pipeline.hash(&bytes);
+        if !force && (self.applied == Some(hash) || self.rejected == Some(hash)) {
             return Next::Idle;
         }
         let capacity = self.reconciler.wireguard().max_peers();
-        let parsed = std::str::from_utf8(&bytes)
-            .map_err(|e| format!("state file is not UTF-8: {e}"))
-            .and_then(|text| state::parse(text).map_err(|e| e.to_string()))
-            .and_then(|desired| match capacity {
+        // Failing policy tests are named in /readyz, not only in the log.
+        let mut failed_tests = Vec::new();
+        let updated = match std::str::from_utf8(&bytes) {
+            Ok(text) => self.pipeline.update(text, capacity).map_err(|e| match e {
+                Rejection::Invalid(errors) => {
+                    failed_tests = crate::state::assertions::failed(&errors);
+                    errors.to_string()
+                }
                 // Refused here, whole, rather than halfway through the WireGuard update.
-                Some(max) if desired.peers.len() > max => Err(format!(
-                    "state rejected: {} peers, but {} is run by a userspace WireGuard \
+                Rejection::TooMany { peers, max } => format!(
+                    "state rejected: {peers} peers, but {} is run by a userspace WireGuard \
                      (wireguard-go), which holds at most {max}",
-                    desired.peers.len(),
                     self.reconciler.dataplane().interface()
-                )),
-                _ => Ok(desired),
-            });
-        let desired = match parsed {
-            Ok(desired) => desired,
+                ),
+            }),
+            Err(e) => Err(format!("state file is not UTF-8: {e}")),
+        };
+        drop(bytes);
+        let changes = match updated {
+            Ok(changes) => changes,
             Err(errors) => {
                 tracing::error!(
-                    path = %self.state_path.display(),
+                    path = %self.state_file.path().display(),
                     "{errors}\nthe last good state stays applied"
                 );
                 self.metrics.state_rejected.inc();
-                self.not_ready("state file rejected by validation (see the agent's log)");
-                self.rejected = Some(bytes);
+                if failed_tests.is_empty() {
+                    self.not_ready("state file rejected by validation (see the agent's log)");
+                } else {
+                    self.not_ready(&format!(
+                        "state file rejected: policy test failed: {}",
+                        failed_tests.join("; ")
+                    ));
+                }
+                self.rejected = Some(hash);
                 self.applied = None;
+                // Rejecting walks the whole file as a value tree: hand the freed memory back.
+                trim_heap();
                 return Next::Idle;
             }
         };
         self.rejected = None;
-        let next = self.apply(desired, bytes);
-        // Parsing a large state allocates and frees a tree of JSON values; hand the freed
-        // memory back to the system instead of keeping the peak resident until the next load.
-        // SAFETY: malloc_trim only releases free heap memory.
-        unsafe { libc::malloc_trim(0) };
+        let next = self.apply(&changes, hash);
+        let large = changes.touched.len() + changes.gone.len() > LARGE_CHANGE;
+        if large {
+            // Freeing many peers and handing the memory back, off the path of the next push.
+            crate::drop_later(changes);
+            trim_heap();
+        }
         next
     }
 
-    fn apply(&mut self, desired: DesiredState, bytes: Vec<u8>) -> Next {
-        let summary = Summary::of(&desired);
-        match self.reconciler.reconcile(desired) {
+    fn apply(&mut self, changes: &Changes, hash: u128) -> Next {
+        let summary = Summary::of(&self.pipeline);
+        match self
+            .reconciler
+            .reconcile_changes(self.pipeline.state(), changes)
+        {
             Ok(outcome) => {
                 self.account(Some(outcome.duration));
                 self.metrics.peers.set(summary.peers as i64);
                 self.metrics.policies.set(summary.policies as i64);
                 self.metrics.ready.set(1);
                 self.health.set_ready();
-                self.applied = Some(bytes);
+                self.applied = Some(hash);
                 if self.peer_metrics {
                     self.update_slot_names();
                 }
@@ -322,9 +332,7 @@ impl Core {
 
     /// Peer names by counter slot, for per-peer series (O(peers): only with --peer-metrics).
     fn update_slot_names(&self) {
-        let Some(desired) = self.reconciler.applied() else {
-            return;
-        };
+        let desired = self.pipeline.state();
         let peers = &self.reconciler.actual().maps().peers;
         let names: Vec<(u32, String)> = desired
             .peers
@@ -443,6 +451,18 @@ impl Core {
             }
             return Next::Idle;
         }
+        // Against the last accepted state (the pipeline keeps it), before the load repairs.
+        if self.applied.is_some() {
+            let drift = crate::verify::drift_of(self.pipeline.state(), self.reconciler.actual());
+            if !drift.is_empty() {
+                tracing::warn!(
+                    entries = drift.len(),
+                    first = %drift[0],
+                    "resync: the kernel differs from the applied state; repairing"
+                );
+            }
+            self.metrics.drift_entries.set(drift.len() as i64);
+        }
         self.load(true)
     }
 }
@@ -500,18 +520,27 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
             Ok((wg, device))
         })?;
     let attached = Dataplane::attach(&attach);
-    let read = device
-        .join()
-        .map_err(|_| io::Error::other("the thread reading the WireGuard device panicked"))?;
     // A datapath that cannot attach is the error to report, as before the read was parallel.
-    let mut dataplane = attached?;
-    let (wg, device) = read?;
+    let mut dataplane = match attached {
+        Ok(dataplane) => dataplane,
+        Err(e) => {
+            let _ = device.join();
+            return Err(e.into());
+        }
+    };
     if options.datapath_debug {
         spawn_datapath_logger(&mut dataplane);
     }
-    let backend = wg.backend_name();
-    let reconciler =
-        Reconciler::adopt(dataplane, wg, Some(device))?.with_settings(options.settings);
+    // The maps are read while the device's read still runs.
+    let reconciler = Reconciler::adopt_reading(dataplane, || -> Result<_, DaemonError> {
+        let read = device
+            .join()
+            .map_err(|_| io::Error::other("the thread reading the WireGuard device panicked"))?;
+        let (wg, device) = read?;
+        Ok((wg, device))
+    })?
+    .with_settings(options.settings);
+    let backend = reconciler.wireguard().backend_name();
     // Attaching recounted every slot's quota from its flows and the reconciler collected the
     // dead ones (nothing else deletes any yet): from here on the sweeper, with map handles of
     // its own, is the one writer of the freed counts.
@@ -547,7 +576,8 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     let shutdown = shutdown_on_signal(Arc::clone(&closed))?;
     let mut core = Some(Core {
         reconciler,
-        state_path: options.state.clone(),
+        state_file: StateFile::new(&options.state, !options.allow_insecure_state),
+        pipeline: Pipeline::new(),
         applied: None,
         rejected: None,
         metrics,
@@ -557,7 +587,6 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         map_writes_seen: 0,
         flows_freed_seen: 0,
         wg_updates_seen: 0,
-        allow_insecure_state: options.allow_insecure_state,
         dataplane_fault: false,
     });
 
@@ -611,6 +640,12 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
          (`wgfence detach` removes it)"
     );
     Ok(())
+}
+
+/// Hands free heap memory back to the system, so a peak does not stay resident.
+fn trim_heap() {
+    // SAFETY: malloc_trim only releases free heap memory.
+    unsafe { libc::malloc_trim(0) };
 }
 
 async fn sleep_until(at: Option<Instant>) {

@@ -10,6 +10,7 @@
 pub mod clock;
 pub mod daemon;
 pub mod dataplane;
+pub mod explain;
 pub mod metrics;
 pub mod monitor;
 pub mod plan;
@@ -21,6 +22,7 @@ pub mod state;
 pub mod status;
 pub mod sweeper;
 pub mod trust;
+pub mod verify;
 pub mod wg;
 
 /// An error and its sources, `outer: inner: innermost`, for logs and the command line. The
@@ -38,6 +40,27 @@ pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
         source = cause.source();
     }
     text
+}
+
+/// Frees `value` on a thread of its own, so that what is proportional to the number of peers
+/// (a previous state, the peers a push removed) is not freed between a file change and the
+/// kernel write. If the thread cannot be started, it is freed here.
+pub fn drop_later<T: Send + 'static>(value: T) {
+    type Garbage = Box<dyn Send>;
+    static FREER: std::sync::OnceLock<Option<std::sync::mpsc::Sender<Garbage>>> =
+        std::sync::OnceLock::new();
+    let freer = FREER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Garbage>();
+        std::thread::Builder::new()
+            .name("wgfence-free".into())
+            .spawn(move || rx.into_iter().for_each(drop))
+            .ok()
+            .map(|_| tx)
+    });
+    if let Some(tx) = freer {
+        // Only fails if the thread is gone: then the value comes back and is freed here.
+        let _ = tx.send(Box::new(value));
+    }
 }
 
 #[cfg(test)]

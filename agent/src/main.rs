@@ -1,7 +1,7 @@
 //! The `wgfence` command line.
 
 use std::{
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     process::ExitCode,
     time::Duration,
@@ -162,6 +162,38 @@ enum Command {
         /// Exit after this many events.
         #[arg(long, value_name = "N")]
         count: Option<u64>,
+    },
+    /// Why a packet from a peer passes or is dropped. The verdict is the live program's own:
+    /// the attached datapath object run on a synthetic packet under BPF_PROG_TEST_RUN against
+    /// the pinned peer, policy, flow and settings maps (nothing live moves: no counter, drop
+    /// event or flow timestamp). With the reason: the peer entry, the policy id, the matching
+    /// trie prefix, the allow entry that matched (or those that did not) and the state-file
+    /// rules each came from, whether a reply flow lets it pass, and whether the state file's
+    /// entries decide the same.
+    Explain {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        request: ExplainRequest,
+        /// State file to compare with and name rules by (default: the running agent's).
+        #[arg(long, short)]
+        state: Option<PathBuf>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Compare every pinned map entry and the WireGuard peers' allowed IPs with what the state
+    /// file compiles to; exit 1 naming each entry that differs (drift: a change behind the
+    /// agent's back, which its next resync repairs).
+    Verify {
+        #[command(flatten)]
+        target: Target,
+        /// State file to compare with (default: the running agent's).
+        #[arg(long, short)]
+        state: Option<PathBuf>,
+        /// Machine-readable output: a JSON array of {entry, what}.
+        #[arg(long)]
+        json: bool,
     },
     /// Remove the program, link and pinned maps of an interface. Peers lose their policy:
     /// traffic is no longer filtered. Works while an agent runs: the agent lets go of its links
@@ -345,6 +377,17 @@ fn dispatch(command: Command) -> Result<ExitCode> {
             state.as_deref(),
             count,
         ),
+        Command::Explain {
+            target,
+            request,
+            state,
+            json,
+        } => explain_command(&target, &request, state.as_deref(), json),
+        Command::Verify {
+            target,
+            state,
+            json,
+        } => verify_command(&target, state.as_deref(), json),
         Command::Detach {
             target: Target { interface, bpffs },
             timeout,
@@ -378,6 +421,17 @@ fn check(path: &Path) -> Result<ExitCode> {
                 desired.restricted_peers(),
                 state::distinct_policies(&desired).len()
             );
+            if !desired.tests.is_empty() {
+                let n: usize = desired
+                    .tests
+                    .iter()
+                    .map(|t| t.accept.len() + t.deny.len())
+                    .sum();
+                println!(
+                    "policy tests: {} tests, {n} assertions, all pass",
+                    desired.tests.len()
+                );
+            }
             note_allowed_nothing(&desired);
             note_expired(&desired);
             Ok(ExitCode::SUCCESS)
@@ -676,6 +730,204 @@ fn unused_rules(
     Ok(ExitCode::SUCCESS)
 }
 
+/// What `explain` is asked about: one packet.
+#[derive(Debug, clap::Args)]
+struct ExplainRequest {
+    /// The sending peer, by name (its address of the destination's family).
+    #[arg(long, required_unless_present = "from", conflicts_with = "from")]
+    peer: Option<String>,
+    /// The sending address (any: an unknown source is dropped).
+    #[arg(long)]
+    from: Option<IpAddr>,
+    /// The destination address.
+    #[arg(long)]
+    to: IpAddr,
+    /// tcp, udp, icmp (ICMPv6 toward an IPv6 destination) or an IP protocol number.
+    #[arg(long, default_value = "tcp")]
+    proto: String,
+    /// Destination port (tcp and udp; required for them).
+    #[arg(long)]
+    port: Option<u16>,
+    /// Source port (tcp and udp), e.g. to ask whether a reply on a flow passes.
+    #[arg(long, value_name = "PORT")]
+    from_port: Option<u16>,
+    /// ICMP type (default: echo request).
+    #[arg(long, value_name = "TYPE")]
+    icmp_type: Option<u8>,
+    /// ICMP echo identifier (to ask whether an echo reply answers a flow).
+    #[arg(long, value_name = "ID")]
+    icmp_id: Option<u16>,
+    /// A non-first fragment of the packet (no transport header).
+    #[arg(long)]
+    fragment: bool,
+}
+
+/// The protocol number of `--proto`.
+fn protocol_number(proto: &str) -> Result<u8> {
+    Ok(match proto {
+        "tcp" => wgfence_common::PROTO_TCP,
+        "udp" => wgfence_common::PROTO_UDP,
+        "icmp" | "icmpv6" => wgfence_common::PROTO_ICMP,
+        n => n
+            .parse()
+            .with_context(|| format!("--proto {n:?}: tcp, udp, icmp or a protocol number"))?,
+    })
+}
+
+/// The state file `explain` and `verify` compare with: `--state`, else the running agent's.
+fn state_path(interface: &str, state: Option<&Path>) -> Option<PathBuf> {
+    state.map(Path::to_path_buf).or_else(|| {
+        status::AgentStatus::read(interface)
+            .ok()
+            .map(|a| a.state_file)
+    })
+}
+
+fn explain_command(
+    target: &Target,
+    request: &ExplainRequest,
+    state: Option<&Path>,
+    json: bool,
+) -> Result<ExitCode> {
+    use wgfence::explain::{kernel::KernelProbe, report, source::SourceMap, Probe};
+
+    let path = state_path(&target.interface, state);
+    let text = path.as_deref().map(read_state).transpose()?;
+    let desired = match (&path, &text) {
+        // Unchecked: a state whose policy tests fail is exactly one to ask why of.
+        (Some(path), Some(text)) => match state::parse_unchecked(text) {
+            Ok(desired) => Some(desired),
+            Err(e) => bail!("{}: {e}", path.display()),
+        },
+        _ => None,
+    };
+    let src = match (&request.peer, request.from) {
+        (_, Some(from)) => from,
+        (Some(name), None) => {
+            let Some(desired) = &desired else {
+                bail!(
+                    "--peer needs a state file to find {name:?} in (pass --state, or --from ADDR)"
+                );
+            };
+            let Some(peer) = desired.peers.iter().find(|p| &p.name == name) else {
+                bail!("no peer named {name:?} in the state file");
+            };
+            let Some(addr) = peer.addrs().find(|a| a.is_ipv4() == request.to.is_ipv4()) else {
+                bail!(
+                    "peer {name:?} has no IPv{} address to send to {} from",
+                    if request.to.is_ipv4() { 4 } else { 6 },
+                    request.to
+                );
+            };
+            addr
+        }
+        (None, None) => bail!("--peer NAME or --from ADDR is required"),
+    };
+    if src.is_ipv4() != request.to.is_ipv4() {
+        bail!(
+            "--from {src} and --to {} are of different address families",
+            request.to
+        );
+    }
+    let protocol = protocol_number(&request.proto)?;
+    let has_ports = protocol == wgfence_common::PROTO_TCP || protocol == wgfence_common::PROTO_UDP;
+    let port = match request.port {
+        Some(port) => port,
+        None if has_ports => bail!("--port is required for --proto {}", request.proto),
+        None => 0,
+    };
+    let mut probe = Probe::new(src, request.to, protocol, port);
+    if let Some(p) = request.from_port {
+        probe.src_port = p;
+    }
+    if let Some(t) = request.icmp_type {
+        probe.icmp_type = t;
+    }
+    if let Some(id) = request.icmp_id {
+        probe.icmp_id = id;
+    }
+    probe.later_fragment = request.fragment;
+
+    let mut kernel = KernelProbe::open(&target.bpffs, &target.interface).with_context(|| {
+        format!(
+            "loading the datapath against the pins of {}",
+            target.interface
+        )
+    })?;
+    let live = read_maps(kernel.live())?;
+    let config = kernel.live().config()?;
+    let file = match (&path, &desired, &text) {
+        (Some(path), Some(desired), Some(text)) => Some(report::StateFile {
+            path: path.display().to_string(),
+            state: desired,
+            sources: SourceMap::new(text, desired),
+        }),
+        _ => None,
+    };
+    let report = report::explain(&mut kernel, &live, config, file.as_ref(), &probe)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.text());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn verify_command(target: &Target, state: Option<&Path>, json: bool) -> Result<ExitCode> {
+    let Some(path) = state_path(&target.interface, state) else {
+        bail!(
+            "no state file: pass --state (no agent runs on {} here)",
+            target.interface
+        );
+    };
+    let desired = match state::parse(&read_state(&path)?) {
+        Ok(desired) => desired,
+        Err(e) => bail!("{}: {e}", path.display()),
+    };
+    let pinned = Dataplane::open_maps(&target.bpffs, &target.interface)
+        .with_context(|| format!("opening the pinned maps of {}", target.interface))?;
+    let maps = read_maps(&pinned)?;
+    let wg = WireGuard::open(&target.interface)?.read()?;
+    let actual = Actual::new(maps, wg);
+    let drift = wgfence::verify::drift_of(&desired, &actual);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&drift)?);
+    } else if drift.is_empty() {
+        println!(
+            "no drift: the {} peer entries, {} trie entries and {} WireGuard peers are what \
+             {} compiles to",
+            actual.maps().peers.len(),
+            actual
+                .maps()
+                .policies
+                .values()
+                .map(|p| p.len())
+                .sum::<usize>(),
+            actual.wg().peers.len(),
+            path.display()
+        );
+    } else {
+        println!(
+            "DRIFT: {} {} from {}:",
+            drift.len(),
+            if drift.len() == 1 {
+                "entry differs"
+            } else {
+                "entries differ"
+            },
+            path.display()
+        );
+        for d in &drift {
+            println!("  {d}");
+        }
+    }
+    Ok(if drift.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
 /// How often `monitor` re-reads the state file for peer names.
 const NAMES_REFRESH: Duration = Duration::from_secs(2);
 
@@ -756,10 +1008,15 @@ mod tests {
 
     #[test]
     fn every_interface_command_takes_the_same_target_options() {
-        for cmd in ["run", "plan", "status", "monitor", "detach"] {
+        for cmd in [
+            "run", "plan", "status", "monitor", "detach", "explain", "verify",
+        ] {
             let mut args = vec!["wgfence", cmd, "--interface", "wg0", "--bpffs", "/tmp/x"];
             if cmd == "run" || cmd == "plan" {
                 args.extend(["--state", "s.json"]);
+            }
+            if cmd == "explain" {
+                args.extend(["--from", "10.8.0.2", "--to", "10.0.0.1", "--port", "443"]);
             }
             let cli = Cli::try_parse_from(&args).unwrap_or_else(|e| panic!("{cmd}: {e}"));
             let target = match cli.command {
@@ -767,7 +1024,9 @@ mod tests {
                 | Command::Plan { target, .. }
                 | Command::Status { target, .. }
                 | Command::Monitor { target, .. }
-                | Command::Detach { target, .. } => target,
+                | Command::Detach { target, .. }
+                | Command::Explain { target, .. }
+                | Command::Verify { target, .. } => target,
                 Command::Check { .. } => unreachable!(),
             };
             assert_eq!(

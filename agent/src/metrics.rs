@@ -84,6 +84,7 @@ pub struct Metrics {
     pub peers: Gauge,
     pub policies: Gauge,
     pub ready: Gauge,
+    pub drift_entries: Gauge,
     pub state_rejected: Counter,
     pub bpf_map_writes: Counter,
     pub wireguard_peer_updates: Counter,
@@ -103,6 +104,7 @@ impl Metrics {
         let peers = Gauge::default();
         let policies = Gauge::default();
         let ready = Gauge::default();
+        let drift_entries = Gauge::default();
         let state_rejected = Counter::default();
         let bpf_map_writes = Counter::default();
         let wireguard_peer_updates = Counter::default();
@@ -120,6 +122,12 @@ impl Metrics {
             "wgfence_ready",
             "1 when the current state file is valid and applied",
             ready.clone(),
+        );
+        registry.register(
+            "wgfence_drift_entries",
+            "Map entries and WireGuard peers that differed from the applied state at the last \
+             resync's read, before it repaired them (what `wgfence verify` names)",
+            drift_entries.clone(),
         );
         registry.register(
             "wgfence_state_rejected",
@@ -183,6 +191,7 @@ impl Metrics {
             peers,
             policies,
             ready,
+            drift_entries,
             state_rejected,
             bpf_map_writes,
             wireguard_peer_updates,

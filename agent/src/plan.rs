@@ -845,39 +845,13 @@ fn rule_blocks(
 /// `previous` that are gone or replaced. Both states are sorted by name.
 fn diff<'a>(previous: &'a DesiredState, desired: &'a DesiredState) -> Changes<'a> {
     let (mut touched, mut gone) = (Vec::new(), Vec::new());
-    let (mut old, mut new) = (
-        previous.peers.iter().peekable(),
-        desired.peers.iter().peekable(),
-    );
-    loop {
-        match (old.peek(), new.peek()) {
-            (Some(o), Some(n)) => match o.name.cmp(&n.name) {
-                std::cmp::Ordering::Less => {
-                    gone.push(*o);
-                    old.next();
-                }
-                std::cmp::Ordering::Greater => {
-                    touched.push(*n);
-                    new.next();
-                }
-                std::cmp::Ordering::Equal => {
-                    if !same_peer(o, n) {
-                        gone.push(*o);
-                        touched.push(*n);
-                    }
-                    old.next();
-                    new.next();
-                }
-            },
-            (Some(o), None) => {
-                gone.push(*o);
-                old.next();
+    for pair in crate::state::by_name(previous, desired) {
+        match pair {
+            (Some(old), Some(new)) if same_peer(old, new) => {}
+            (old, new) => {
+                gone.extend(old);
+                touched.extend(new);
             }
-            (None, Some(n)) => {
-                touched.push(*n);
-                new.next();
-            }
-            (None, None) => break,
         }
     }
     Changes { touched, gone }

@@ -53,13 +53,29 @@ impl PortRange {
     }
 }
 
-/// One egress rule: destinations in `cidr`, of `protocol`, to `ports` (empty: every port).
+/// One egress rule: destinations in `cidr` but in none of `except`, of `protocol`, to `ports`
+/// (empty: every port). For an `icmp` rule `ports` holds ICMP type ranges (`types` in the
+/// state file; empty: every type): the datapath matches an ICMP packet's type where it
+/// matches a TCP/UDP packet's destination port.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Rule {
     pub cidr: IpNet,
     pub protocol: Protocol,
     pub ports: Vec<PortRange>,
+    /// Prefixes carved out of `cidr` (sorted, each strictly inside it).
+    pub except: Vec<IpNet>,
 }
+
+/// Prefixes one rule may carve out of its `cidr`.
+pub const MAX_EXCEPT: usize = 64;
+
+/// ICMP type names a rule's `types` may use, per family: (name, ICMPv4 type, ICMPv6 type).
+pub const ICMP_TYPE_NAMES: [(&str, u16, u16); 4] = [
+    ("echo-reply", 0, 129),
+    ("destination-unreachable", 3, 1),
+    ("echo-request", 8, 128),
+    ("time-exceeded", 11, 3),
+];
 
 impl Rule {
     pub fn new(cidr: IpNet, protocol: Protocol, ports: Vec<PortRange>) -> Self {
@@ -67,11 +83,40 @@ impl Rule {
             cidr,
             protocol,
             ports,
+            except: Vec::new(),
         }
     }
 
+    /// The same rule with `except` carved out.
+    pub fn with_except(mut self, mut except: Vec<IpNet>) -> Self {
+        except.sort_unstable();
+        except.dedup();
+        self.except = except;
+        self
+    }
+
+    /// Whether `dst` is one of the rule's destinations.
+    pub fn covers(&self, dst: &std::net::IpAddr) -> bool {
+        self.cidr.contains(dst) && !self.except.iter().any(|e| e.contains(dst))
+    }
+
+    /// The destinations as disjoint prefixes: `cidr` without the `except` prefixes (each
+    /// removed by halving the prefix that holds it down to its length: at most one prefix
+    /// per bit of difference).
+    pub fn pieces(&self) -> Vec<IpNet> {
+        let mut pieces = vec![self.cidr.trunc()];
+        for hole in &self.except {
+            pieces = pieces
+                .into_iter()
+                .flat_map(|piece| carve(piece, *hole))
+                .collect();
+        }
+        pieces.sort_unstable();
+        pieces
+    }
+
     /// The datapath entries this rule allows, before folding and merging.
-    fn allows(&self) -> Vec<Allow> {
+    pub fn allows(&self) -> Vec<Allow> {
         let all = |protocol| vec![Allow::new(protocol, 0, u16::MAX)];
         let ranges = |protocol| {
             if self.ports.is_empty() {
@@ -88,10 +133,101 @@ impl Rule {
             Protocol::Tcp => ranges(PROTO_TCP),
             Protocol::Udp => ranges(PROTO_UDP),
             Protocol::Icmp => match self.cidr {
-                IpNet::V4(_) => all(PROTO_ICMP),
-                IpNet::V6(_) => all(PROTO_ICMPV6),
+                IpNet::V4(_) => ranges(PROTO_ICMP),
+                IpNet::V6(_) => ranges(PROTO_ICMPV6),
             },
         }
+    }
+}
+
+/// `net` without `hole`: `net` itself if they do not overlap, nothing if `hole` covers it,
+/// else the halves of `net` that do not hold `hole`, down to `hole`'s length.
+fn carve(net: IpNet, hole: IpNet) -> Vec<IpNet> {
+    if hole.contains(&net) {
+        return Vec::new();
+    }
+    if !net.contains(&hole) {
+        return vec![net];
+    }
+    let mut out = Vec::new();
+    let mut current = net;
+    while current.prefix_len() < hole.prefix_len() {
+        let Ok(halves) = current.subnets(current.prefix_len() + 1) else {
+            break;
+        };
+        let mut next = None;
+        for half in halves {
+            if half.contains(&hole) {
+                next = Some(half);
+            } else {
+                out.push(half);
+            }
+        }
+        match next {
+            Some(n) => current = n,
+            None => break,
+        }
+    }
+    out
+}
+
+/// Checks a rule's `except` list against its `cidr`: same family, no host bits, strictly
+/// inside the cidr, at most [`MAX_EXCEPT`]. The message names the offending prefix.
+pub fn check_except(cidr: IpNet, except: &[IpNet]) -> Result<(), String> {
+    if except.is_empty() {
+        return Err("empty: leave except out to keep the whole cidr".into());
+    }
+    if except.len() > MAX_EXCEPT {
+        return Err(format!("{} prefixes, at most {MAX_EXCEPT}", except.len()));
+    }
+    for e in except {
+        if e.trunc() != *e {
+            return Err(format!(
+                "{e} has host bits set (did you mean {}?)",
+                e.trunc()
+            ));
+        }
+        if !cidr.contains(e) || e.prefix_len() <= cidr.prefix_len() {
+            return Err(format!(
+                "{e} is not a prefix strictly inside the rule's cidr {cidr}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// One entry of an `icmp` rule's `types`: a type number (0-255), a `"lo-hi"` range or a name
+/// of [`ICMP_TYPE_NAMES`] (its number for the rule's family).
+pub fn icmp_types(text: Option<&str>, number: Option<u64>, v6: bool) -> Result<PortRange, String> {
+    let ty = |v: u64| {
+        u16::try_from(v)
+            .ok()
+            .filter(|v| *v <= 255)
+            .ok_or_else(|| format!("{v} is not an ICMP type (0-255)"))
+    };
+    if let Some(v) = number {
+        return ty(v).map(PortRange::single);
+    }
+    let s = text.unwrap_or_default().trim();
+    if let Some((_, v4, v6_type)) = ICMP_TYPE_NAMES.iter().find(|(name, ..)| *name == s) {
+        return Ok(PortRange::single(if v6 { *v6_type } else { *v4 }));
+    }
+    let parse = |t: &str| {
+        t.trim()
+            .parse::<u64>()
+            .map_err(|_| format!("{s:?} is not an ICMP type, a \"lo-hi\" range or a type name"))
+            .and_then(ty)
+    };
+    match s.split_once('-') {
+        Some((lo, hi)) => {
+            let (lo, hi) = (parse(lo)?, parse(hi)?);
+            if lo > hi {
+                Err(format!("range {s:?} is reversed"))
+            } else {
+                Ok(PortRange::new(lo, hi))
+            }
+        }
+        None => parse(s).map(PortRange::single),
     }
 }
 
@@ -186,11 +322,17 @@ pub fn compile(rules: &[Rule]) -> Result<CompiledPolicy, PolicyError> {
     let mut by_prefix: BTreeMap<IpNet, Vec<Allow>> = BTreeMap::new();
     for (index, rule) in canonical.into_iter().enumerate() {
         let index = u16::try_from(index).unwrap_or(u16::MAX);
-        by_prefix.entry(rule.cidr.trunc()).or_default().extend(
-            rule.allows()
-                .into_iter()
-                .map(|a| Allow { rule: index, ..a }),
-        );
+        let allows: Vec<Allow> = rule
+            .allows()
+            .into_iter()
+            .map(|a| Allow { rule: index, ..a })
+            .collect();
+        for piece in rule.pieces() {
+            by_prefix
+                .entry(piece)
+                .or_default()
+                .extend(allows.iter().copied());
+        }
     }
 
     // Fold: each prefix gets the allows of every prefix that contains it (itself included).
@@ -228,6 +370,46 @@ pub fn compile(rules: &[Rule]) -> Result<CompiledPolicy, PolicyError> {
         });
     }
     Ok(CompiledPolicy { entries: folded })
+}
+
+/// Provenance of a compiled allow entry: the indexes (into `rules`) of the rules it came from
+/// for a destination `dst` that the trie entry holding `allow` covers. Allows of different rules
+/// are never merged, so an entry compiled from `rules` names its one rule ([`Allow::rule`], in
+/// canonical order): that rule, if it contains `dst` and has an entry of the same protocol inside
+/// `allow`'s range (with its duplicates in `rules`, if any). An entry whose rule index does not
+/// fit (one a layout-2 datapath carried over, credited to rule 0, until the first apply) falls
+/// back to every rule that could have produced it: the rules containing `dst` with an entry of
+/// the same protocol inside `allow`'s range. Empty when no rule produces `allow` (an entry the
+/// state does not compile to).
+pub fn sources(rules: &[Rule], dst: std::net::IpAddr, allow: &Allow) -> Vec<usize> {
+    let produces = |rule: &Rule| {
+        rule.covers(&dst)
+            && rule.allows().iter().any(|a| {
+                a.protocol == allow.protocol
+                    && allow.port_lo <= a.port_lo
+                    && a.port_hi <= allow.port_hi
+            })
+    };
+    let mut canonical: Vec<&Rule> = rules.iter().collect();
+    canonical.sort();
+    canonical.dedup();
+    if let Some(own) = canonical
+        .get(usize::from(allow.rule))
+        .filter(|rule| produces(rule))
+    {
+        return rules
+            .iter()
+            .enumerate()
+            .filter(|(_, rule)| rule == own)
+            .map(|(i, _)| i)
+            .collect();
+    }
+    rules
+        .iter()
+        .enumerate()
+        .filter(|(_, rule)| produces(rule))
+        .map(|(i, _)| i)
+        .collect()
 }
 
 /// Canonical form of a set of allows, rule by rule in rule order: per rule, `any` alone if
@@ -427,6 +609,37 @@ mod tests {
     }
 
     #[test]
+    fn except_carves_prefixes_out_as_trie_entries() {
+        let rule = tcp("0.0.0.0/0", &[(443, 443)]).with_except(vec![net("10.96.0.0/12")]);
+        // One prefix per bit from /0 to /12: the halves that do not hold the hole.
+        assert_eq!(rule.pieces().len(), 12);
+        let p = compile(&[rule, Rule::new(net("0.0.0.0/0"), Protocol::Icmp, vec![])])
+            .unwrap_or_default();
+        assert!(p.permits(ip("10.95.255.255"), PROTO_TCP, Some(443)));
+        assert!(!p.permits(ip("10.96.0.1"), PROTO_TCP, Some(443)));
+        assert!(!p.permits(ip("10.111.255.255"), PROTO_TCP, Some(443)));
+        assert!(p.permits(ip("10.112.0.0"), PROTO_TCP, Some(443)));
+        // The other rule still covers the hole.
+        assert!(p.permits(ip("10.96.0.1"), PROTO_ICMP, Some(8)));
+    }
+
+    #[test]
+    fn icmp_types_compile_to_ranges_that_only_a_known_type_matches() {
+        let rule = Rule::new(
+            net("192.0.2.0/24"),
+            Protocol::Icmp,
+            vec![PortRange::single(8)],
+        );
+        let p = compile(&[rule]).unwrap_or_default();
+        assert!(p.permits(ip("192.0.2.1"), PROTO_ICMP, Some(8)));
+        assert!(!p.permits(ip("192.0.2.1"), PROTO_ICMP, Some(0)));
+        // A type the datapath did not read (a later fragment, an old datapath): dropped.
+        assert!(!p.permits(ip("192.0.2.1"), PROTO_ICMP, None));
+        // Not a port range for TCP.
+        assert!(!p.permits(ip("192.0.2.1"), PROTO_TCP, Some(8)));
+    }
+
+    #[test]
     fn host_bits_are_cleared() {
         let p = compile(&[tcp("10.1.2.3/8", &[])]).unwrap_or_default();
         assert_eq!(
@@ -512,14 +725,18 @@ mod properties {
                         }
                 }
             };
+            // Ports of TCP/UDP, types of ICMP: unknown (None) matches only a rule without.
             let port_ok = match (r.protocol, port) {
-                (Protocol::Tcp | Protocol::Udp, Some(p)) => {
+                (Protocol::Tcp | Protocol::Udp | Protocol::Icmp, Some(p)) => {
                     r.ports.is_empty() || r.ports.iter().any(|x| x.lo <= p && p <= x.hi)
                 }
-                (Protocol::Tcp | Protocol::Udp, None) => r.ports.is_empty(),
+                (Protocol::Tcp | Protocol::Udp | Protocol::Icmp, None) => r.ports.is_empty(),
                 _ => true,
             };
-            r.cidr.contains(&dst) && proto_ok && port_ok
+            r.cidr.contains(&dst)
+                && !r.except.iter().any(|e| e.contains(&dst))
+                && proto_ok
+                && port_ok
         })
     }
 
@@ -550,14 +767,49 @@ mod properties {
             prop_oneof![v4_net(), v6_net()],
             protocol,
             prop::collection::vec(range, 0..3),
+            prop::collection::vec((any::<u128>(), 0u8..=16), 0..3),
         )
-            .prop_map(|(cidr, protocol, ports)| {
+            .prop_map(|(cidr, protocol, ports, holes)| {
+                // Ports for TCP/UDP, types (the same small numbers) for ICMP.
                 let ports = match protocol {
-                    Protocol::Tcp | Protocol::Udp => ports,
-                    _ => vec![],
+                    Protocol::Tcp | Protocol::Udp | Protocol::Icmp => ports,
+                    Protocol::Any => vec![],
                 };
-                Rule::new(cidr, protocol, ports)
+                // Holes strictly inside the cidr: its bits, then random ones, a few bits longer.
+                let except: Vec<IpNet> = holes
+                    .into_iter()
+                    .filter_map(|(bits, extra)| hole(cidr, bits, extra))
+                    .collect();
+                Rule::new(cidr, protocol, ports).with_except(except)
             })
+    }
+
+    /// A prefix `1 + extra` bits longer than `cidr` inside it, if `cidr` has room.
+    fn hole(cidr: IpNet, bits: u128, extra: u8) -> Option<IpNet> {
+        match cidr {
+            IpNet::V4(n) => {
+                let len = n.prefix_len().checked_add(1 + extra % 8)?.min(32);
+                if len <= n.prefix_len() {
+                    return None;
+                }
+                let host =
+                    (bits as u32) & (u32::MAX.checked_shr(u32::from(n.prefix_len())).unwrap_or(0));
+                let addr = Ipv4Addr::from(u32::from(n.network()) | host);
+                Some(IpNet::V4(Ipv4Net::new(addr, len).ok()?.trunc()))
+            }
+            IpNet::V6(n) => {
+                let len = n.prefix_len().checked_add(1 + extra)?.min(128);
+                if len <= n.prefix_len() {
+                    return None;
+                }
+                let host = bits
+                    & (u128::MAX
+                        .checked_shr(u32::from(n.prefix_len()))
+                        .unwrap_or(0));
+                let addr = Ipv6Addr::from(u128::from(n.network()) | host);
+                Some(IpNet::V6(Ipv6Net::new(addr, len).ok()?.trunc()))
+            }
+        }
     }
 
     fn packet() -> impl Strategy<Value = (IpAddr, u8, Option<u16>)> {
@@ -577,13 +829,10 @@ mod properties {
         ];
         let port = prop_oneof![Just(None), (0u16..60).prop_map(Some)];
         (dst, protocol, port).prop_map(|(dst, protocol, port)| {
-            // Only TCP and UDP carry a port the datapath reads.
-            let port = if protocol == PROTO_TCP || protocol == PROTO_UDP {
-                port
-            } else {
-                None
-            };
-            (dst, protocol, port)
+            // TCP and UDP carry a port the datapath reads, ICMP a type (the same small
+            // numbers here); nothing else does.
+            let carries = matches!(protocol, PROTO_TCP | PROTO_UDP | PROTO_ICMP | PROTO_ICMPV6);
+            (dst, protocol, if carries { port } else { None })
         })
     }
 

@@ -23,20 +23,21 @@ use std::{
     net::IpAddr,
     sync::{
         atomic::{AtomicBool, Ordering},
-        mpsc, Arc, OnceLock,
+        Arc,
     },
     time::{Duration, Instant},
 };
 
+pub use crate::drop_later;
 use crate::{
     dataplane::{Dataplane, DataplaneError, Flow, Maps},
     plan::{
-        plan, plan_settings, plan_update, Actual, ActualMaps, ActualWg, Op, Plan, PlanError,
-        Unplanned, WgPeerChange,
+        plan, plan_changes, plan_settings, plan_update, Actual, ActualMaps, ActualWg, Op, Plan,
+        PlanError, Unplanned, WgPeerChange,
     },
     policy::CompiledPolicy,
     settings::{online_cpus, DatapathSettings},
-    state::{DesiredState, WgKey},
+    state::{self, DesiredState, WgKey},
     sweeper::{Pause, Sweeper},
     wg::{WgError, WireGuard},
 };
@@ -87,6 +88,8 @@ pub struct Reconciler {
     /// The state the kernel was last made to match: the next plan only looks at what differs
     /// from it. `None` after a failure or a resync: the next plan compares everything.
     applied: Option<DesiredState>,
+    /// The kernel matches the state the pipeline accepted last ([`Self::reconcile_changes`]).
+    tracking: bool,
     /// The cached view may differ from the kernel (after a failure): read before planning.
     stale: bool,
     /// Time spent in WireGuard updates by the current apply.
@@ -116,11 +119,34 @@ impl Reconciler {
         wg: WireGuard,
         device: Option<ActualWg>,
     ) -> Result<Self, ReconcileError> {
-        let mut r = Self {
+        let mut r = Self::unread(dataplane, wg);
+        r.read_kernel(device)?;
+        Ok(r)
+    }
+
+    /// The same, with the WireGuard side still being read (on another thread, at start-up):
+    /// the maps are read first, meanwhile, then `device` is waited for.
+    pub fn adopt_reading<E: From<ReconcileError>>(
+        dataplane: Dataplane,
+        device: impl FnOnce() -> Result<(WireGuard, ActualWg), E>,
+    ) -> Result<Self, E> {
+        let t = Instant::now();
+        let maps = read_maps(dataplane.maps()).map_err(ReconcileError::from)?;
+        let maps_read = t.elapsed();
+        let (wg, device) = device()?;
+        let mut r = Self::unread(dataplane, wg);
+        r.take_kernel(t, maps, maps_read, device)?;
+        Ok(r)
+    }
+
+    /// A reconciler that has read nothing yet.
+    fn unread(dataplane: Dataplane, wg: WireGuard) -> Self {
+        Self {
             dataplane,
             wg,
             actual: Actual::default(),
             applied: None,
+            tracking: false,
             stale: true,
             wg_time: Duration::ZERO,
             settings: DatapathSettings::default(),
@@ -129,9 +155,7 @@ impl Reconciler {
             flows_freed: 0,
             sweeper: None,
             closed: Arc::new(AtomicBool::new(false)),
-        };
-        r.read_kernel(device)?;
-        Ok(r)
+        }
     }
 
     /// Hands every later flow deletion to `sweeper`, which deletes off the apply path; from
@@ -193,6 +217,7 @@ impl Reconciler {
     fn read_kernel(&mut self, device: Option<ActualWg>) -> Result<(), ReconcileError> {
         self.check_open()?;
         drop_later(self.applied.take());
+        self.tracking = false;
         let t = Instant::now();
         let maps = read_maps(self.dataplane.maps())?;
         let maps_read = t.elapsed();
@@ -200,6 +225,18 @@ impl Reconciler {
             Some(device) => device,
             None => self.wg.read()?,
         };
+        self.take_kernel(t, maps, maps_read, wg)
+    }
+
+    /// Takes the kernel's state read since `t` (the maps in `maps_read`, then the device) as
+    /// the actual state.
+    fn take_kernel(
+        &mut self,
+        t: Instant,
+        maps: ActualMaps,
+        maps_read: Duration,
+        wg: ActualWg,
+    ) -> Result<(), ReconcileError> {
         let wg_read = t.elapsed() - maps_read;
         drop_later(std::mem::replace(&mut self.actual, Actual::new(maps, wg)));
         let indexed = t.elapsed() - maps_read - wg_read;
@@ -260,13 +297,26 @@ impl Reconciler {
 
     /// What `reconcile` would do now: the plan, with the settings entry after its lead, or why
     /// there is none with the plan's lead.
-    fn plan(&mut self, desired: &DesiredState) -> Result<Result<Plan, Unplanned>, ReconcileError> {
+    /// `changes`: the pipeline's, since the state it accepted before (see
+    /// [`Self::reconcile_changes`]).
+    fn plan(
+        &mut self,
+        desired: &DesiredState,
+        changes: Option<&state::Changes>,
+    ) -> Result<Result<Plan, Unplanned>, ReconcileError> {
         if self.stale {
             self.refresh()?;
         }
-        let planned = match &self.applied {
-            Some(previous) => plan_update(previous, desired, &self.actual),
-            None => plan(desired, &self.actual),
+        let planned = match (changes, &self.applied) {
+            (Some(changes), _) if self.tracking => {
+                let changes = crate::plan::Changes {
+                    touched: changes.touched_in(desired),
+                    gone: changes.gone.iter().collect(),
+                };
+                plan_changes(desired, changes, &self.actual)
+            }
+            (None, Some(previous)) => plan_update(previous, desired, &self.actual),
+            _ => plan(desired, &self.actual),
         };
         let want = self.settings.config(desired.replies, self.cpus);
         let settings = plan_settings(&want, self.kernel_config.as_ref());
@@ -282,14 +332,51 @@ impl Reconciler {
     pub fn reconcile(&mut self, desired: DesiredState) -> Result<Outcome, ReconcileError> {
         let start = Instant::now();
         // Peers whose window is over are revoked (the datapath already drops their packets).
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let desired = desired.without_expired(now);
-        let plan = match self.plan(&desired)? {
+        let desired = desired.without_expired(unix_now());
+        let plan = match self.plan(&desired, None)? {
             Ok(plan) => plan,
             Err(unplanned) => return Err(self.apply_lead_only(unplanned)),
         };
+        self.tracking = false;
+        let result = self.execute(&plan, start);
+        if result.is_err() {
+            drop_later(self.applied.take());
+        } else {
+            // The previous state is freed off the apply path (milliseconds at 100,000 peers).
+            drop_later(self.applied.replace(desired));
+        }
+        result
+    }
+
+    /// Makes the kernel match `desired`, the state [`crate::state::Pipeline`] accepted, given
+    /// its `changes` since the state it accepted before: while the kernel is known to match
+    /// that one (the last call succeeded, no resync since), only the changed peers are
+    /// planned, so a push costs what changed. Otherwise everything is compared. Keeps no copy
+    /// of the state: the pipeline has it.
+    pub fn reconcile_changes(
+        &mut self,
+        desired: &DesiredState,
+        changes: &state::Changes,
+    ) -> Result<Outcome, ReconcileError> {
+        // A peer whose window is over is revoked, which a plan of the changes alone would not
+        // do (the peer need not have changed): the whole state is compared without it, for as
+        // long as the state file keeps it.
+        if desired.peers.iter().any(|p| p.window.is_past(unix_now())) {
+            return self.reconcile(desired.clone());
+        }
+        let start = Instant::now();
+        let plan = match self.plan(desired, Some(changes))? {
+            Ok(plan) => plan,
+            Err(unplanned) => return Err(self.apply_lead_only(unplanned)),
+        };
+        drop_later(self.applied.take());
+        let result = self.execute(&plan, start);
+        self.tracking = result.is_ok();
+        result
+    }
+
+    /// Applies `plan`, made from `start` on.
+    fn execute(&mut self, plan: &Plan, start: Instant) -> Result<Outcome, ReconcileError> {
         let plan_duration = start.elapsed();
         self.wg_time = Duration::ZERO;
         let writes_before = self.dataplane.maps().writes();
@@ -300,10 +387,6 @@ impl Reconciler {
         let result = self.apply(&plan.ops);
         if result.is_err() {
             self.stale = true;
-            drop_later(self.applied.take());
-        } else {
-            // The previous state is freed off the apply path (milliseconds at 100,000 peers).
-            drop_later(self.applied.replace(desired));
         }
         let outcome = Outcome {
             ops: plan.ops.len(),
@@ -323,6 +406,7 @@ impl Reconciler {
         let Unplanned { error, lead } = unplanned;
         let applied = self.apply(&lead.ops);
         self.stale = true;
+        self.tracking = false;
         drop_later(self.applied.take());
         if let Err(e) = applied {
             return e;
@@ -456,26 +540,6 @@ impl Reconciler {
     }
 }
 
-/// Frees `value` on a thread of its own, so that what is proportional to the number of peers
-/// (the previous desired state) is not freed between a file change and the kernel write. If
-/// the thread cannot be started, it is freed here.
-pub fn drop_later<T: Send + 'static>(value: T) {
-    type Garbage = Box<dyn Send>;
-    static FREER: OnceLock<Option<mpsc::Sender<Garbage>>> = OnceLock::new();
-    let freer = FREER.get_or_init(|| {
-        let (tx, rx) = mpsc::channel::<Garbage>();
-        std::thread::Builder::new()
-            .name("wgfence-free".into())
-            .spawn(move || rx.into_iter().for_each(drop))
-            .ok()
-            .map(|_| tx)
-    });
-    if let Some(tx) = freer {
-        // Only fails if the thread is gone: then the value comes back and is freed here.
-        let _ = tx.send(Box::new(value));
-    }
-}
-
 /// Whether two operations go to the kernel in one batch: consecutive WireGuard changes in one
 /// device update, consecutive map writes one by one; the settings and the flow work alone.
 fn same_kind(a: &Op, b: &Op) -> bool {
@@ -491,6 +555,13 @@ fn same_kind(a: &Op, b: &Op) -> bool {
 /// Applies one map operation of a plan (WireGuard operations are not map operations and are
 /// skipped; flows are deleted here and now): for tools that fill maps without a WireGuard
 /// device, like the benchmarks.
+/// Seconds since the Unix epoch, as peer windows are given.
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 pub fn apply_map_op(maps: &mut Maps, op: &Op) -> Result<(), DataplaneError> {
     match op {
         Op::PutPolicyEntry {

@@ -13,30 +13,44 @@
 //! target's directory for the file, each ancestor for the next component. An event about one
 //! of those names (or about a watched directory itself) means "read the file again"; anything
 //! else in those directories (other files in `/tmp`, our own reads of the file) is ignored.
-//! After every burst of events the path is resolved again and the watches follow: a swapped
-//! link moves the watch to its new target before the file is read, so no later change is
-//! missed. A burst (a swap is several events) is debounced into one read, and a read that finds
-//! the same bytes as last time costs nothing more.
+//! Before every read the path is resolved again and the watches follow: a swapped link moves
+//! the watch to its new target before the file is read, so no later change is missed.
+//!
+//! There is no debounce: a revocation must reach the kernel as fast as it can. The first event
+//! is reported at once (a kubelet `..data` swap, a rename over the file and a write closed
+//! in place are each complete when their event arrives); events that arrive while the daemon
+//! applies a change are coalesced into one more read. Only a write the writer has not closed
+//! yet (the file is still being written: `IN_MODIFY` without `IN_CLOSE_WRITE`, or a regular
+//! file just created) waits for its close, or for [`SETTLE`] without another event, so the
+//! agent does not read half a file and reject it. A read that finds the same bytes as last
+//! time costs nothing more.
+//!
+//! [`StateFile`] is the read itself: checked by [`crate::trust`] unless the operator allowed
+//! an insecure state file.
 
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
     ffi::OsString,
     os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex, PoisonError},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex, PoisonError,
+    },
     time::Duration,
 };
 
 use notify::{
-    event::{AccessKind, AccessMode},
+    event::{AccessKind, AccessMode, CreateKind, ModifyKind},
     EventKind, RecommendedWatcher, RecursiveMode, Watcher as _,
 };
-use tokio::sync::mpsc;
+use tokio::sync::Notify;
 
-use crate::trust;
+use crate::trust::{self, TrustError};
 
-/// How long a burst of events may last before the file is read.
-pub const DEBOUNCE: Duration = Duration::from_millis(50);
+/// How long a write that was not closed (the writer may still be writing) waits for another
+/// event before the file is read anyway.
+pub const SETTLE: Duration = Duration::from_millis(50);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
@@ -112,18 +126,28 @@ impl Lookups {
         entry.names.extend(name);
     }
 
-    /// Whether `event` may change what the path resolves to or what the file holds.
-    fn concerns(&self, event: &notify::Event) -> bool {
-        match event.kind {
+    /// Whether `event` may change what the path resolves to or what the file holds, and if so
+    /// how soon the file may be read.
+    fn concerns(&self, event: &notify::Event) -> Option<Urgency> {
+        let urgency = match event.kind {
             // Opening, reading and closing a file unchanged (the agent's own reads do that).
-            EventKind::Access(AccessKind::Close(AccessMode::Write)) => {}
-            EventKind::Access(_) => return false,
-            _ => {}
-        }
+            EventKind::Access(AccessKind::Close(AccessMode::Write)) => Urgency::Now,
+            EventKind::Access(_) => return None,
+            // Written, and maybe not finished: its close (or a quiet SETTLE) says when.
+            EventKind::Modify(ModifyKind::Data(_)) => Urgency::Settle,
+            // A regular file created is written next; a symlink is complete at once.
+            EventKind::Create(CreateKind::File) => match event.paths.first() {
+                Some(p) if std::fs::symlink_metadata(p).is_ok_and(|m| !m.is_symlink()) => {
+                    Urgency::Settle
+                }
+                _ => Urgency::Now,
+            },
+            _ => Urgency::Now,
+        };
         if event.paths.is_empty() || event.need_rescan() {
-            return true;
+            return Some(Urgency::Now);
         }
-        event.paths.iter().any(|p| {
+        let concerned = event.paths.iter().any(|p| {
             self.dirs.contains_key(p)
                 || match (p.parent(), p.file_name()) {
                     (Some(dir), Some(name)) => {
@@ -131,7 +155,8 @@ impl Lookups {
                     }
                     _ => true,
                 }
-        })
+        });
+        concerned.then_some(urgency)
     }
 
     /// Both sets' directories and names: what to listen for while the watches move.
@@ -145,13 +170,42 @@ impl Lookups {
     }
 }
 
+/// How soon a change may be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Urgency {
+    /// The change is complete: read now.
+    Now,
+    /// A write that may go on: read at its close, or after [`SETTLE`] without another event.
+    Settle,
+}
+
+/// What the watcher's callback has seen since the last report, and the wake-up for
+/// [`StateSource::changed`]. Flags, not a queue: any number of events is one read.
+#[derive(Default)]
+struct Signal {
+    now: AtomicBool,
+    settle: AtomicBool,
+    wake: Notify,
+}
+
+impl Signal {
+    fn raise(&self, urgency: Urgency) {
+        match urgency {
+            Urgency::Now => self.now.store(true, Ordering::Release),
+            Urgency::Settle => self.settle.store(true, Ordering::Release),
+        }
+        // Stores a permit when nobody waits, so a raise just before the wait is not lost.
+        self.wake.notify_one();
+    }
+}
+
 pub struct StateSource {
     path: PathBuf,
-    events: mpsc::Receiver<()>,
-    /// An event was taken from the channel and its burst not yet reported: `changed` was
-    /// cancelled during the debounce (the daemon's `select!` drops it whenever another branch
-    /// wins), and the next call must report it rather than wait for another event.
-    pending: bool,
+    signal: Arc<Signal>,
+    /// A write that was not closed was seen and not yet reported: `changed` was cancelled
+    /// while waiting for it to settle (the daemon's `select!` drops it whenever another branch
+    /// wins), and the next call goes on waiting rather than forget it.
+    settling: bool,
     /// What is watched now.
     watched: Lookups,
     /// What the watcher's callback listens for (`watched`, or more while the watches move).
@@ -162,19 +216,13 @@ pub struct StateSource {
 impl StateSource {
     /// Starts watching every directory `path` resolves through.
     pub fn watch(path: &Path) -> Result<Self, SourceError> {
-        let path = if path.is_absolute() {
-            path.to_owned()
-        } else {
-            std::env::current_dir()
-                .map_err(SourceError::CurrentDir)?
-                .join(path)
-        };
-        // One slot: every event means the same ("read again"), so a burst coalesces.
-        let (tx, events) = mpsc::channel(1);
+        let path = absolute(path)?;
+        let signal = Arc::new(Signal::default());
+        let raised = Arc::clone(&signal);
         let filter = Arc::new(Mutex::new(Lookups::default()));
         let listening = Arc::clone(&filter);
         let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-            let concerns = match &event {
+            let urgency = match &event {
                 Ok(event) => listening
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
@@ -182,11 +230,11 @@ impl StateSource {
                 Err(e) => {
                     // The next read tells what is there.
                     tracing::warn!(error = %crate::error_chain(e), "state file watch");
-                    true
+                    Some(Urgency::Now)
                 }
             };
-            if concerns {
-                let _ = tx.try_send(());
+            if let Some(urgency) = urgency {
+                raised.raise(urgency);
             }
         })
         .map_err(|source| SourceError::Watch {
@@ -195,8 +243,8 @@ impl StateSource {
         })?;
         let mut source = Self {
             path,
-            events,
-            pending: false,
+            signal,
+            settling: false,
             watched: Lookups::default(),
             filter,
             watcher,
@@ -205,36 +253,44 @@ impl StateSource {
         Ok(source)
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// The directories watched now.
     pub fn watched_dirs(&self) -> impl Iterator<Item = &Path> {
         self.watched.dirs.keys().map(PathBuf::as_path)
     }
 
-    /// Waits for the next change on the path, then for the burst to end, then moves the
-    /// watches to where the path resolves now. The file is read after this returns, so a
-    /// change after the move is seen by the new watches, and one before it by the read.
+    /// Waits for the next change on the path, then moves the watches to where the path
+    /// resolves now. The file is read after this returns, so a change after the move is seen
+    /// by the new watches, and one before it by the read. A complete change is reported at
+    /// once; everything seen since the last report is one report.
     ///
     /// Cancel-safe: dropped at any await point (as `select!` does when another branch wins),
     /// no change is lost; the next call picks up where this one stopped.
     pub async fn changed(&mut self) {
-        if !self.pending {
-            if self.events.recv().await.is_none() {
-                // The watcher is gone; only resyncs will read the file.
-                std::future::pending::<()>().await;
+        loop {
+            if self.signal.now.swap(false, Ordering::AcqRel) {
+                self.signal.settle.store(false, Ordering::Release);
+                break;
             }
-            self.pending = true;
+            if self.signal.settle.swap(false, Ordering::AcqRel) {
+                self.settling = true;
+            }
+            if self.settling {
+                // A write in progress: its close, or SETTLE of quiet.
+                if tokio::time::timeout(SETTLE, self.signal.wake.notified())
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
+            } else {
+                self.signal.wake.notified().await;
+            }
         }
-        // Drain the burst: stop at the first quiet DEBOUNCE.
-        while let Ok(Some(())) = tokio::time::timeout(DEBOUNCE, self.events.recv()).await {}
+        self.settling = false;
         if let Err(e) = self.rearm() {
             // The periodic resync still reads the file.
             tracing::warn!(error = %crate::error_chain(&e), "following the state file's path");
         }
-        self.pending = false;
     }
 
     /// Resolves the path again and moves the watches to the directories it goes through now.
@@ -286,6 +342,72 @@ impl StateSource {
     }
 }
 
+fn absolute(path: &Path) -> Result<PathBuf, SourceError> {
+    if path.is_absolute() {
+        Ok(path.to_owned())
+    } else {
+        Ok(std::env::current_dir()
+            .map_err(SourceError::CurrentDir)?
+            .join(path))
+    }
+}
+
+/// The state file, read the one way the agent reads it: checked by [`crate::trust`] (only
+/// root may change what the path leads to) unless the operator allowed an insecure file.
+#[derive(Debug, Clone)]
+pub struct StateFile {
+    path: PathBuf,
+    trusted_only: bool,
+}
+
+/// Why the state file could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("state file missing")]
+    Missing,
+    #[error("state file unreadable: {0}")]
+    Unreadable(std::io::Error),
+    #[error("state file not trusted")]
+    Untrusted(#[source] TrustError),
+    /// Replaced between the open and the check (a volume update in progress): not a verdict
+    /// on the file; read it again.
+    #[error(transparent)]
+    Replaced(TrustError),
+}
+
+impl StateFile {
+    /// `trusted_only`: read the file only if [`crate::trust`] approves its path.
+    pub fn new(path: &Path, trusted_only: bool) -> Self {
+        Self {
+            path: path.to_owned(),
+            trusted_only,
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The file's bytes.
+    pub fn read(&self) -> Result<Vec<u8>, ReadError> {
+        let io = |e: std::io::Error| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                ReadError::Missing
+            } else {
+                ReadError::Unreadable(e)
+            }
+        };
+        if !self.trusted_only {
+            return std::fs::read(&self.path).map_err(io);
+        }
+        trust::read_trusted(&self.path).map_err(|e| match e {
+            TrustError::Io { source, .. } => io(source),
+            e @ TrustError::Changed { .. } => ReadError::Replaced(e),
+            e => ReadError::Untrusted(e),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::{fs, os::unix::fs::symlink, time::Duration};
@@ -318,14 +440,23 @@ mod tests {
         ok(fs::rename(&tmp, link));
     }
 
-    /// `change` is reported within a second, and nothing is reported after the burst.
+    /// A directory with a `state.json` of `{}`, watched.
+    fn watched(name: &str) -> (TempDir, PathBuf, StateSource) {
+        let dir = TempDir::new(name);
+        let path = dir.0.join("state.json");
+        ok(fs::write(&path, "{}"));
+        let source = ok(StateSource::watch(&path));
+        (dir, path, source)
+    }
+
+    /// `change` is reported within a second.
     async fn reported(source: &mut StateSource, what: &str, change: impl FnOnce()) {
-        // Let earlier bursts settle: a quiet period with nothing pending.
+        // Let earlier events settle: a quiet period with nothing pending.
         loop {
-            let quiet = tokio::time::timeout(DEBOUNCE * 4, source.changed())
+            let quiet = tokio::time::timeout(SETTLE * 4, source.changed())
                 .await
                 .is_err();
-            if quiet && !source.pending {
+            if quiet && !source.settling {
                 break;
             }
         }
@@ -334,24 +465,72 @@ mod tests {
         assert!(seen.is_ok(), "{what}: not reported within a second");
     }
 
-    /// The daemon's loop drops `changed()` whenever a timer fires first; a change whose first
-    /// event was already taken must still be reported by the next call.
+    /// A write the writer has not closed is read once it settles; the daemon's loop drops
+    /// `changed()` whenever a timer fires first, and a write whose event was already taken
+    /// must still be reported by the next call.
     #[tokio::test(flavor = "current_thread")]
-    async fn a_change_survives_a_cancelled_wait() {
-        let dir = TempDir::new("cancel");
-        let path = dir.0.join("state.json");
-        let mut source = ok(StateSource::watch(&path));
-        ok(fs::write(&path, "{}"));
-        // Cancelled after the first event arrived, during the debounce.
-        let _ = tokio::time::timeout(DEBOUNCE / 2 + Duration::from_millis(5), async {
-            source.changed().await;
-        })
-        .await;
+    async fn an_unclosed_write_survives_a_cancelled_wait() {
+        use std::io::Write as _;
+        let (_dir, path, mut source) = watched("cancel");
+        let mut file = ok(fs::OpenOptions::new().append(true).open(&path));
+        ok(file.write_all(b" "));
+        // Cancelled after the event arrived, while waiting for the write to settle.
+        let _ = tokio::time::timeout(SETTLE / 2, source.changed()).await;
+        assert!(source.settling, "the unclosed write was not seen");
         let reported = tokio::time::timeout(Duration::from_secs(2), source.changed()).await;
         assert!(
             reported.is_ok(),
             "the change was lost with the cancelled wait"
         );
+        drop(file);
+    }
+
+    /// No debounce: a file rewritten every 10 ms, without a pause, is reported again and again
+    /// (a quiet period before each read would never come).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_stream_of_changes_is_reported_without_a_quiet_period() {
+        let (_dir, path, mut source) = watched("stream");
+        let writer_path = path.clone();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let writer = std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stopped.load(Ordering::Acquire) {
+                replace(&writer_path, &format!("{{\"n\":{n}}}"));
+                n += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        let mut reports = 0;
+        let seen = tokio::time::timeout(Duration::from_secs(2), async {
+            while reports < 5 {
+                source.changed().await;
+                reports += 1;
+            }
+        })
+        .await;
+        stop.store(true, Ordering::Release);
+        let _ = writer.join();
+        assert!(
+            seen.is_ok(),
+            "{reports} of 5 reports while the file kept changing"
+        );
+    }
+
+    /// Changes made while nobody waits (the daemon applying the previous one) are one report.
+    #[tokio::test(flavor = "current_thread")]
+    async fn changes_during_an_apply_are_one_report() {
+        let (_dir, path, mut source) = watched("coalesce");
+        for n in 0..5 {
+            replace(&path, &format!("{{\"n\":{n}}}"));
+        }
+        ok(fs::write(&path, "{\"n\":5}"));
+        // Let the watcher deliver them all.
+        std::thread::sleep(Duration::from_millis(200));
+        let first = tokio::time::timeout(Duration::from_secs(1), source.changed()).await;
+        assert!(first.is_ok(), "the changes were not reported");
+        let second = tokio::time::timeout(SETTLE * 4, source.changed()).await;
+        assert!(second.is_err(), "one burst was reported twice");
     }
 
     /// `change` is not reported (within 300 ms).
@@ -366,7 +545,7 @@ mod tests {
     }
 
     /// The agent reads the file after every change; its own read must not count as one, or
-    /// it reads the file again every DEBOUNCE, forever.
+    /// it reads the file again after every read, forever.
     #[tokio::test(flavor = "current_thread")]
     async fn reading_the_file_is_not_a_change() {
         not_reported("a read", |path| {
@@ -387,10 +566,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn in_place_rename_and_kubernetes_swap_are_reported() {
-        let dir = TempDir::new("plain");
-        let path = dir.0.join("state.json");
-        ok(fs::write(&path, "{}"));
-        let mut source = ok(StateSource::watch(&path));
+        let (_dir, path, mut source) = watched("plain");
         reported(&mut source, "written in place", || {
             ok(fs::write(&path, "{\"a\":1}"))
         })

@@ -4,10 +4,13 @@
 //! the whole state if there is any: nothing is ever half-applied. The result does not depend
 //! on the order of peers or of rules: peers are sorted by name and rules are a sorted set.
 
+pub mod edits;
 mod fast;
+mod pipeline;
 mod tree;
 mod unique_keys;
 
+pub use pipeline::{Changes, Pipeline, Rejection};
 pub use tree::parse_value_tree;
 
 use std::{
@@ -20,6 +23,7 @@ use std::{
 use ipnet::IpNet;
 use serde_json::{Map, Value};
 
+pub use crate::explain::assertions::{self, PolicyTest};
 use crate::policy::{compile, CompiledPolicy, PolicyError, PortRange, Protocol, Rule};
 
 /// The schema version this agent reads.
@@ -173,6 +177,9 @@ pub struct DesiredState {
     /// Let replies to flows the network starts toward a peer pass that peer's egress policy
     /// (`"replies"`, default true): the stateless allow-list's ESTABLISHED,RELATED.
     pub replies: bool,
+    /// Policy tests (`"tests"`): packets the peers' compiled policies must pass or drop. A
+    /// state is only valid when they hold ([`parse`] runs them).
+    pub tests: Vec<PolicyTest>,
 }
 
 impl Default for DesiredState {
@@ -180,6 +187,7 @@ impl Default for DesiredState {
         Self {
             peers: Vec::new(),
             replies: true,
+            tests: Vec::new(),
         }
     }
 }
@@ -214,8 +222,11 @@ impl DesiredState {
     /// the same text.
     pub fn to_canonical_json(&self) -> String {
         let peers: Vec<Value> = self.peers.iter().map(PeerSpec::to_json).collect();
-        serde_json::json!({ "version": SCHEMA_VERSION, "replies": self.replies, "peers": peers })
-            .to_string()
+        let mut state = serde_json::json!({ "version": SCHEMA_VERSION, "replies": self.replies, "peers": peers });
+        if !self.tests.is_empty() {
+            state["tests"] = self.tests.iter().map(assertions::to_json).collect();
+        }
+        state.to_string()
     }
 }
 
@@ -308,7 +319,16 @@ fn rule_to_json(rule: &Rule) -> Value {
                 }
             })
             .collect();
-        value["ports"] = ports.into();
+        let field = if rule.protocol == Protocol::Icmp {
+            "types"
+        } else {
+            "ports"
+        };
+        value[field] = ports.into();
+    }
+    if !rule.except.is_empty() {
+        let except: Vec<Value> = rule.except.iter().map(|e| e.to_string().into()).collect();
+        value["except"] = except.into();
     }
     value
 }
@@ -368,6 +388,21 @@ impl fmt::Display for StateError {
 /// pass does not accept, it hands to [`parse_value_tree`], which walks the file as a value tree
 /// and names every error; so the result is always exactly what that walk decides.
 pub fn parse(text: &str) -> Result<DesiredState, StateError> {
+    let state = parse_unchecked(text)?;
+    if state.tests.is_empty() {
+        return Ok(state);
+    }
+    let errors = assertions::failures(&state, text);
+    if errors.is_empty() {
+        Ok(state)
+    } else {
+        Err(StateError { errors })
+    }
+}
+
+/// [`parse`] without running the state's policy tests (`wgfence explain` reads a state whose
+/// tests fail, to say why).
+pub fn parse_unchecked(text: &str) -> Result<DesiredState, StateError> {
     match fast::parse(text) {
         Some(state) => Ok(state),
         None => parse_value_tree(text),
@@ -474,6 +509,29 @@ fn port_text(s: &str) -> Result<PortRange, String> {
             Err(_) => Err(format!("{s:?} is not a port or a \"lo-hi\" range")),
         },
     }
+}
+
+/// The peers of two states side by side by name (both are sorted by name): `(Some, Some)` for
+/// a name both have, `(Some, None)` for one only `previous` has, `(None, Some)` for one only
+/// `desired` has.
+pub fn by_name<'a>(
+    previous: &'a DesiredState,
+    desired: &'a DesiredState,
+) -> impl Iterator<Item = (Option<&'a PeerSpec>, Option<&'a PeerSpec>)> + 'a {
+    let (mut old, mut new) = (
+        previous.peers.iter().peekable(),
+        desired.peers.iter().peekable(),
+    );
+    std::iter::from_fn(move || match (old.peek(), new.peek()) {
+        (Some(o), Some(n)) => Some(match o.name.cmp(&n.name) {
+            std::cmp::Ordering::Less => (old.next(), None),
+            std::cmp::Ordering::Greater => (None, new.next()),
+            std::cmp::Ordering::Equal => (old.next(), new.next()),
+        }),
+        (Some(_), None) => Some((old.next(), None)),
+        (None, Some(_)) => Some((None, new.next())),
+        (None, None) => None,
+    })
 }
 
 /// Policies of a state by content, for callers that need each distinct policy once.
@@ -830,12 +888,93 @@ mod tests {
                 json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "port": [443] }),
                 "egress[0].port: unknown field",
             ),
+            // ICMP types only on icmp rules; no rule without a protocol takes ports or types.
+            (
+                json!({ "cidr": "10.0.0.0/8", "types": [8] }),
+                "types are only allowed with icmp",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "types": [8] }),
+                "types are only allowed with icmp",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "icmp", "types": [256] }),
+                "256 is not an ICMP type",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "icmp", "types": ["echo"] }),
+                "is not an ICMP type",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "protocol": "icmp", "types": [] }),
+                "empty: leave types out",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "except": ["10.0.0.0/8"] }),
+                "is not a prefix strictly inside",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "except": ["192.168.0.0/16"] }),
+                "is not a prefix strictly inside",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "except": ["10.1.0.1/16"] }),
+                "has host bits set",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "except": ["fd00::/16"] }),
+                "is not a prefix strictly inside",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "except": [] }),
+                "empty: leave except out",
+            ),
+            (
+                json!({ "cidr": "10.0.0.0/8", "except": ["nope"] }),
+                "is not a CIDR prefix",
+            ),
         ];
         for (rule, wanted) in cases {
             let mut p = peer("a", 2);
             p["egress"] = json!([rule]);
             assert_error(&state(vec![p]), wanted);
         }
+    }
+
+    #[test]
+    fn except_and_types_parse_and_round_trip() {
+        let mut p = peer("a", 2);
+        p["egress"] = json!([
+            { "cidr": "0.0.0.0/0", "except": ["10.96.0.0/12", "169.254.169.254/32"],
+              "protocol": "tcp", "ports": [443] },
+            { "cidr": "0.0.0.0/0", "protocol": "icmp", "types": ["echo-request", "3-4"] },
+            { "cidr": "::/0", "protocol": "icmp", "types": ["echo-request"] },
+        ]);
+        let text = state(vec![p]);
+        let parsed = parse(&text).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(parse_value_tree(&text), Ok(parsed.clone()));
+        let rules = parsed.peers[0].rules.clone().unwrap_or_default();
+        let icmp4 = rules
+            .iter()
+            .find(|r| {
+                r.protocol == Protocol::Icmp
+                    && r.cidr.prefix_len() == 0
+                    && matches!(r.cidr, IpNet::V4(_))
+            })
+            .map(|r| r.ports.clone());
+        assert_eq!(
+            icmp4,
+            Some(vec![PortRange::new(3, 4), PortRange::single(8)])
+        );
+        let icmp6 = rules
+            .iter()
+            .find(|r| matches!(r.cidr, IpNet::V6(_)))
+            .map(|r| r.ports.clone());
+        assert_eq!(icmp6, Some(vec![PortRange::single(128)]));
+        assert_eq!(
+            parse(&parsed.to_canonical_json()).unwrap_or_else(|e| panic!("{e}")),
+            parsed
+        );
     }
 
     #[test]

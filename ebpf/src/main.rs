@@ -385,15 +385,37 @@ impl Ports {
         src: 0,
         dst: 0,
     };
+}
 
-    /// The destination port the policy matches, if the packet has one.
-    #[inline(always)]
-    pub(crate) const fn dst(self) -> Option<u16> {
-        if self.known {
-            Some(self.dst)
-        } else {
-            None
+/// The type of the ICMP header at `offset`, as the port an allow entry's range matches; `None`
+/// when the header's first two bytes (type and code) are not there. Read as two bytes: a
+/// one-byte bounds check is one the verifier does not take (see `flow::tcp_flags`).
+///
+/// Into an initialized buffer: with `load`'s `Option<[u8; 2]>` the compiler may read the
+/// payload register of the `None` path, which the helper call clobbered (the verifier refuses).
+#[inline(always)]
+pub(crate) fn icmp_type(ctx: &TcContext, offset: usize) -> Option<u16> {
+    let mut header = [0u8; 2];
+    let start = ctx.data();
+    let read = if start + offset + 2 <= ctx.data_end() {
+        // SAFETY: the bounds check above keeps the read inside the packet's linear data.
+        header = unsafe { core::ptr::read_unaligned((start + offset) as *const [u8; 2]) };
+        true
+    } else {
+        // SAFETY: the helper writes at most 2 bytes into `header`, which holds 2.
+        unsafe {
+            aya_ebpf::helpers::bpf_skb_load_bytes(
+                ctx.skb.skb as *const core::ffi::c_void,
+                offset as u32,
+                header.as_mut_ptr() as *mut core::ffi::c_void,
+                2,
+            ) == 0
         }
+    };
+    if read {
+        Some(u16::from(header[0]))
+    } else {
+        None
     }
 }
 

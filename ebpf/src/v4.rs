@@ -68,7 +68,16 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
         },
     );
     let audited = peer.audit();
-    let verdict = match decide(POLICY_V4.get(&key), &peer, protocol, ports.dst()) {
+    // ICMP is matched by its type where TCP/UDP are by their destination port (first fragment
+    // only; an unread type matches only entries for every type).
+    let port = if ports.known {
+        Some(ports.dst)
+    } else if first && protocol == PROTO_ICMP {
+        crate::icmp_type(ctx, l4)
+    } else {
+        None
+    };
+    let verdict = match decide(POLICY_V4.get(&key), &peer, protocol, port) {
         Err(Drop {
             why: Counter::DropPolicy,
             ..

@@ -102,7 +102,16 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
     // fragment's): such a fragment matches only entries for every protocol.
     let protocol = if first_fragment { next } else { PROTO_UNKNOWN };
     let audited = peer.audit();
-    let verdict = match decide(POLICY_V6.get(&key), &peer, protocol, ports.dst()) {
+    // ICMPv6 is matched by its type where TCP/UDP are by their destination port (first
+    // fragment only; an unread type matches only entries for every type).
+    let port = if ports.known {
+        Some(ports.dst)
+    } else if first_fragment && next == PROTO_ICMPV6 {
+        crate::icmp_type(ctx, offset)
+    } else {
+        None
+    };
+    let verdict = match decide(POLICY_V6.get(&key), &peer, protocol, port) {
         Err(Drop {
             why: Counter::DropPolicy,
             ..

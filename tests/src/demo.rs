@@ -52,20 +52,54 @@ pub const CHANGED_PROBES: [(&str, usize, Kind, &str, Reach); 2] = [
 ];
 
 /// The demo's state: alice with `alice` rules, bob unrestricted, carol (if `with_carol`) with
-/// DNS to 10.1.0.0/16 and SSH to fd00:1::/32.
+/// DNS to 10.1.0.0/16 and SSH to fd00:1::/32, and policy tests that pin down every rule
+/// (removing any one makes a test fail; `tests/tests/explain.rs` checks exactly that).
 pub fn state(gw: &Gateway, alice: Value, with_carol: bool) -> String {
-    let mut peers = vec![gw.peer_json(0, Some(alice)), gw.peer_json(1, None)];
+    state_of(|i, egress| gw.peer_json(i, egress), alice, with_carol)
+}
+
+/// [`state`] with `peer(i, egress)` giving peer `i`'s entry (names peer0..2 become alice, bob,
+/// carol): the tests build it without a gateway.
+pub fn state_of(
+    peer: impl Fn(usize, Option<Value>) -> Value,
+    alice: Value,
+    with_carol: bool,
+) -> String {
+    // Alice's tcp/80 is denied at first and allowed after the live change: a test pins
+    // either, so the changed state's extra rule is covered too.
+    let web = "10.2.3.4:80/tcp";
+    let (web_accept, web_deny) = if alice == alice_rules_changed() {
+        (Some(web), None)
+    } else {
+        (None, Some(web))
+    };
+    let mut peers = vec![peer(0, Some(alice)), peer(1, None)];
+    let alice_accept: Vec<&str> = ["10.2.3.4:443/tcp", "10.1.2.3:8080/tcp", "192.0.2.1/icmp"]
+        .into_iter()
+        .chain(web_accept)
+        .collect();
+    let alice_deny: Vec<&str> = ["10.2.3.4:22/tcp", "10.9.1.1/icmp", "[fd00:1::1]:443/tcp"]
+        .into_iter()
+        .chain(web_deny)
+        .collect();
+    let mut tests = vec![
+        json!({ "peer": "alice", "accept": alice_accept, "deny": alice_deny }),
+        json!({ "peer": "bob", "accept": ["10.2.3.4:22/tcp", "[2001:db8::1]:53/udp"] }),
+    ];
     if with_carol {
-        peers.push(gw.peer_json(
+        peers.push(peer(
             2,
             Some(json!([
                 { "cidr": "10.1.0.0/16", "protocol": "udp", "ports": [53] },
                 { "cidr": "fd00:1::/32", "protocol": "tcp", "ports": [22] },
             ])),
         ));
+        tests.push(json!({ "peer": "carol",
+            "accept": ["10.1.2.3:53/udp", "[fd00:1::1]:22/tcp"],
+            "deny": ["10.2.3.4:53/udp", "[fd00:9::1]:22/tcp", "10.1.2.3:22/tcp"] }));
     }
     // Names that read better than peer0..2.
-    let mut text = json!({ "version": 1, "peers": peers }).to_string();
+    let mut text = json!({ "version": 1, "peers": peers, "tests": tests }).to_string();
     for (from, to) in [("peer0", "alice"), ("peer1", "bob"), ("peer2", "carol")] {
         text = text.replace(&format!("\"{from}\""), &format!("\"{to}\""));
     }

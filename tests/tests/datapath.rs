@@ -232,6 +232,55 @@ fn adopting_pinned_objects_keeps_traffic_flowing() {
     );
 }
 
+/// A restart of the same agent takes over the programs the links run instead of loading and
+/// verifying them again. A map pin replaced while no agent ran (those programs would enforce a
+/// map nothing writes any more) makes it load its own, on the new map.
+#[test]
+fn a_restart_takes_over_the_running_programs_only_on_the_same_maps() {
+    use wgfence::dataplane::{pin_dir, Dataplane};
+    use wgfence_common::map_names;
+
+    let gw = Gateway::new(1);
+    let programs = || {
+        let id = |info: Option<(u32, u32)>| info.map(|(_, program)| program);
+        (
+            id(Dataplane::egress_link_info(&gw.bpffs, gw.interface())
+                .unwrap_or_else(|e| panic!("{e}"))),
+            id(Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"))),
+        )
+    };
+    drop(gw.attach());
+    let first = programs();
+    assert!(first.0.is_some() && first.1.is_some(), "{first:?}");
+    drop(gw.attach());
+    assert_eq!(programs(), first, "the restart loaded the programs again");
+
+    let stats = pin_dir(&gw.bpffs, gw.interface()).join(map_names::STATS);
+    std::fs::remove_file(&stats).unwrap_or_else(|e| panic!("{e}"));
+    drop(gw.attach());
+    let again = programs();
+    assert!(
+        again.0 != first.0 && again.1 != first.1,
+        "the programs on the removed map were taken over: {first:?} {again:?}"
+    );
+    let map = aya::maps::MapInfo::from_pin(&stats)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .id();
+    // The ingress program counts every verdict in it.
+    if let Some(id) = again.1 {
+        let info = aya::programs::loaded_programs()
+            .filter_map(Result::ok)
+            .find(|p| p.id() == id)
+            .unwrap_or_else(|| panic!("program {id} not loaded"));
+        let maps = info.map_ids().unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            maps.is_some_and(|maps| maps.contains(&map)),
+            "program {id} does not use the pinned {}",
+            map_names::STATS
+        );
+    }
+}
+
 /// A device recreated under the same name and index is a new device: the held links died with
 /// the old one, so the check must attach again (an index comparison alone would say intact).
 #[test]

@@ -1,6 +1,7 @@
 //! `cargo xtask fuzz <target> [--seconds N]`: runs one of the cargo-fuzz targets in fuzz/
-//! (`state`: the state parser; `plan`: the planner), installing cargo-fuzz first if it is
-//! missing. `cargo xtask test` runs every target for a short budget.
+//! (`state`: the state parser; `pipeline`: the incremental state pipeline; `plan`: the planner),
+//! installing cargo-fuzz first if it is missing. `cargo xtask test` runs every target for a
+//! short budget.
 //!
 //! cargo-fuzz passes nightly-only flags (`-Zsanitizer=address`, sancov passes) to rustc. The
 //! machines have a stable rustc, whose rust-std ships the ASan runtime, so the build runs with
@@ -18,7 +19,7 @@ use clap::Args;
 use crate::util;
 
 /// The fuzz targets (fuzz/fuzz_targets/<name>.rs).
-pub const TARGETS: [&str; 2] = ["state", "plan"];
+pub const TARGETS: [&str; 3] = ["state", "pipeline", "plan"];
 
 /// cargo-fuzz, installed with `cargo install --locked` when missing.
 const CARGO_FUZZ: &str = "cargo-fuzz";

@@ -360,6 +360,31 @@ impl Maps {
         self.remove_flow_list(&flows)
     }
 
+    /// The value of the flow with `flow`'s key (its value is ignored), if the table has one:
+    /// one lookup, for `wgfence explain`.
+    pub fn flow(&self, flow: &Flow) -> Result<Option<FlowValue>> {
+        let found = match flow_key(flow) {
+            Some(FlowKey::V4(key)) => self.flows_v4.get(&key, 0),
+            Some(FlowKey::V6(key)) => self.flows_v6.get(&key, 0),
+            None => return Ok(None),
+        };
+        match found {
+            Ok(value) => Ok(Some(value)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+                Ok(None)
+            }
+            Err(source) => Err(DataplaneError::Map {
+                map: if flow.peer.is_ipv4() {
+                    map_names::FLOWS_V4
+                } else {
+                    map_names::FLOWS_V6
+                },
+                source,
+            }),
+        }
+    }
+
     /// Every recorded reply flow, in the tables' order (what [`Maps::flows`] sorts).
     pub fn flows_unsorted(&self) -> Result<Vec<Flow>> {
         let mut flows = Vec::new();

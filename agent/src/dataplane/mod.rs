@@ -257,6 +257,9 @@ pub struct Dataplane {
     /// The loaded object; kept so the datapath's log ring buffer stays readable and the
     /// programs can be attached again.
     ebpf: Ebpf,
+    /// The programs adopted from the running datapath instead of loading the object's (see
+    /// [`adopt_programs`]), by program name; empty when the object's were loaded.
+    adopted: Vec<(&'static str, SchedClassifier)>,
     /// The tcx links, one per [`hooks`] entry, held open: pins removed by hand do not detach
     /// the programs while the agent runs, and can be pinned again from here. `None` on the tc
     /// hook (a filter has no link: it stays until deleted).
@@ -293,6 +296,7 @@ impl Dataplane {
     /// Must run in the interface's network namespace.
     pub fn attach(options: &AttachOptions) -> Result<Self> {
         let interface = options.interface.as_str();
+        let started = std::time::Instant::now();
         let variant = iface::variant(interface)?;
         let hooks = hooks(&variant);
         ensure_bpffs(&options.bpffs)?;
@@ -360,7 +364,9 @@ impl Dataplane {
             // Reuses the pinned map if there is one, else creates and pins it.
             loader.map_pin_path(name, path.as_path());
         }
+        let prelude = started.elapsed();
         let mut ebpf = loader.load(OBJECT)?;
+        let object = started.elapsed();
         // Before anything is attached: an adopted map of another layout is an error.
         let maps = Maps::from_ebpf(&mut ebpf)?;
         let map_pins = pins
@@ -371,19 +377,35 @@ impl Dataplane {
                     .map_err(|source| DataplaneError::Map { map: name, source })
             })
             .collect::<Result<Vec<_>>>()?;
+        let maps_opened = started.elapsed();
 
-        // Both programs are verified before either is switched: the two link updates (or
-        // filter replacements) follow each other without a verifier run between them. Only
-        // the variant's two programs are loaded; the other variant's stay in the object.
-        for hook in &hooks {
-            let program = classifier(&mut ebpf, hook.program)?;
-            program.load().map_err(program_err(hook.program))?;
+        // The running programs, if they are this very object's and use these very maps: taken
+        // over as they are, without loading and verifying them again (see `adopt_programs`).
+        let identity = program_identity(log_level, &variant);
+        let mut adopted = if upgrade.is_none() && kind == HookKind::Tcx {
+            adopt_programs(&pin_dir, &hooks, &identity, &map_pins)
+        } else {
+            Vec::new()
+        };
+        if adopted.is_empty() {
+            // Pins of programs about to be replaced: gone before the switch, so that none
+            // names a program the links no longer run.
+            remove_program_pins(&pin_dir, &hooks)?;
+            // Both programs are verified before either is switched: the two link updates (or
+            // filter replacements) follow each other without a verifier run between them.
+            // Only the variant's two programs are loaded; the other variant's stay in the
+            // object.
+            for hook in &hooks {
+                let program = classifier(&mut ebpf, hook.program)?;
+                program.load().map_err(program_err(hook.program))?;
+            }
         }
+        let verified = started.elapsed();
         if let Some(upgrade) = upgrade.as_mut() {
             upgrade.fill(&pin_dir)?;
             let mut ids = Vec::with_capacity(hooks.len());
             for hook in &hooks {
-                let program = classifier(&mut ebpf, hook.program)?;
+                let program = program_of(&mut ebpf, &mut adopted, hook.program)?;
                 ids.push(program.info().map_err(program_err(hook.program))?.id());
             }
             upgrade.mark_switch(&pin_dir, &ids)?;
@@ -404,7 +426,7 @@ impl Dataplane {
         }
         let switch = std::time::Instant::now();
         for hook in &hooks {
-            let program = classifier(&mut ebpf, hook.program)?;
+            let program = program_of(&mut ebpf, &mut adopted, hook.program)?;
             let (attached, link) = match kind {
                 HookKind::Tcx => {
                     let link_path = pin_dir.join(hook.link_pin);
@@ -436,6 +458,18 @@ impl Dataplane {
             }
         }
         let switch = switch.elapsed();
+        let switched = started.elapsed();
+        if kind == HookKind::Tcx && adopted.is_empty() {
+            // What the next start may take over instead of loading the object again. A
+            // failure costs that start the verifier's time, no enforcement.
+            if let Err(e) = pin_programs(&pin_dir, &hooks, &identity, &mut ebpf) {
+                tracing::warn!(
+                    pin_dir = %pin_dir.display(),
+                    error = %crate::error_chain(&e),
+                    "could not pin the programs: the next start loads them again"
+                );
+            }
+        }
         // The new programs enforce the full translated state from here on: what is left (late
         // flows, counter increments, the old pins) is no reason to stop the agent.
         let upgraded = upgrade.and_then(|upgrade| match upgrade.finish(&pin_dir, switch) {
@@ -479,6 +513,18 @@ impl Dataplane {
                 "could not recount the flow quota; it is recounted at the next start"
             ),
         }
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        tracing::debug!(
+            interface,
+            prelude_ms = ms(prelude),
+            object_ms = ms(object - prelude),
+            maps_ms = ms(maps_opened - object),
+            verify_ms = ms(verified - maps_opened),
+            switch_ms = ms(switched - verified),
+            programs_adopted = !adopted.is_empty(),
+            after_ms = ms(started.elapsed() - switched),
+            "datapath attach phases"
+        );
         tracing::info!(
             interface,
             pin_dir = %pin_dir.display(),
@@ -498,6 +544,7 @@ impl Dataplane {
             maps,
             attachment,
             ebpf,
+            adopted,
             links,
             retired: Vec::new(),
             hook: kind,
@@ -598,7 +645,7 @@ impl Dataplane {
                         self.added_qdisc = true;
                         mark(&self.pin_dir, tc::QDISC_MARKER)?;
                     }
-                    let program = classifier(&mut self.ebpf, hook.program)?;
+                    let program = program_of(&mut self.ebpf, &mut self.adopted, hook.program)?;
                     tc::attach_or_replace(
                         program,
                         hook.program,
@@ -613,7 +660,7 @@ impl Dataplane {
             if hook_missing {
                 // The new link first (pinned over the old pin), then the old one goes: no
                 // instant without a link on any device that still runs the program.
-                let program = classifier(&mut self.ebpf, hook.program)?;
+                let program = program_of(&mut self.ebpf, &mut self.adopted, hook.program)?;
                 let new = attach_new(program, hook, &self.interface, &link_path)?;
                 let slot = self
                     .links
@@ -796,7 +843,8 @@ impl Dataplane {
     /// Whether the hook's program runs on that hook of the device with this index (tcx, or the
     /// agent's filter place on tc).
     fn runs(&mut self, ifindex: u32, hook: &Hook) -> io::Result<bool> {
-        let program = classifier(&mut self.ebpf, hook.program).map_err(io::Error::other)?;
+        let program = program_of(&mut self.ebpf, &mut self.adopted, hook.program)
+            .map_err(io::Error::other)?;
         let id = program.info().map_err(io::Error::other)?.id();
         if self.hook == HookKind::Tc {
             let place = tc::place(ifindex, hook.attach_type, hook.program)?;
@@ -979,7 +1027,12 @@ impl Dataplane {
     }
 
     fn pinned_link_info(bpffs: &Path, interface: &str, pin: &str) -> Result<Option<(u32, u32)>> {
-        let path = pin_dir(bpffs, interface).join(pin);
+        Self::pinned_link_info_at(&pin_dir(bpffs, interface).join(pin))
+    }
+
+    /// The link id and program id of the link pinned at `path`, if there is one.
+    fn pinned_link_info_at(path: &Path) -> Result<Option<(u32, u32)>> {
+        let path = path.to_owned();
         if !path.exists() {
             return Ok(None);
         }
@@ -1101,6 +1154,148 @@ pub(crate) fn classifier<'a>(
         })?
         .try_into()
         .map_err(program_err(program))
+}
+
+/// The program named `name`: the adopted one if the running programs were taken over, else
+/// the object's.
+fn program_of<'a>(
+    ebpf: &'a mut Ebpf,
+    adopted: &'a mut [(&'static str, SchedClassifier)],
+    name: &'static str,
+) -> Result<&'a mut SchedClassifier> {
+    match adopted.iter_mut().find(|(n, _)| *n == name) {
+        Some((_, program)) => Ok(program),
+        None => classifier(ebpf, name),
+    }
+}
+
+/// What identifies the programs an attach loads: the object, the log level compiled into it
+/// and the variant. Part of the programs' pin names (`prog_<direction>_<identity>`): an agent
+/// built from another object never takes over these programs.
+fn program_identity(log_level: u8, variant: &Variant) -> String {
+    use std::hash::{Hash, Hasher};
+    // SipHash with fixed keys: the same on every start of the same binary (a toolchain that
+    // hashes differently only costs one start the verifier's time).
+    #[allow(deprecated)]
+    let mut hasher = std::hash::SipHasher::new();
+    OBJECT.hash(&mut hasher);
+    log_level.hash(&mut hasher);
+    variant.name.hash(&mut hasher);
+    format!("{:016x}", hasher.finish())
+}
+
+/// The pin of the program of `hook` with this identity.
+fn program_pin(pin_dir: &Path, hook: &Hook, identity: &str) -> PathBuf {
+    pin_dir.join(format!("{PROGRAM_PIN_PREFIX}{}_{identity}", hook.direction))
+}
+
+/// Name prefix of the program pins in a pin directory.
+const PROGRAM_PIN_PREFIX: &str = "prog_";
+
+/// Takes over the programs the pinned links run, if they are exactly what this attach would
+/// load: pinned under this binary's identity by an agent that loaded them, run by both pinned
+/// links (the kernel's program ids), and using exactly the maps pinned now (their ids). Any
+/// other answer, or any error, is an empty result: the caller loads and verifies the object's
+/// programs, as a first start does.
+fn adopt_programs(
+    pin_dir: &Path,
+    hooks: &[Hook; 2],
+    identity: &str,
+    map_pins: &[(&'static str, MapData)],
+) -> Vec<(&'static str, SchedClassifier)> {
+    // The pinned maps by their kernel names (truncated as the kernel keeps them).
+    let mut pinned = Vec::with_capacity(map_pins.len());
+    for (_, map) in map_pins {
+        match map.info() {
+            Ok(info) => pinned.push((info.name().to_vec(), info.id())),
+            Err(_) => return Vec::new(),
+        }
+    }
+    let mut adopted = Vec::with_capacity(hooks.len());
+    for hook in hooks {
+        let pin = program_pin(pin_dir, hook, identity);
+        let link = pin_dir.join(hook.link_pin);
+        if !pin.exists() || !link.exists() {
+            return Vec::new();
+        }
+        let Ok(program) = SchedClassifier::from_pin(&pin) else {
+            return Vec::new();
+        };
+        let Ok(info) = program.info() else {
+            return Vec::new();
+        };
+        let Ok(Some((_, linked))) = Dataplane::pinned_link_info_at(&link) else {
+            return Vec::new();
+        };
+        let Ok(Some(uses)) = info.map_ids() else {
+            return Vec::new();
+        };
+        if linked != info.id() {
+            return Vec::new();
+        }
+        // The maps a program uses are fixed when it is loaded: each of its maps named like a
+        // pinned one must be that very map (a map pin replaced since would leave the program
+        // enforcing a map the agent no longer writes).
+        let mut matched = 0;
+        for id in uses {
+            let Ok(map) = aya::maps::MapInfo::from_id(id) else {
+                return Vec::new();
+            };
+            if let Some((_, pinned_id)) = pinned.iter().find(|(name, _)| name == map.name()) {
+                if *pinned_id != id {
+                    return Vec::new();
+                }
+                matched += 1;
+            }
+        }
+        if matched == 0 {
+            return Vec::new();
+        }
+        adopted.push((hook.program, program));
+    }
+    tracing::debug!(pin_dir = %pin_dir.display(), "took over the running programs");
+    adopted
+}
+
+/// Pins the loaded programs under `identity`, for the next start to take over.
+fn pin_programs(pin_dir: &Path, hooks: &[Hook; 2], identity: &str, ebpf: &mut Ebpf) -> Result<()> {
+    for hook in hooks {
+        let path = program_pin(pin_dir, hook, identity);
+        remove_if_exists(&path)?;
+        classifier(ebpf, hook.program)?
+            .pin(&path)
+            .map_err(|source| DataplaneError::Pin {
+                path: path.clone(),
+                source,
+            })?;
+    }
+    Ok(())
+}
+
+/// Removes every program pin of `hooks` in `pin_dir`, whatever its identity.
+fn remove_program_pins(pin_dir: &Path, hooks: &[Hook; 2]) -> Result<()> {
+    let entries = match fs::read_dir(pin_dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+        Err(source) => {
+            return Err(DataplaneError::Io {
+                path: pin_dir.to_owned(),
+                source,
+            })
+        }
+    };
+    for entry in entries.filter_map(|e| e.ok()) {
+        let name = entry.file_name();
+        let name = name.to_str().unwrap_or_default();
+        if hooks.iter().any(|hook| {
+            name.strip_prefix(PROGRAM_PIN_PREFIX)
+                .and_then(|rest| rest.strip_prefix(hook.direction))
+                .is_some_and(|rest| rest.starts_with('_'))
+        }) {
+            remove_if_exists(&entry.path())?;
+        }
+    }
+    Ok(())
 }
 
 /// Replaces the program behind the pinned link if it is still attached; otherwise (no pin, or

@@ -9,7 +9,7 @@ use std::{
 
 use aya::{Ebpf, EbpfLoader};
 use aya_obj::generated::{bpf_attr, bpf_cmd};
-use wgfence_common::{Variant, VARIANT_ETHERNET};
+use wgfence_common::{map_names, Variant, VARIANT_ETHERNET};
 
 use super::{
     classifier,
@@ -62,11 +62,25 @@ impl TestProgram {
     /// Loads `variant`; the L3 variant runs on raw IP packets (at least [`MIN_TEST_INPUT`]
     /// bytes: the kernel's minimum).
     pub fn load_variant(variant: Variant) -> Result<Self> {
-        let mut ebpf = EbpfLoader::new()
+        Self::load_with(
+            EbpfLoader::new(),
+            variant,
+            &[variant.ingress, variant.egress],
+        )
+    }
+
+    /// Loads the object with `loader` (datapath logging off), takes its maps and loads
+    /// `programs` of `variant`.
+    fn load_with(
+        mut loader: EbpfLoader<'_>,
+        variant: Variant,
+        programs: &[&'static str],
+    ) -> Result<Self> {
+        let mut ebpf = loader
             .override_global("AYA_LOG_LEVEL", &0u8, false)
             .load(OBJECT)?;
         let maps = Maps::from_ebpf(&mut ebpf)?;
-        for program in [variant.ingress, variant.egress] {
+        for program in programs {
             classifier(&mut ebpf, program)?
                 .load()
                 .map_err(program_err(program))?;
@@ -76,6 +90,53 @@ impl TestProgram {
             maps,
             variant,
         })
+    }
+
+    /// Loads `variant` with every map pinned in `pin_dir` (created there, or reused when
+    /// already pinned), not attached: a stand-in for the live datapath that
+    /// [`TestProgram::against_pins`] can probe.
+    pub fn load_pinned(variant: Variant, pin_dir: &std::path::Path) -> Result<Self> {
+        std::fs::create_dir_all(pin_dir).map_err(|source| DataplaneError::Io {
+            path: pin_dir.to_owned(),
+            source,
+        })?;
+        let mut loader = EbpfLoader::new();
+        let paths: Vec<_> = map_names::ALL
+            .iter()
+            .map(|name| (*name, pin_dir.join(name)))
+            .collect();
+        for (name, path) in &paths {
+            loader.map_pin_path(name, path.as_path());
+        }
+        Self::load_with(loader, variant, &[variant.ingress, variant.egress])
+    }
+
+    /// Loads `variant`'s ingress program against the peer, policy and settings maps pinned in
+    /// `pin_dir` (reused, read only: the program never writes them), with private maps for
+    /// everything it writes: counters, per-peer counters, drop events, their rate limiter and
+    /// the flow tables. Running it decides a packet exactly as the live program would, and
+    /// moves nothing live (`wgfence explain`). A map that is not pinned is an error, never
+    /// created.
+    pub fn against_pins(pin_dir: &std::path::Path, variant: Variant) -> Result<Self> {
+        let mut loader = EbpfLoader::new();
+        let shared = [
+            map_names::PEERS_V4,
+            map_names::PEERS_V6,
+            map_names::POLICY_V4,
+            map_names::POLICY_V6,
+            map_names::CONFIG,
+        ];
+        let paths: Vec<_> = shared.iter().map(|name| pin_dir.join(name)).collect();
+        for (name, path) in shared.iter().zip(&paths) {
+            if !path.exists() {
+                return Err(DataplaneError::Io {
+                    path: path.clone(),
+                    source: io::Error::new(io::ErrorKind::NotFound, "map not pinned"),
+                });
+            }
+            loader.map_pin_path(name, path.as_path());
+        }
+        Self::load_with(loader, variant, &[variant.ingress])
     }
 
     pub fn variant(&self) -> Variant {

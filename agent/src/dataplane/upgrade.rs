@@ -12,8 +12,10 @@
 //!    and owner and get no flags, no window and no rule counters (the agent's first apply
 //!    writes those); policy entries are copied with every allow credited to rule 0 (the
 //!    agent's first apply replaces them with its own compiled, attributed policies through the
-//!    usual write-then-switch); packet, per-peer and flow quota counters carried over; live
-//!    flows copied as they are (layout 2 already has owners); the config verbatim;
+//!    usual write-then-switch); packet, per-peer and flow quota counters carried over; owners
+//!    one per address, as the planner gives them (a v2 owner two addresses share is replaced by
+//!    new ones above the high-water mark), live flows copied with their address's owner; the
+//!    config verbatim but for the high-water mark;
 //! 3. the switch marker (`wgf3_switch`, the ids of the v3 programs) is pinned, then each hook
 //!    gets its v3 program, egress then ingress: one `bpf_link_update` per pinned tcx link, or
 //!    one in-place `tc filter replace` per clsact filter (both atomic per packet);
@@ -772,19 +774,18 @@ impl V3Maps {
         }
     }
 
-    fn peer_addrs(&self) -> Result<Vec<IpAddr>> {
-        let mut addrs = Vec::new();
-        for key in self.peers_v4.keys() {
-            addrs.push(IpAddr::from(
-                key.map_err(map_err(map_names::PEERS_V4))?.addr,
-            ));
+    /// Every peer entry the v3 maps hold (a resumed upgrade's first fill wrote them).
+    fn peers(&self) -> Result<BTreeMap<IpAddr, wgfence_common::PeerEntry>> {
+        let mut peers = BTreeMap::new();
+        for item in self.peers_v4.iter() {
+            let (key, entry) = item.map_err(map_err(map_names::PEERS_V4))?;
+            peers.insert(IpAddr::from(key.addr), entry);
         }
-        for key in self.peers_v6.keys() {
-            addrs.push(IpAddr::from(
-                key.map_err(map_err(map_names::PEERS_V6))?.addr,
-            ));
+        for item in self.peers_v6.iter() {
+            let (key, entry) = item.map_err(map_err(map_names::PEERS_V6))?;
+            peers.insert(IpAddr::from(key.addr), entry);
         }
-        Ok(addrs)
+        Ok(peers)
     }
 
     fn remove_peer(&mut self, addr: IpAddr) -> Result<()> {
@@ -879,6 +880,8 @@ pub(crate) struct Upgrade {
     /// after that.
     stats: Vec<Vec<u64>>,
     peer_stats: BTreeMap<u32, Vec<v2::PeerCounters>>,
+    /// Each peer entry's owner: (in layout 2, in layout 3).
+    owners: BTreeMap<IpAddr, (u64, u64)>,
     report: UpgradeReport,
 }
 
@@ -952,6 +955,7 @@ impl Upgrade {
             started,
             stats: Vec::new(),
             peer_stats: BTreeMap::new(),
+            owners: BTreeMap::new(),
             report: UpgradeReport {
                 from_layout: v2::LAYOUT,
                 ..UpgradeReport::default()
@@ -966,7 +970,23 @@ impl Upgrade {
         let config = self.v2.config()?;
         let peers = self.v2.peers()?;
 
-        // The config first (nothing runs on these maps yet), verbatim: layout 3 added no field.
+        // Owners: one per address, as the planner gives them (a flow counts only for the entry
+        // of its own address). A v2 owner no other address holds is kept; a shared one (a 1 -> 2
+        // upgrade before commit ba35d1d gave a peer's addresses one owner per slot) is replaced
+        // by a new one above the high-water mark, and its flows follow their address. A resumed
+        // upgrade keeps what its first fill wrote for the same slot.
+        let existing = v3.peers()?;
+        let mut high = config.owner_high;
+        if !self.fresh {
+            if let Ok(v3_config) = v3.config.get(&0, 0) {
+                high = high.max(v3_config.owner_high);
+            }
+        }
+        let (owners, high) = owners_per_address(&peers, &existing, high);
+        self.owners = owners;
+
+        // The config first (nothing runs on these maps yet), verbatim but for the high-water
+        // mark, which covers every owner written below.
         let v3_config = wgfence_common::Config {
             flags: config.flags,
             flows_per_peer: config.flows_per_peer,
@@ -977,7 +997,7 @@ impl Upgrade {
             unanswered_timeout_ns: config.unanswered_timeout_ns,
             event_interval_ns: config.event_interval_ns,
             event_burst_ns: config.event_burst_ns,
-            owner_high: config.owner_high,
+            owner_high: high,
         };
         v3.config
             .set(0, v3_config, 0)
@@ -1005,29 +1025,34 @@ impl Upgrade {
 
         // Peer entries, after the policies they reference; entries of no v2 peer go.
         for (addr, entry) in &peers {
+            let owner = self
+                .owners
+                .get(addr)
+                .map_or(entry.owner, |(_, owner)| *owner);
             v3.upsert_peer(
                 *addr,
                 wgfence_common::PeerEntry {
                     policy: entry.policy,
                     slot: entry.slot,
-                    owner: entry.owner,
+                    owner,
                     ..wgfence_common::PeerEntry::default()
                 },
             )?;
         }
         let wanted: BTreeSet<IpAddr> = peers.iter().map(|(a, _)| *a).collect();
-        for addr in v3.peer_addrs()? {
-            if !wanted.contains(&addr) {
-                v3.remove_peer(addr)?;
+        for addr in existing.keys() {
+            if !wanted.contains(addr) {
+                v3.remove_peer(*addr)?;
             }
         }
         remove_other_entries(&mut v3.policy_v4, map_names::POLICY_V4, &keep_v4)?;
         remove_other_entries(&mut v3.policy_v6, map_names::POLICY_V6, &keep_v6)?;
         let slots: BTreeSet<u32> = peers.iter().map(|(_, e)| e.slot).collect();
         self.report.peer_entries = peers.len();
-        self.report.owners = peers
-            .iter()
-            .map(|(_, e)| e.owner)
+        self.report.owners = self
+            .owners
+            .values()
+            .map(|(_, owner)| *owner)
             .collect::<BTreeSet<_>>()
             .len() as u64;
 
@@ -1063,10 +1088,31 @@ impl Upgrade {
         }
 
         // Flows last, closest to the switch.
-        let flows = self.v2.flows()?;
+        let flows = self.reowned(self.v2.flows()?);
         v3.copy_flows(&flows, false)?;
         self.report.flows = flows.len() as u64;
         Ok(())
+    }
+
+    /// The v2 flows with the layout-3 owner of their address: a flow the v2 tables credit to
+    /// its address's v2 owner goes to that address's v3 owner; any other (a stale flow of an
+    /// address's previous holder) keeps its owner, which no v3 entry holds.
+    fn reowned(
+        &self,
+        mut flows: Vec<(FlowKey, wgfence_common::FlowValue)>,
+    ) -> Vec<(FlowKey, wgfence_common::FlowValue)> {
+        for (key, value) in &mut flows {
+            let peer = match key {
+                FlowKey::V4(k) => IpAddr::from(k.peer),
+                FlowKey::V6(k) => IpAddr::from(k.peer),
+            };
+            if let Some((old, new)) = self.owners.get(&peer) {
+                if value.owner == *old {
+                    value.owner = *new;
+                }
+            }
+        }
+        flows
     }
 
     /// Pins the switch marker naming the loaded layout-3 programs: from here on, a hook that
@@ -1080,7 +1126,7 @@ impl Upgrade {
     /// `switch` is how long the program switches took.
     pub(crate) fn finish(mut self, pin_dir: &Path, switch: Duration) -> Result<UpgradeReport> {
         let mut v3 = V3Maps::open(pin_dir)?;
-        let flows = self.v2.flows()?;
+        let flows = self.reowned(self.v2.flows()?);
         self.report.flows_late = v3.copy_flows(&flows, true)?;
         if self.fresh {
             // Racing the v3 programs' own increments between one read and one write per
@@ -1151,6 +1197,34 @@ impl Upgrade {
         );
         Ok(self.report)
     }
+}
+
+/// Each v2 peer entry's owner in layout 3, one per address: kept if the v3 maps already hold
+/// the address with the same slot (`existing`, a resumed upgrade), else the v2 owner if no
+/// other address holds it, else a new one above `high`. Returns (address -> (v2 owner, v3
+/// owner), the new high-water mark).
+fn owners_per_address(
+    peers: &[(IpAddr, v2::PeerEntry)],
+    existing: &BTreeMap<IpAddr, wgfence_common::PeerEntry>,
+    mut high: u64,
+) -> (BTreeMap<IpAddr, (u64, u64)>, u64) {
+    let mut holders: BTreeMap<u64, usize> = BTreeMap::new();
+    for (_, entry) in peers {
+        *holders.entry(entry.owner).or_default() += 1;
+    }
+    let mut owners = BTreeMap::new();
+    for (addr, entry) in peers {
+        let owner = match existing.get(addr) {
+            Some(have) if have.owner != 0 && have.slot == entry.slot => have.owner,
+            _ if entry.owner != 0 && holders.get(&entry.owner) == Some(&1) => entry.owner,
+            _ => {
+                high += 1;
+                high
+            }
+        };
+        owners.insert(*addr, (entry.owner, owner));
+    }
+    (owners, high)
 }
 
 /// Copies a layout-2 policy trie into its layout-3 twin, entry for entry; returns the keys
@@ -1369,5 +1443,52 @@ mod tests {
         assert_eq!(w.allows[0], wgfence_common::Allow::new(6, 443, 443));
         assert_eq!(w.allows[1], wgfence_common::Allow::new(0, 0, u16::MAX));
         assert!(w.allows.iter().all(|a| a.rule == 0));
+    }
+
+    #[test]
+    fn owners_become_one_per_address() {
+        let a = |s: &str| s.parse::<IpAddr>().unwrap_or(IpAddr::from([0, 0, 0, 0]));
+        let entry = |slot, owner| v2::PeerEntry {
+            policy: 1,
+            slot,
+            owner,
+        };
+        // alice's two addresses share owner 7 (a 1 -> 2 upgrade before ba35d1d); bob's is his.
+        let peers = [
+            (a("10.8.0.2"), entry(0, 7)),
+            (a("fd00:8::2"), entry(0, 7)),
+            (a("10.8.0.3"), entry(1, 9)),
+        ];
+        let (owners, high) = owners_per_address(&peers, &BTreeMap::new(), 9);
+        assert_eq!(owners[&a("10.8.0.3")], (9, 9), "a sole owner is kept");
+        assert_eq!(owners[&a("10.8.0.2")], (7, 10));
+        assert_eq!(owners[&a("fd00:8::2")], (7, 11));
+        assert_eq!(high, 11);
+
+        // Resumed: what the first fill wrote for the same slot stays; another slot's does not.
+        let existing = BTreeMap::from([
+            (
+                a("10.8.0.2"),
+                wgfence_common::PeerEntry {
+                    slot: 0,
+                    owner: 10,
+                    ..wgfence_common::PeerEntry::default()
+                },
+            ),
+            (
+                a("fd00:8::2"),
+                wgfence_common::PeerEntry {
+                    slot: 5,
+                    owner: 11,
+                    ..wgfence_common::PeerEntry::default()
+                },
+            ),
+        ]);
+        let (owners, high) = owners_per_address(&peers, &existing, 11);
+        assert_eq!(owners[&a("10.8.0.2")], (7, 10));
+        assert_eq!(owners[&a("fd00:8::2")], (7, 12));
+        assert_eq!(high, 12);
+        let distinct: BTreeSet<u64> = owners.values().map(|(_, o)| *o).collect();
+        assert_eq!(distinct.len(), owners.len());
     }
 }

@@ -82,7 +82,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for Port<'a> {
 /// `T`, deserialized only from a JSON object. serde's derived structs also accept a positional
 /// array (`[1, null, []]` would be a state with no field names to check), which the schema and
 /// the walk do not.
-struct Obj<T>(T);
+pub(super) struct Obj<T>(pub T);
 
 impl<'de, T: Deserialize<'de>> Deserialize<'de> for Obj<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -108,17 +108,20 @@ fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Optio
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawState<'a> {
+pub(super) struct RawState<'a> {
     version: u64,
     #[serde(default, deserialize_with = "present")]
-    replies: Option<bool>,
+    pub replies: Option<bool>,
     #[serde(borrow)]
-    peers: Vec<Obj<RawPeer<'a>>>,
+    pub peers: Vec<Obj<RawPeer<'a>>>,
+    /// Policy tests: parsed by the walk's own parser (they are few).
+    #[serde(borrow, default, deserialize_with = "present")]
+    pub tests: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct RawPeer<'a> {
+pub(super) struct RawPeer<'a> {
     #[serde(borrow)]
     name: Str<'a>,
     #[serde(borrow)]
@@ -133,16 +136,64 @@ struct RawPeer<'a> {
     preshared_key: Option<Str<'a>>,
     #[serde(default, deserialize_with = "present")]
     persistent_keepalive: Option<u64>,
-    /// Kept as text: peers that share a policy usually carry the same text, which is then
-    /// parsed, validated and compiled once. `null` is kept as its text and refused there.
+    /// Each rule kept as its text: peers that share a policy usually carry the same rules
+    /// (in some order), which are then parsed, validated and compiled once.
     #[serde(borrow, default, deserialize_with = "present")]
-    egress: Option<&'a RawValue>,
+    egress: Option<Vec<&'a RawValue>>,
     #[serde(borrow, default, deserialize_with = "present")]
     mode: Option<Str<'a>>,
     #[serde(borrow, default, deserialize_with = "present")]
     not_before: Option<Str<'a>>,
     #[serde(borrow, default, deserialize_with = "present")]
     expires: Option<Str<'a>>,
+}
+
+impl RawPeer<'_> {
+    /// Feeds what decides the peer's spec to `feed` (each piece tagged, lengths first, so that
+    /// different peers feed different sequences): its fields, and the sum of its rules' hashes,
+    /// since rules are a set (`rule_hash` hashes a rule's text).
+    pub(super) fn feed(&self, feed: &mut impl FnMut(&[u8]), rule_hash: impl Fn(&str) -> u128) {
+        let mut text = |tag: u8, value: Option<&Str<'_>>| match value {
+            Some(v) => {
+                feed(&[tag]);
+                feed(&v.0.len().to_le_bytes());
+                feed(v.0.as_bytes());
+            }
+            None => feed(&[tag | 0x80]),
+        };
+        text(1, Some(&self.name));
+        text(2, Some(&self.public_key));
+        text(3, self.address.as_ref());
+        text(4, self.address_v6.as_ref());
+        text(5, self.endpoint.as_ref());
+        text(6, self.preshared_key.as_ref());
+        text(9, self.mode.as_ref());
+        text(10, self.not_before.as_ref());
+        text(11, self.expires.as_ref());
+        match self.persistent_keepalive {
+            Some(secs) => {
+                feed(&[7]);
+                feed(&secs.to_le_bytes());
+            }
+            None => feed(&[7 | 0x80]),
+        }
+        match &self.egress {
+            Some(rules) => {
+                // A multiset hash: the sum of the rules' hashes, whatever their order.
+                let sum = rules
+                    .iter()
+                    .fold(0u128, |sum, r| sum.wrapping_add(rule_hash(r.get())));
+                feed(&[8]);
+                feed(&rules.len().to_le_bytes());
+                feed(&sum.to_le_bytes());
+            }
+            None => feed(&[8 | 0x80]),
+        }
+    }
+
+    pub(super) fn name(&self) -> &str {
+        &self.name.0
+    }
 }
 
 #[derive(Deserialize)]
@@ -154,6 +205,27 @@ struct RawRule<'a> {
     protocol: Option<Str<'a>>,
     #[serde(borrow, default, deserialize_with = "present")]
     ports: Option<Vec<Port<'a>>>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    types: Option<Vec<Port<'a>>>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    except: Option<Vec<Str<'a>>>,
+}
+
+/// The top level of `text`, each peer read into borrowed fields (not validated); `None` if it
+/// is not what a valid state file has there.
+pub(super) fn top(text: &str) -> Option<RawState<'_>> {
+    let Obj(top) = serde_json::from_str::<Obj<RawState<'_>>>(text).ok()?;
+    (top.version == SCHEMA_VERSION && top.peers.len() <= MAX_PEERS as usize).then_some(top)
+}
+
+/// One peer, validated alone: its spec, if it is valid on its own; `None` if anything is wrong
+/// or unusual (the walk decides then).
+pub(super) fn one_peer<'a>(
+    raw: &RawPeer<'a>,
+    egress: &mut Egress<'a>,
+    compiled: &mut Compiled,
+) -> Option<PeerSpec> {
+    peer(raw, egress, compiled)
 }
 
 /// The state, if `text` is a valid state file; `None` if anything is wrong or unusual.
@@ -182,15 +254,23 @@ pub(super) fn parse(text: &str) -> Option<DesiredState> {
     if v4_entries.max(v6_entries) > MAX_POLICY_ENTRIES as usize {
         return None;
     }
+    let tests = match raw.tests {
+        Some(text) => {
+            let value = serde_json::from_str(text.get()).ok()?;
+            crate::explain::assertions::parse_tests(&value).ok()?
+        }
+        None => Vec::new(),
+    };
     peers.sort_by(|a, b| a.name.cmp(&b.name));
     Some(DesiredState {
         peers,
         replies: raw.replies.unwrap_or(true),
+        tests,
     })
 }
 
-/// The rules and compiled policy of each distinct `egress` text seen.
-type Egress<'a> = HashMap<&'a str, Shared>;
+/// The rules and compiled policy of each distinct `egress` seen, by its rules' texts (sorted).
+pub(super) type Egress<'a> = HashMap<Vec<&'a str>, Shared>;
 
 fn peer<'a>(
     raw: &RawPeer<'a>,
@@ -242,16 +322,21 @@ fn peer<'a>(
     if window_error(&window).is_some() {
         return None;
     }
-    let (rules, policy) = match raw.egress {
+    let (rules, policy) = match &raw.egress {
         None => None,
-        Some(text) => match egress.get(text.get()) {
-            Some(shared) => shared.clone(),
-            None => {
-                let shared = rules(text.get(), compiled)?;
-                egress.insert(text.get(), shared.clone());
-                shared
+        Some(list) => {
+            // The rules' order does not matter: a set.
+            let mut texts: Vec<&'a str> = list.iter().map(|r| r.get()).collect();
+            texts.sort_unstable();
+            match egress.get(&texts) {
+                Some(shared) => shared.clone(),
+                None => {
+                    let shared = rules(&texts, compiled)?;
+                    egress.insert(texts, shared.clone());
+                    shared
+                }
             }
-        },
+        }
     }
     .unzip();
     Some(PeerSpec {
@@ -269,15 +354,16 @@ fn peer<'a>(
     })
 }
 
-/// An `egress` array: its canonical rule set and compiled policy (`[]`: allowed nothing).
-fn rules(text: &str, compiled: &mut Compiled) -> Option<Shared> {
-    let raw: Vec<Obj<RawRule<'_>>> = serde_json::from_str(text).ok()?;
-    if raw.len() > MAX_RULES_PER_PEER {
+/// An `egress` array, its rules' texts: its canonical rule set and compiled policy (`[]`:
+/// allowed nothing).
+fn rules(texts: &[&str], compiled: &mut Compiled) -> Option<Shared> {
+    if texts.len() > MAX_RULES_PER_PEER {
         return None;
     }
     let mut set = BTreeSet::new();
-    for Obj(r) in &raw {
-        set.insert(rule(r)?);
+    for text in texts {
+        let Obj(r) = serde_json::from_str::<Obj<RawRule<'_>>>(text).ok()?;
+        set.insert(rule(&r)?);
     }
     share(Some(set.into_iter().collect()), compiled).ok()
 }
@@ -317,5 +403,26 @@ fn rule(raw: &RawRule<'_>) -> Option<Rule> {
         ports.sort_unstable();
         ports.dedup();
     }
-    Some(Rule::new(cidr, protocol, ports))
+    if let Some(list) = &raw.types {
+        if list.is_empty() || protocol != Protocol::Icmp {
+            return None;
+        }
+        let v6 = matches!(cidr, IpNet::V6(_));
+        for ty in list {
+            ports.push(match ty {
+                Port::Number(v) => crate::policy::icmp_types(None, Some(*v), v6).ok()?,
+                Port::Text(s) => crate::policy::icmp_types(Some(&s.0), None, v6).ok()?,
+            });
+        }
+        ports.sort_unstable();
+        ports.dedup();
+    }
+    let mut except = Vec::new();
+    if let Some(list) = &raw.except {
+        for net in list {
+            except.push(net.0.parse::<IpNet>().ok()?);
+        }
+        crate::policy::check_except(cidr, &except).ok()?;
+    }
+    Some(Rule::new(cidr, protocol, ports).with_except(except))
 }

@@ -17,6 +17,7 @@ use super::{
     DesiredState, FieldError, Mode, PeerSpec, StateError, WgKey, Window, MAX_NAME_LEN,
     MAX_RULES_PER_PEER, SCHEMA_VERSION,
 };
+use crate::explain::assertions;
 use crate::policy::{PortRange, Protocol, Rule};
 
 pub(super) const PEER_FIELDS: [&str; 11] = [
@@ -32,7 +33,7 @@ pub(super) const PEER_FIELDS: [&str; 11] = [
     "notBefore",
     "expires",
 ];
-pub(super) const RULE_FIELDS: [&str; 3] = ["cidr", "protocol", "ports"];
+pub(super) const RULE_FIELDS: [&str; 5] = ["cidr", "protocol", "ports", "types", "except"];
 
 /// `null` is never a default: a control plane that renders "nothing" as `null` (or a reader
 /// that drops it) must not widen access by accident, so it is an error wherever it appears.
@@ -89,7 +90,7 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
         location: String::new(),
     };
     for key in root.keys() {
-        if !matches!(key.as_str(), "version" | "peers" | "replies") {
+        if !matches!(key.as_str(), "version" | "peers" | "replies" | "tests") {
             top.add(key.as_str(), "unknown field");
         }
     }
@@ -113,6 +114,15 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
             top.add("replies", "must be true or false");
             true
         }
+    };
+    let tests = match root.get("tests") {
+        None => Vec::new(),
+        Some(raw) => assertions::parse_tests(raw).unwrap_or_else(|errors| {
+            for (field, message) in errors {
+                top.add(field, message);
+            }
+            Vec::new()
+        }),
     };
     let raw_peers = match root.get("peers") {
         Some(Value::Array(peers)) => peers.as_slice(),
@@ -224,7 +234,11 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
         return Err(StateError { errors });
     }
     peers.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(DesiredState { peers, replies })
+    Ok(DesiredState {
+        peers,
+        replies,
+        tests,
+    })
 }
 
 fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Option<PeerSpec> {
@@ -567,7 +581,7 @@ fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
             if matches!(protocol, Some(Protocol::Any | Protocol::Icmp)) {
                 e.add(
                     format!("{path}.ports"),
-                    "ports are only allowed with tcp or udp",
+                    "ports are only allowed with tcp or udp (icmp takes types)",
                 );
             }
             if list.is_empty() {
@@ -588,12 +602,82 @@ fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
             "must be an array of ports and \"lo-hi\" ranges",
         ),
     }
+    match obj.get("types") {
+        None => {}
+        Some(Value::Array(list)) => {
+            if !matches!(protocol, Some(Protocol::Icmp)) {
+                e.add(
+                    format!("{path}.types"),
+                    "types are only allowed with icmp (tcp and udp take ports)",
+                );
+            }
+            if list.is_empty() {
+                e.add(
+                    format!("{path}.types"),
+                    "empty: leave types out to allow every ICMP type",
+                );
+            }
+            let v6 = matches!(cidr, Some(IpNet::V6(_)));
+            for (i, ty) in list.iter().enumerate() {
+                let parsed = match ty {
+                    Value::Number(n) => match n.as_u64() {
+                        Some(v) => crate::policy::icmp_types(None, Some(v), v6),
+                        None => Err(format!("{n} is not an ICMP type (0-255)")),
+                    },
+                    Value::String(t) => crate::policy::icmp_types(Some(t), None, v6),
+                    other => Err(format!("{other} is not an ICMP type")),
+                };
+                match parsed {
+                    Ok(range) => ports.push(range),
+                    Err(msg) => e.add(format!("{path}.types[{i}]"), msg),
+                }
+            }
+        }
+        Some(Value::Null) => e.add(
+            format!("{path}.types"),
+            "null: leave types out to allow every ICMP type",
+        ),
+        Some(_) => e.add(
+            format!("{path}.types"),
+            "must be an array of ICMP types, \"lo-hi\" ranges and type names",
+        ),
+    }
+    let mut except = Vec::new();
+    match obj.get("except") {
+        None => {}
+        Some(Value::Array(list)) => {
+            for (i, raw) in list.iter().enumerate() {
+                match raw.as_str().map(str::parse::<IpNet>) {
+                    Some(Ok(net)) => except.push(net),
+                    _ => e.add(
+                        format!("{path}.except[{i}]"),
+                        format!("{raw} is not a CIDR prefix"),
+                    ),
+                }
+            }
+            if let Some(cidr) = cidr {
+                if except.len() == list.len() {
+                    if let Err(msg) = crate::policy::check_except(cidr, &except) {
+                        e.add(format!("{path}.except"), msg);
+                    }
+                }
+            }
+        }
+        Some(Value::Null) => e.add(
+            format!("{path}.except"),
+            "null: leave except out to keep the whole cidr",
+        ),
+        Some(_) => e.add(
+            format!("{path}.except"),
+            "must be an array of CIDR prefixes",
+        ),
+    }
     if e.all.len() > before {
         return None;
     }
     ports.sort_unstable();
     ports.dedup();
-    Some(Rule::new(cidr?, protocol?, ports))
+    Some(Rule::new(cidr?, protocol?, ports).with_except(except))
 }
 
 fn parse_port(raw: &Value) -> Result<PortRange, String> {

@@ -1,0 +1,606 @@
+//! The incremental state pipeline: a push costs what changed.
+//!
+//! Reading the file is the only work proportional to the peer count that every push pays:
+//! one typed pass reads the top level and each peer's fields as borrowed text, and hashes each
+//! peer. A peer that asks exactly what a peer of the last accepted state asked (the same
+//! fields, and the same set of rules, in whatever order) keeps that [`PeerSpec`]: no
+//! validation, no compiling, no planning. The other peers are validated alone, and the
+//! cross-peer rules (unique names, keys and addresses; the capacity of the peer map and of the
+//! policy tries) are checked against indexes kept up to date with each accepted state, not
+//! rebuilt. The state itself is changed in place: nothing is copied, and nothing proportional
+//! to the peer count is freed, on the way to the kernel.
+//!
+//! Whatever the pipeline cannot decide alone (an invalid peer, a duplicate, a full trie, an
+//! unusual top level) goes to [`super::parse`], the full parse, which decides: an invalid file
+//! is rejected whole with exactly its errors, and a valid one replaces everything. So the
+//! pipeline always ends in the state a parse from scratch gives, with the changes a comparison
+//! of the two states gives; [`super::edits`] checks that (the property test and the
+//! `pipeline` fuzz target run it).
+//!
+//! A peer's identity across pushes is a 128-bit hash (two 64-bit hashes seeded at random per
+//! process; a rule set hashes as the sum of its rules' hashes). The state file is written by
+//! root (see [`crate::trust`]), not by an adversary searching for collisions.
+
+use std::{
+    collections::{HashMap, HashSet},
+    hash::{BuildHasher, Hasher},
+    net::IpAddr,
+    sync::Arc,
+};
+
+use ipnet::IpNet;
+use wgfence_common::MAX_POLICY_ENTRIES;
+
+use super::{fast, parse, Compiled, DesiredState, PeerSpec, StateError, WgKey};
+use crate::policy::{CompiledPolicy, Rule};
+
+/// A peer's identity: a hash of what decides its spec.
+type Hash = u128;
+
+/// Sets and maps keyed by [`Hash`]es, which are random already: their low bits are the hash.
+type ByHash = std::hash::BuildHasherDefault<LowBits>;
+
+#[derive(Default)]
+struct LowBits(u64);
+
+impl Hasher for LowBits {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u128(&mut self, n: u128) {
+        self.0 = n as u64;
+    }
+}
+
+/// What changed between the last accepted state and the new one.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Changes {
+    /// The peers that are new, or whose spec changed: their names, sorted.
+    pub touched: Vec<String>,
+    /// The previous versions of the peers that left or changed, sorted by name.
+    pub gone: Vec<PeerSpec>,
+    /// `replies` changed.
+    pub replies: bool,
+}
+
+impl Changes {
+    /// Nothing changed that the kernel could see.
+    pub fn is_empty(&self) -> bool {
+        self.touched.is_empty() && self.gone.is_empty() && !self.replies
+    }
+
+    /// The touched peers of `desired` (the state these changes led to), sorted by name.
+    pub fn touched_in<'a>(&self, desired: &'a DesiredState) -> Vec<&'a PeerSpec> {
+        self.touched
+            .iter()
+            .filter_map(|name| {
+                desired
+                    .peers
+                    .binary_search_by(|p| p.name.as_str().cmp(name))
+                    .ok()
+                    .map(|i| &desired.peers[i])
+            })
+            .collect()
+    }
+}
+
+/// Why a state was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    #[error(transparent)]
+    Invalid(#[from] StateError),
+    /// Valid, but more peers than the caller can hold (a userspace WireGuard's limit).
+    #[error("{peers} peers, at most {max}")]
+    TooMany { peers: usize, max: usize },
+}
+
+/// The pipeline: the last accepted state and the indexes that decide the next one.
+pub struct Pipeline {
+    state: DesiredState,
+    /// The hash of each peer's text, in `state.peers` order.
+    hashes: Vec<Hash>,
+    /// The same hashes, to look up.
+    known: HashSet<Hash, ByHash>,
+    /// Each distinct rule set, with its shared copy and compiled policy.
+    compiled: Compiled,
+    index: Index,
+    hashers: (
+        foldhash::quality::RandomState,
+        foldhash::quality::RandomState,
+    ),
+}
+
+impl Default for Pipeline {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// What the cross-peer rules look up, kept up to date with each accepted state.
+#[derive(Default)]
+struct Index {
+    keys: HashSet<WgKey>,
+    addrs: HashSet<IpAddr>,
+    /// How many peers use each rule set (by its shared copy's address).
+    uses: HashMap<usize, usize>,
+    /// Trie entries of the distinct policies, per family (IPv4, IPv6).
+    trie: (usize, usize),
+    restricted: usize,
+}
+
+impl Index {
+    fn add(&mut self, spec: &PeerSpec) {
+        self.keys.insert(spec.public_key);
+        self.addrs.extend(spec.addrs());
+        if let (Some(rules), Some(policy)) = (&spec.rules, &spec.policy) {
+            self.restricted += 1;
+            let uses = self.uses.entry(rules_id(rules)).or_insert(0);
+            if *uses == 0 {
+                let (v4, v6) = entries(policy);
+                self.trie.0 += v4;
+                self.trie.1 += v6;
+            }
+            *uses += 1;
+        }
+    }
+
+    fn remove(&mut self, spec: &PeerSpec) {
+        self.keys.remove(&spec.public_key);
+        for addr in spec.addrs() {
+            self.addrs.remove(&addr);
+        }
+        if let (Some(rules), Some(policy)) = (&spec.rules, &spec.policy) {
+            self.restricted -= 1;
+            let id = rules_id(rules);
+            if let Some(uses) = self.uses.get_mut(&id) {
+                *uses -= 1;
+                if *uses == 0 {
+                    self.uses.remove(&id);
+                    let (v4, v6) = entries(policy);
+                    self.trie.0 -= v4;
+                    self.trie.1 -= v6;
+                }
+            }
+        }
+    }
+}
+
+/// A peer's text that the last accepted state did not have, parsed.
+struct Arrival {
+    hash: Hash,
+    spec: PeerSpec,
+}
+
+fn rules_id(rules: &Arc<Vec<Rule>>) -> usize {
+    Arc::as_ptr(rules) as usize
+}
+
+fn entries(policy: &CompiledPolicy) -> (usize, usize) {
+    let (mut v4, mut v6) = (0, 0);
+    for (prefix, _) in policy.entries() {
+        match prefix {
+            IpNet::V4(_) => v4 += 1,
+            IpNet::V6(_) => v6 += 1,
+        }
+    }
+    (v4, v6)
+}
+
+impl Pipeline {
+    /// A pipeline that has accepted nothing yet (an empty state).
+    pub fn new() -> Self {
+        Self {
+            state: DesiredState::default(),
+            hashes: Vec::new(),
+            known: HashSet::default(),
+            compiled: HashMap::new(),
+            index: Index::default(),
+            hashers: Default::default(),
+        }
+    }
+
+    /// The last accepted state.
+    pub fn state(&self) -> &DesiredState {
+        &self.state
+    }
+
+    /// Peers with an `egress`.
+    pub fn restricted_peers(&self) -> usize {
+        self.index.restricted
+    }
+
+    /// Distinct compiled policies of the accepted state.
+    pub fn distinct_policies(&self) -> usize {
+        self.compiled.len()
+    }
+
+    /// The indexes, rebuilt from the state, are the ones kept up to date; what differs.
+    pub(super) fn check_indexes(&self) -> Result<(), String> {
+        let mut rebuilt = Index::default();
+        for peer in &self.state.peers {
+            rebuilt.add(peer);
+        }
+        let known: HashSet<Hash, ByHash> = self.hashes.iter().copied().collect();
+        let compiled: HashSet<usize> = self.compiled.values().map(|(r, _)| rules_id(r)).collect();
+        let used: HashSet<usize> = rebuilt.uses.keys().copied().collect();
+        let differs = [
+            ("keys", rebuilt.keys != self.index.keys),
+            ("addresses", rebuilt.addrs != self.index.addrs),
+            ("policy uses", rebuilt.uses != self.index.uses),
+            ("trie entries", rebuilt.trie != self.index.trie),
+            (
+                "restricted peers",
+                rebuilt.restricted != self.index.restricted,
+            ),
+            (
+                "peer hashes",
+                known != self.known || known.len() != self.state.peers.len(),
+            ),
+            ("compiled policies", compiled != used),
+        ];
+        match differs.iter().find(|(_, differs)| *differs) {
+            Some((what, _)) => Err(format!("the pipeline's {what} differ from its state's")),
+            None => Ok(()),
+        }
+    }
+
+    /// A 128-bit hash of `bytes` (the same bytes hash alike for this pipeline's life).
+    pub fn hash(&self, bytes: &[u8]) -> Hash {
+        let (a, b) = &self.hashers;
+        (u128::from(a.hash_one(bytes)) << 64) | u128::from(b.hash_one(bytes))
+    }
+
+    /// A peer's identity: a hash of what decides its spec, its fields and its set of rules
+    /// (so a peer whose rules are only reordered, or whose fields are, is the same peer).
+    fn peer_hash(&self, raw: &fast::RawPeer<'_>) -> Hash {
+        let (a, b) = &self.hashers;
+        let (mut ha, mut hb) = (a.build_hasher(), b.build_hasher());
+        raw.feed(
+            &mut |bytes: &[u8]| {
+                ha.write(bytes);
+                hb.write(bytes);
+            },
+            |rule| self.hash(rule.as_bytes()),
+        );
+        (u128::from(ha.finish()) << 64) | u128::from(hb.finish())
+    }
+
+    /// Reads a state file's contents. Accepted, the state becomes [`Pipeline::state`] and the
+    /// changes since the previous one are returned; rejected, nothing changes and the errors
+    /// are exactly those of [`super::parse`]. `max_peers`: more peers are refused (after
+    /// validation: an invalid file is named as such first).
+    pub fn update(&mut self, text: &str, max_peers: Option<usize>) -> Result<Changes, Rejection> {
+        match self.incremental(text, max_peers) {
+            Some(result) => result,
+            None => self.parse_whole(text, max_peers),
+        }
+    }
+
+    /// The incremental pass; `None` where it cannot decide alone.
+    fn incremental(
+        &mut self,
+        text: &str,
+        max_peers: Option<usize>,
+    ) -> Option<Result<Changes, Rejection>> {
+        let top = fast::top(text)?;
+        // Policy tests are run by the full parse, on the whole state: a state with tests takes
+        // that path.
+        if top.tests.is_some() {
+            return None;
+        }
+        let mut seen: HashSet<Hash, ByHash> =
+            HashSet::with_capacity_and_hasher(top.peers.len(), ByHash::default());
+        let mut new_texts = Vec::new();
+        for fast::Obj(raw) in &top.peers {
+            let hash = self.peer_hash(raw);
+            if !seen.insert(hash) {
+                // The same peer twice: a duplicate the full parse names.
+                return None;
+            }
+            if !self.known.contains(&hash) {
+                new_texts.push((hash, raw));
+            }
+        }
+        // Every text known and as many as before: the same peers (hashes are distinct).
+        let leaving: Vec<usize> = if new_texts.is_empty() && top.peers.len() == self.hashes.len() {
+            Vec::new()
+        } else {
+            (0..self.hashes.len())
+                .filter(|i| !seen.contains(&self.hashes[*i]))
+                .collect()
+        };
+        drop(seen);
+        let arrivals = self.parse_arrivals(&new_texts)?;
+        if !self.cross_peer_checks(&arrivals, &leaving) {
+            self.forget_unused_policies();
+            return None;
+        }
+        if let Some(max) = max_peers {
+            if top.peers.len() > max {
+                self.forget_unused_policies();
+                return Some(Err(Rejection::TooMany {
+                    peers: top.peers.len(),
+                    max,
+                }));
+            }
+        }
+        let replies = top.replies.unwrap_or(true);
+        Some(Ok(self.commit(arrivals, leaving, replies)))
+    }
+
+    /// Parses the texts the last state did not have, each alone; `None` if one is not a valid
+    /// peer on its own.
+    fn parse_arrivals<'a>(&mut self, texts: &[(Hash, &fast::RawPeer<'a>)]) -> Option<Vec<Arrival>> {
+        let mut egress = HashMap::new();
+        let mut arrivals = Vec::with_capacity(texts.len());
+        for (hash, raw) in texts {
+            match fast::one_peer(raw, &mut egress, &mut self.compiled) {
+                Some(spec) => arrivals.push(Arrival { hash: *hash, spec }),
+                None => {
+                    drop(egress);
+                    self.forget_unused_policies();
+                    return None;
+                }
+            }
+        }
+        Some(arrivals)
+    }
+
+    /// Drops the rule sets no accepted peer uses (those compiled for a rejected change).
+    fn forget_unused_policies(&mut self) {
+        let uses = &self.index.uses;
+        self.compiled
+            .retain(|_, (rules, _)| uses.contains_key(&rules_id(rules)));
+    }
+
+    /// Unique names, keys and addresses, and the tries' capacity, for the state the arrivals
+    /// and departures lead to: whether it passes.
+    fn cross_peer_checks(&self, arrivals: &[Arrival], leaving: &[usize]) -> bool {
+        let gone = || leaving.iter().map(|i| &self.state.peers[*i]);
+        let freed_names: HashSet<&str> = gone().map(|p| p.name.as_str()).collect();
+        let freed_keys: HashSet<WgKey> = gone().map(|p| p.public_key).collect();
+        let freed_addrs: HashSet<IpAddr> = gone().flat_map(PeerSpec::addrs).collect();
+        let mut names = HashSet::with_capacity(arrivals.len());
+        let mut keys = HashSet::with_capacity(arrivals.len());
+        let mut addrs = HashSet::with_capacity(arrivals.len());
+        for Arrival { spec, .. } in arrivals {
+            let name = spec.name.as_str();
+            let taken = self
+                .state
+                .peers
+                .binary_search_by(|p| p.name.as_str().cmp(name))
+                .is_ok();
+            if (taken && !freed_names.contains(name)) || !names.insert(name) {
+                return false;
+            }
+            let key = spec.public_key;
+            if (self.index.keys.contains(&key) && !freed_keys.contains(&key)) || !keys.insert(key) {
+                return false;
+            }
+            for addr in spec.addrs() {
+                if (self.index.addrs.contains(&addr) && !freed_addrs.contains(&addr))
+                    || !addrs.insert(addr)
+                {
+                    return false;
+                }
+            }
+        }
+        // The tries: rule sets whose last user leaves free their entries, new ones add theirs.
+        let mut delta: HashMap<usize, (i64, &CompiledPolicy)> = HashMap::new();
+        for p in gone() {
+            if let (Some(rules), Some(policy)) = (&p.rules, &p.policy) {
+                delta.entry(rules_id(rules)).or_insert((0, policy)).0 -= 1;
+            }
+        }
+        for Arrival { spec, .. } in arrivals {
+            if let (Some(rules), Some(policy)) = (&spec.rules, &spec.policy) {
+                delta.entry(rules_id(rules)).or_insert((0, policy)).0 += 1;
+            }
+        }
+        let (mut v4, mut v6) = self.index.trie;
+        for (id, (change, policy)) in delta {
+            let before = self.index.uses.get(&id).copied().unwrap_or(0) as i64;
+            let after = before + change;
+            let (p4, p6) = entries(policy);
+            if before == 0 && after > 0 {
+                v4 += p4;
+                v6 += p6;
+            } else if before > 0 && after <= 0 {
+                v4 -= p4;
+                v6 -= p6;
+            }
+        }
+        v4.max(v6) <= MAX_POLICY_ENTRIES as usize
+    }
+
+    /// Makes the arrivals and departures the accepted state; the changes the kernel sees.
+    fn commit(
+        &mut self,
+        mut arrivals: Vec<Arrival>,
+        leaving: Vec<usize>,
+        replies: bool,
+    ) -> Changes {
+        let mut changes = Changes {
+            replies: replies != self.state.replies,
+            ..Changes::default()
+        };
+        self.state.replies = replies;
+        // Every departure out of the indexes before any arrival goes in (a peer may keep its
+        // key or its addresses).
+        for &i in &leaving {
+            self.known.remove(&self.hashes[i]);
+            self.index.remove(&self.state.peers[i]);
+        }
+        for arrival in &arrivals {
+            self.known.insert(arrival.hash);
+            self.index.add(&arrival.spec);
+        }
+        arrivals.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
+        // A departure whose name arrives again is replaced in place.
+        let mut leaving: HashSet<usize> = leaving.into_iter().collect();
+        let mut inserts = Vec::new();
+        for Arrival { hash, spec } in arrivals {
+            let at = self
+                .state
+                .peers
+                .binary_search_by(|p| p.name.as_str().cmp(&spec.name));
+            match at {
+                Ok(i) if leaving.remove(&i) => {
+                    self.hashes[i] = hash;
+                    let old = std::mem::replace(&mut self.state.peers[i], spec);
+                    if old != self.state.peers[i] {
+                        changes.touched.push(old.name.clone());
+                        changes.gone.push(old);
+                    }
+                }
+                _ => {
+                    changes.touched.push(spec.name.clone());
+                    inserts.push((hash, spec));
+                }
+            }
+        }
+        let mut leaving: Vec<usize> = leaving.into_iter().collect();
+        leaving.sort_unstable();
+        self.remove_at(&leaving, &mut changes.gone);
+        self.insert_sorted(inserts);
+        changes.gone.sort_by(|a, b| a.name.cmp(&b.name));
+        changes.touched.sort();
+        self.forget_unused_policies();
+        changes
+    }
+
+    /// Takes the peers at `at` (ascending) out of the state, into `gone`: a few in place,
+    /// many in one pass.
+    fn remove_at(&mut self, at: &[usize], gone: &mut Vec<PeerSpec>) {
+        if at.len() <= 8 {
+            for &i in at.iter().rev() {
+                gone.push(self.state.peers.remove(i));
+                self.hashes.remove(i);
+            }
+            return;
+        }
+        let peers = std::mem::take(&mut self.state.peers);
+        let hashes = std::mem::take(&mut self.hashes);
+        let mut next = at.iter().peekable();
+        for (i, (peer, hash)) in peers.into_iter().zip(hashes).enumerate() {
+            if next.next_if(|j| **j == i).is_some() {
+                gone.push(peer);
+            } else {
+                self.state.peers.push(peer);
+                self.hashes.push(hash);
+            }
+        }
+    }
+
+    /// Puts new peers (sorted by name, none in the state) in their places: a few in place,
+    /// many merged in one pass.
+    fn insert_sorted(&mut self, inserts: Vec<(Hash, PeerSpec)>) {
+        if inserts.len() <= 8 {
+            for (hash, spec) in inserts {
+                let (Ok(at) | Err(at)) = self
+                    .state
+                    .peers
+                    .binary_search_by(|p| p.name.as_str().cmp(&spec.name));
+                self.state.peers.insert(at, spec);
+                self.hashes.insert(at, hash);
+            }
+            return;
+        }
+        let peers = std::mem::take(&mut self.state.peers);
+        let hashes = std::mem::take(&mut self.hashes);
+        let total = peers.len() + inserts.len();
+        self.state.peers.reserve(total);
+        self.hashes.reserve(total);
+        let mut old = peers.into_iter().zip(hashes).peekable();
+        for (hash, spec) in inserts {
+            while let Some((peer, h)) = old.next_if(|(p, _)| p.name < spec.name) {
+                self.state.peers.push(peer);
+                self.hashes.push(h);
+            }
+            self.state.peers.push(spec);
+            self.hashes.push(hash);
+        }
+        for (peer, h) in old {
+            self.state.peers.push(peer);
+            self.hashes.push(h);
+        }
+    }
+
+    /// The full parse decides; a valid state replaces everything (the slow path: a file the
+    /// incremental pass could not decide alone, valid after all).
+    fn parse_whole(&mut self, text: &str, max_peers: Option<usize>) -> Result<Changes, Rejection> {
+        let desired = parse(text)?;
+        if let Some(max) = max_peers {
+            if desired.peers.len() > max {
+                return Err(Rejection::TooMany {
+                    peers: desired.peers.len(),
+                    max,
+                });
+            }
+        }
+        // Each peer's text hash, by name.
+        let mut by_name: HashMap<String, Hash> = HashMap::new();
+        if let Some(top) = fast::top(text) {
+            for fast::Obj(raw) in &top.peers {
+                by_name.insert(raw.name().to_owned(), self.peer_hash(raw));
+            }
+        }
+        let previous = std::mem::replace(self, Self::new_with(self.hashers.clone()));
+        for peer in &desired.peers {
+            // A peer without a hash of its text (none found) is parsed again next time.
+            let hash = by_name.get(&peer.name).copied().unwrap_or_else(|| {
+                self.hash(format!("(unknown text of) {}", peer.name).as_bytes())
+            });
+            self.hashes.push(hash);
+            self.known.insert(hash);
+            if let (Some(rules), Some(policy)) = (&peer.rules, &peer.policy) {
+                self.compiled
+                    .entry(rules.to_vec())
+                    .or_insert_with(|| (Arc::clone(rules), Arc::clone(policy)));
+            }
+            self.index.add(peer);
+        }
+        self.state = desired;
+        let changes = diff(&previous.state, &self.state);
+        // Freeing the previous state is O(peers): off the path to the kernel.
+        crate::drop_later(previous);
+        Ok(changes)
+    }
+
+    fn new_with(
+        hashers: (
+            foldhash::quality::RandomState,
+            foldhash::quality::RandomState,
+        ),
+    ) -> Self {
+        Self {
+            hashers,
+            ..Self::new()
+        }
+    }
+}
+
+/// The changes from `previous` to `desired` by comparing both.
+pub(super) fn diff(previous: &DesiredState, desired: &DesiredState) -> Changes {
+    let mut changes = Changes {
+        replies: previous.replies != desired.replies,
+        ..Changes::default()
+    };
+    for pair in super::by_name(previous, desired) {
+        match pair {
+            (Some(old), Some(new)) if old == new => {}
+            (old, new) => {
+                changes.gone.extend(old.cloned());
+                changes.touched.extend(new.map(|p| p.name.clone()));
+            }
+        }
+    }
+    changes
+}
