@@ -46,6 +46,13 @@ pub fn to_wall_secs(boot_ns: u64, wall_minus_boot_ns: i128) -> i128 {
     (i128::from(boot_ns) + wall_minus_boot_ns).div_euclid(1_000_000_000)
 }
 
+/// Seconds since the Unix epoch (the wall clock), as peer windows are given.
+pub fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

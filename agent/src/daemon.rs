@@ -428,9 +428,12 @@ impl Core {
     /// datapath reads no clock per packet. At every resync, so a last hit is known to within
     /// `--resync`; hits since the last look read as "now" in `status --rules`.
     fn observe_rule_hits(&mut self) {
-        let Some(desired) = self.reconciler.applied() else {
+        // The pipeline's accepted state, while the kernel matches it (the reconciler keeps no
+        // copy of a state applied as changes).
+        if self.applied.is_none() {
             return;
-        };
+        }
+        let desired = self.pipeline.state();
         let peers = &self.reconciler.actual().maps().peers;
         let rows = crate::status::rule_rows(desired, |a| peers.get(&a).copied());
         let now = crate::clock::now_ns(libc::CLOCK_BOOTTIME);
@@ -453,7 +456,9 @@ impl Core {
         }
         // Against the last accepted state (the pipeline keeps it), before the load repairs.
         if self.applied.is_some() {
-            let drift = crate::verify::drift_of(self.pipeline.state(), self.reconciler.actual());
+            // Without the peers whose window is over: revoked, not drift.
+            let state = self.pipeline.state().unexpired(crate::clock::unix_secs());
+            let drift = crate::verify::drift_of(&state, self.reconciler.actual());
             if !drift.is_empty() {
                 tracing::warn!(
                     entries = drift.len(),

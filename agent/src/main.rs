@@ -470,10 +470,7 @@ fn note_allowed_nothing(desired: &state::DesiredState) {
 /// A note (not an error) naming the peers whose window is already over: the state is valid,
 /// but they may send nothing.
 fn note_expired(desired: &state::DesiredState) {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or_default();
+    let now = wgfence::clock::unix_secs();
     for peer in desired.peers.iter().filter(|p| p.window.is_past(now)) {
         println!(
             "note: peer {:?}: its window is already over (expires {}): it may send nothing",
@@ -889,6 +886,8 @@ fn verify_command(target: &Target, state: Option<&Path>, json: bool) -> Result<E
     let maps = read_maps(&pinned)?;
     let wg = WireGuard::open(&target.interface)?.read()?;
     let actual = Actual::new(maps, wg);
+    // A peer whose window is over is revoked: its absence is no drift.
+    let desired = desired.unexpired(wgfence::clock::unix_secs());
     let drift = wgfence::verify::drift_of(&desired, &actual);
     if json {
         println!("{}", serde_json::to_string_pretty(&drift)?);

@@ -332,7 +332,7 @@ impl Reconciler {
     pub fn reconcile(&mut self, desired: DesiredState) -> Result<Outcome, ReconcileError> {
         let start = Instant::now();
         // Peers whose window is over are revoked (the datapath already drops their packets).
-        let desired = desired.without_expired(unix_now());
+        let desired = desired.without_expired(crate::clock::unix_secs());
         let plan = match self.plan(&desired, None)? {
             Ok(plan) => plan,
             Err(unplanned) => return Err(self.apply_lead_only(unplanned)),
@@ -361,8 +361,8 @@ impl Reconciler {
         // A peer whose window is over is revoked, which a plan of the changes alone would not
         // do (the peer need not have changed): the whole state is compared without it, for as
         // long as the state file keeps it.
-        if desired.peers.iter().any(|p| p.window.is_past(unix_now())) {
-            return self.reconcile(desired.clone());
+        if let std::borrow::Cow::Owned(unexpired) = desired.unexpired(crate::clock::unix_secs()) {
+            return self.reconcile(unexpired);
         }
         let start = Instant::now();
         let plan = match self.plan(desired, Some(changes))? {
@@ -555,13 +555,6 @@ fn same_kind(a: &Op, b: &Op) -> bool {
 /// Applies one map operation of a plan (WireGuard operations are not map operations and are
 /// skipped; flows are deleted here and now): for tools that fill maps without a WireGuard
 /// device, like the benchmarks.
-/// Seconds since the Unix epoch, as peer windows are given.
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
 pub fn apply_map_op(maps: &mut Maps, op: &Op) -> Result<(), DataplaneError> {
     match op {
         Op::PutPolicyEntry {

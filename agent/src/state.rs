@@ -206,6 +206,16 @@ impl DesiredState {
         self
     }
 
+    /// The state as the agent applies it at `now`: itself, or (only when a peer's window is
+    /// over) a copy without the expired peers.
+    pub fn unexpired(&self, now: u64) -> std::borrow::Cow<'_, Self> {
+        if self.peers.iter().any(|p| p.window.is_past(now)) {
+            std::borrow::Cow::Owned(self.clone().without_expired(now))
+        } else {
+            std::borrow::Cow::Borrowed(self)
+        }
+    }
+
     /// The peers whose `egress` is empty: they may send nothing (only replies pass, if those
     /// are on). Worth a note, since older versions read `"egress": []` as unrestricted.
     pub fn peers_allowed_nothing(&self) -> Vec<&str> {
