@@ -483,6 +483,32 @@ mod tests {
         }
     }
 
+    /// An allow names its own rule (allows of different rules are never merged); one whose
+    /// rule index does not fit (a layout-2 entry an upgrade credited to rule 0) names every
+    /// rule that could have produced it.
+    #[test]
+    fn sources_name_the_rule_an_allow_is_credited_to() {
+        // Canonical order: 10.0.0.0/8 first, then 10.1.0.0/16.
+        let rules = vec![
+            tcp("10.0.0.0/8", &[(400, 450)]),
+            tcp("10.1.0.0/16", &[(443, 443), (500, 500)]),
+        ];
+        let compiled = compile(&rules).unwrap_or_else(|e| panic!("{e}"));
+        let dst = ip("10.1.2.3");
+        let (_, allows) = compiled
+            .entries()
+            .filter(|(prefix, _)| prefix.contains(&dst))
+            .max_by_key(|(prefix, _)| prefix.prefix_len())
+            .unwrap_or_else(|| panic!("no entry for {dst}"));
+        for allow in allows {
+            let want = if allow.port_lo == 500 { 1 } else { 0 };
+            assert_eq!(sources(&rules, dst, allow), vec![want], "{allow:?}");
+        }
+        let carried = Allow::new(wgfence_common::PROTO_TCP, 443, 443);
+        assert_eq!(carried.rule, 0);
+        assert_eq!(sources(&rules, dst, &carried), vec![1]);
+    }
+
     fn tcp(cidr: &str, ports: &[(u16, u16)]) -> Rule {
         let ports = ports
             .iter()
