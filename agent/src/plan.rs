@@ -682,6 +682,17 @@ pub struct Changes<'a> {
     pub gone: Vec<&'a PeerSpec>,
 }
 
+impl<'a> Changes<'a> {
+    /// The state pipeline's change set as the planner takes it: the touched peers of
+    /// `desired` (the state `changes` led to) and the previous versions of those gone.
+    pub fn of(changes: &'a crate::state::Changes, desired: &'a DesiredState) -> Self {
+        Self {
+            touched: changes.touched_in(desired),
+            gone: changes.gone.iter().collect(),
+        }
+    }
+}
+
 /// Plans the operations that make the kernel match `desired`, comparing everything; pure.
 /// When no plan can be made, the error carries the plan's lead: see [`Unplanned`].
 pub fn plan(desired: &DesiredState, actual: &Actual) -> Result<Plan, Unplanned> {
