@@ -145,6 +145,11 @@ struct Index {
     policy_refs: BTreeMap<u32, usize>,
     /// Peer entries per counter slot.
     slot_refs: BTreeMap<u32, usize>,
+    /// The slots below `slot_high` that no entry uses: with `slot_high`, the complement of
+    /// `slot_refs`, kept so that a new peer's slot costs O(log N), not a copy of every used one.
+    free_slots: BTreeSet<u32>,
+    /// One past the highest slot an entry has used.
+    slot_high: u32,
     /// Policy ids by their (complete or partial) content; an id that peer entries point at
     /// and the tries have no entry for holds [`NOTHING`] (`"egress": []`).
     by_content: BTreeMap<CompiledPolicy, BTreeSet<u32>>,
@@ -152,6 +157,43 @@ struct Index {
     holders: BTreeMap<IpNet, WgKey>,
     /// The highest owner handed out: the kernel's high-water mark, or a higher entry's owner.
     owner_high: u64,
+}
+
+impl Index {
+    fn slot_up(&mut self, slot: u32) {
+        count_up(&mut self.slot_refs, slot);
+        if slot >= self.slot_high {
+            self.free_slots.extend(self.slot_high..slot);
+            self.slot_high = slot.saturating_add(1);
+        } else {
+            self.free_slots.remove(&slot);
+        }
+    }
+
+    fn slot_down(&mut self, slot: u32) {
+        count_down(&mut self.slot_refs, slot);
+        if !self.slot_refs.contains_key(&slot) && slot < self.slot_high {
+            self.free_slots.insert(slot);
+        }
+    }
+
+    /// The lowest slot up to `max` that no entry uses and `taken` does not hold: what a scan
+    /// up from 0 over every used slot would find, at O(log N + |taken|).
+    fn lowest_free_slot(&self, taken: &BTreeSet<u32>, max: u32) -> Option<u32> {
+        let mut beyond = self.slot_high;
+        let slot = self
+            .free_slots
+            .iter()
+            .copied()
+            .find(|s| !taken.contains(s))
+            .or_else(|| {
+                while taken.contains(&beyond) {
+                    beyond = beyond.checked_add(1)?;
+                }
+                Some(beyond)
+            })?;
+        (slot <= max).then_some(slot)
+    }
 }
 
 fn count_up(map: &mut BTreeMap<u32, usize>, key: u32) {
@@ -198,7 +240,7 @@ impl Actual {
         };
         for entry in maps.peers.values() {
             count_up(&mut index.policy_refs, entry.policy);
-            count_up(&mut index.slot_refs, entry.slot);
+            index.slot_up(entry.slot);
             index.owner_high = index.owner_high.max(entry.owner);
         }
         for (id, content) in &maps.policies {
@@ -291,10 +333,10 @@ impl Actual {
         }
         if up {
             count_up(&mut self.index.policy_refs, entry.policy);
-            count_up(&mut self.index.slot_refs, entry.slot);
+            self.index.slot_up(entry.slot);
         } else {
             count_down(&mut self.index.policy_refs, entry.policy);
-            count_down(&mut self.index.slot_refs, entry.slot);
+            self.index.slot_down(entry.slot);
         }
         if without_entries {
             self.index_content(entry.policy);
@@ -700,6 +742,17 @@ enum Scope<'a> {
 pub struct Changes<'a> {
     pub touched: Vec<&'a PeerSpec>,
     pub gone: Vec<&'a PeerSpec>,
+}
+
+impl<'a> Changes<'a> {
+    /// The state pipeline's change set as the planner takes it: the touched peers of
+    /// `desired` (the state `changes` led to) and the previous versions of those gone.
+    pub fn of(changes: &'a crate::state::Changes, desired: &'a DesiredState) -> Self {
+        Self {
+            touched: changes.touched_in(desired),
+            gone: changes.gone.iter().collect(),
+        }
+    }
 }
 
 /// Plans the operations that make the kernel match `desired`, comparing everything; pure.
@@ -1138,9 +1191,14 @@ impl<'a> Planner<'a> {
         let deleted = self.deleted_per_slot();
         let kept = self.kept_slots(&deleted);
         let index = &self.actual.index;
-        let mut free = Allocator::new(0, self.actual.slots().saturating_sub(1), || {
-            index.slot_refs.keys().copied().collect::<BTreeSet<u32>>()
-        });
+        let max = self.actual.slots().saturating_sub(1);
+        // Slots this plan hands out; with the entries' slots, what is not free.
+        let mut allocated = BTreeSet::new();
+        let mut free = || {
+            let slot = index.lowest_free_slot(&allocated, max)?;
+            allocated.insert(slot);
+            Some(slot)
+        };
         let taken: BTreeSet<u32> = kept.iter().flatten().copied().collect();
         let mut released: BTreeSet<u32> = deleted
             .keys()
@@ -1151,8 +1209,7 @@ impl<'a> Planner<'a> {
             .map(|kept| match kept {
                 Some(slot) => Ok(slot),
                 None => {
-                    let slot = free
-                        .allocate()
+                    let slot = free()
                         .or_else(|| released.pop_first())
                         .ok_or(PlanError::SlotsExhausted)?;
                     ops.push(Op::ResetPeerCounters { slot });
@@ -1465,6 +1522,14 @@ mod tests {
                 panic!("{e}");
             }
             self.0.apply(op);
+            // The free-slot index, kept current op by op, is the complement of the used
+            // slots below the high mark: what a scan over every used slot would find.
+            let index = &self.0.index;
+            let free: BTreeSet<u32> = (0..index.slot_high)
+                .filter(|s| !index.slot_refs.contains_key(s))
+                .collect();
+            assert_eq!(index.free_slots, free, "after {op}");
+            assert!(index.slot_refs.keys().all(|s| *s < index.slot_high));
         }
     }
 

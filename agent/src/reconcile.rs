@@ -308,13 +308,11 @@ impl Reconciler {
             self.refresh()?;
         }
         let planned = match (changes, &self.applied) {
-            (Some(changes), _) if self.tracking => {
-                let changes = crate::plan::Changes {
-                    touched: changes.touched_in(desired),
-                    gone: changes.gone.iter().collect(),
-                };
-                plan_changes(desired, changes, &self.actual)
-            }
+            (Some(changes), _) if self.tracking => plan_changes(
+                desired,
+                crate::plan::Changes::of(changes, desired),
+                &self.actual,
+            ),
             (None, Some(previous)) => plan_update(previous, desired, &self.actual),
             _ => plan(desired, &self.actual),
         };
