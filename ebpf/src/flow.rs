@@ -21,7 +21,7 @@ use wgfence_common::{
     PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
 };
 
-use crate::{count, count_made, load, now_ns, under_quota, Drop, Pass};
+use crate::{count, count_made, load, now_ns, under_quota, Drop, Pass, Ports};
 
 pub(crate) type Flows<K> = HashMap<K, FlowValue, { MAX_FLOWS as usize }>;
 
@@ -287,15 +287,15 @@ pub(crate) fn answer(
     ctx: &TcContext,
     l4: usize,
     protocol: u8,
-    ports: Option<(u16, u16)>,
+    ports: Ports,
     icmp: &Icmp,
 ) -> Option<Answer> {
-    match (protocol, ports) {
-        (PROTO_TCP, Some((src, dst))) => {
+    match protocol {
+        PROTO_TCP if ports.known => {
             let flags = tcp_flags(ctx, l4)?;
             Some(Answer::Flow {
-                peer_port: src,
-                remote_port: dst,
+                peer_port: ports.src,
+                remote_port: ports.dst,
                 close: if tcp_closes(flags) {
                     Seen::Close
                 } else {
@@ -303,12 +303,12 @@ pub(crate) fn answer(
                 },
             })
         }
-        (PROTO_UDP, Some((src, dst))) => Some(Answer::Flow {
-            peer_port: src,
-            remote_port: dst,
+        PROTO_UDP if ports.known => Some(Answer::Flow {
+            peer_port: ports.src,
+            remote_port: ports.dst,
             close: Seen::Answer,
         }),
-        (p, _) if p == icmp.protocol => {
+        p if p == icmp.protocol => {
             let h = load::<[u8; 6]>(ctx, l4)?;
             if h[0] == icmp.echo_reply {
                 Some(Answer::Flow {

@@ -326,15 +326,34 @@ pub(crate) fn icmp_type(ctx: &TcContext, offset: usize) -> Option<u16> {
     }
 }
 
-/// (source, destination) ports of the TCP or UDP header at `offset`; a truncated header is
-/// malformed.
+/// A packet's transport ports, by value and always initialized: [`Ports::NONE`] (zeros, not
+/// `known`) for a packet without them. Not an `Option<(u16, u16)>`: a `None` leaves the payload's
+/// stack slot unwritten, and LLVM reloads that slot on the reply path before it tests the
+/// discriminant, which the verifiers of Linux 5.10 and 6.1 reject (`invalid read from stack`).
+#[derive(Clone, Copy)]
+pub(crate) struct Ports {
+    pub(crate) known: bool,
+    pub(crate) src: u16,
+    pub(crate) dst: u16,
+}
+
+impl Ports {
+    pub(crate) const NONE: Self = Self {
+        known: false,
+        src: 0,
+        dst: 0,
+    };
+}
+
+/// The ports of the TCP or UDP header at `offset`; a truncated header is malformed.
 #[inline(always)]
-pub(crate) fn ports(ctx: &TcContext, offset: usize, slot: u32) -> Result<(u16, u16), Drop> {
+pub(crate) fn ports(ctx: &TcContext, offset: usize, slot: u32) -> Result<Ports, Drop> {
     let ports: [u8; 4] = load(ctx, offset).ok_or(Drop::peer(Counter::DropMalformed, slot))?;
-    Ok((
-        u16::from_be_bytes([ports[0], ports[1]]),
-        u16::from_be_bytes([ports[2], ports[3]]),
-    ))
+    Ok(Ports {
+        known: true,
+        src: u16::from_be_bytes([ports[0], ports[1]]),
+        dst: u16::from_be_bytes([ports[2], ports[3]]),
+    })
 }
 
 #[inline(always)]

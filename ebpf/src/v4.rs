@@ -10,7 +10,8 @@ use wgfence_common::{
 use crate::{
     config, decide,
     flow::{self, Answer, ICMP_ERROR_LEN, ICMP_V4},
-    has_ports, load, ports, unrestricted, Drop, Pass, FLOWS_V4, HEAD_LEN, PEERS_V4, POLICY_V4,
+    has_ports, load, ports, unrestricted, Drop, Pass, Ports, FLOWS_V4, HEAD_LEN, PEERS_V4,
+    POLICY_V4,
 };
 
 const MIN_HEADER_LEN: usize = HEAD_LEN;
@@ -53,9 +54,9 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
     // A non-first fragment carries no transport header: its port is unknown.
     let first = first_fragment(ip);
     let ports = if first && has_ports(protocol) {
-        Some(ports(ctx, l4, peer.slot)?)
+        ports(ctx, l4, peer.slot)?
     } else {
-        None
+        Ports::NONE
     };
 
     let key = Key::new(
@@ -67,10 +68,12 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
     );
     // ICMP is matched by its type where TCP/UDP are by their destination port (first fragment
     // only; an unread type matches only entries for every type).
-    let port = match ports {
-        Some((_, dst)) => Some(dst),
-        None if first && protocol == PROTO_ICMP => crate::icmp_type(ctx, l4),
-        None => None,
+    let port = if ports.known {
+        Some(ports.dst)
+    } else if first && protocol == PROTO_ICMP {
+        crate::icmp_type(ctx, l4)
+    } else {
+        None
     };
     match decide(POLICY_V4.get(&key), peer.slot, protocol, port) {
         Err(Drop {
@@ -88,7 +91,7 @@ fn reply(
     l4: usize,
     ip: &[u8; HEAD_LEN],
     protocol: u8,
-    ports: Option<(u16, u16)>,
+    ports: Ports,
     peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
     let denied = Err(Drop::peer(Counter::DropPolicy, peer.slot));

@@ -12,7 +12,8 @@ use wgfence_common::{
 use crate::{
     config, decide,
     flow::{self, Answer, ICMP_ERROR_LEN, ICMP_V6},
-    has_ports, load, ports, unrestricted, Drop, Pass, FLOWS_V6, HEAD_LEN, PEERS_V6, POLICY_V6,
+    has_ports, load, ports, unrestricted, Drop, Pass, Ports, FLOWS_V6, HEAD_LEN, PEERS_V6,
+    POLICY_V6,
 };
 
 const HEADER_LEN: usize = 40;
@@ -85,9 +86,9 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
         return Err(Drop::peer(Counter::DropHeaderChain, slot));
     }
     let ports = if first_fragment && has_ports(next) {
-        Some(ports(ctx, offset, slot)?)
+        ports(ctx, offset, slot)?
     } else {
-        None
+        Ports::NONE
     };
 
     let mut dst = PolicyKeyV6 {
@@ -101,10 +102,12 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
     let protocol = if first_fragment { next } else { PROTO_UNKNOWN };
     // ICMPv6 is matched by its type where TCP/UDP are by their destination port (first
     // fragment only; an unread type matches only entries for every type).
-    let port = match ports {
-        Some((_, dst)) => Some(dst),
-        None if first_fragment && next == PROTO_ICMPV6 => crate::icmp_type(ctx, offset),
-        None => None,
+    let port = if ports.known {
+        Some(ports.dst)
+    } else if first_fragment && next == PROTO_ICMPV6 {
+        crate::icmp_type(ctx, offset)
+    } else {
+        None
     };
     match decide(POLICY_V6.get(&key), slot, protocol, port) {
         Err(Drop {
@@ -123,7 +126,7 @@ fn reply(
     src: &PeerKeyV6,
     dst: &[u8; 16],
     protocol: u8,
-    ports: Option<(u16, u16)>,
+    ports: Ports,
     peer: &PeerEntry,
 ) -> Result<Pass, Drop> {
     let denied = Err(Drop::peer(Counter::DropPolicy, peer.slot));
