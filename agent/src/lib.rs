@@ -21,6 +21,8 @@ pub mod source;
 pub mod state;
 pub mod status;
 pub mod sweeper;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod trust;
 pub mod verify;
 pub mod wg;

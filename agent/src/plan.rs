@@ -54,6 +54,7 @@ use crate::{
     state::{DesiredState, PeerSpec, WgKey},
 };
 
+#[cfg(any(test, feature = "testing"))]
 pub mod invariants;
 
 /// The policy id of `"egress": []`: no trie entry, so every packet is denied. One id, the
@@ -274,6 +275,7 @@ impl Actual {
 
     /// The same, with only `slots` counter slots (`0..slots`), as if the maps held that many
     /// peers: the tests and the fuzzer plan at a full map with a handful of peers.
+    #[cfg(any(test, feature = "testing"))]
     pub fn with_slot_limit(mut self, slots: u32) -> Self {
         self.slot_limit = Some(slots.min(MAX_PEERS));
         self

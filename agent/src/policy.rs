@@ -300,6 +300,7 @@ impl CompiledPolicy {
 
     /// What the datapath decides for a packet: the longest matching prefix's allows must
     /// contain a match. A reference model for tests of the compiler and of the datapath.
+    #[cfg(any(test, feature = "testing"))]
     pub fn permits(&self, dst: std::net::IpAddr, protocol: u8, port: Option<u16>) -> bool {
         self.entries
             .iter()

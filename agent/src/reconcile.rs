@@ -551,9 +551,9 @@ fn same_kind(a: &Op, b: &Op) -> bool {
 }
 
 /// Applies one map operation of a plan (WireGuard operations are not map operations and are
-/// skipped; flows are deleted here and now): for tools that fill maps without a WireGuard
-/// device, like the benchmarks.
-pub fn apply_map_op(maps: &mut Maps, op: &Op) -> Result<(), DataplaneError> {
+/// skipped; flows are deleted here and now). The tests and the benchmarks, which fill maps
+/// without a WireGuard device, reach it through [`crate::testing::apply_map_op`].
+pub(crate) fn apply_map_op(maps: &mut Maps, op: &Op) -> Result<(), DataplaneError> {
     match op {
         Op::PutPolicyEntry {
             policy,

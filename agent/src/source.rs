@@ -254,6 +254,7 @@ impl StateSource {
     }
 
     /// The directories watched now.
+    #[cfg(test)]
     pub fn watched_dirs(&self) -> impl Iterator<Item = &Path> {
         self.watched.dirs.keys().map(PathBuf::as_path)
     }

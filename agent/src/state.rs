@@ -4,6 +4,7 @@
 //! the whole state if there is any: nothing is ever half-applied. The result does not depend
 //! on the order of peers or of rules: peers are sorted by name and rules are a sorted set.
 
+#[cfg(any(test, feature = "testing"))]
 pub mod edits;
 mod fast;
 mod pipeline;
@@ -21,6 +22,7 @@ use std::{
 };
 
 use ipnet::IpNet;
+#[cfg(any(test, feature = "testing"))]
 use serde_json::{Map, Value};
 
 pub use crate::explain::assertions::{self, PolicyTest};
@@ -230,6 +232,7 @@ impl DesiredState {
     /// schema's defaults allow (`replies` always, optional fields only when set), peers by name,
     /// rules and their ports sorted. Parsing it gives back an equal state, and equal states give
     /// the same text.
+    #[cfg(any(test, feature = "testing"))]
     pub fn to_canonical_json(&self) -> String {
         let peers: Vec<Value> = self.peers.iter().map(PeerSpec::to_json).collect();
         let mut state = serde_json::json!({ "version": SCHEMA_VERSION, "replies": self.replies, "peers": peers });
@@ -240,6 +243,7 @@ impl DesiredState {
     }
 }
 
+#[cfg(any(test, feature = "testing"))]
 impl PeerSpec {
     fn to_json(&self) -> Value {
         let mut peer = Map::new();
@@ -314,6 +318,7 @@ fn protocol_text(protocol: Protocol) -> &'static str {
     }
 }
 
+#[cfg(any(test, feature = "testing"))]
 fn rule_to_json(rule: &Rule) -> Value {
     let protocol = protocol_text(rule.protocol);
     let mut value = serde_json::json!({ "cidr": rule.cidr.to_string(), "protocol": protocol });

@@ -62,7 +62,7 @@ use wgfence::{
     explain::{compiled_maps, evaluate, kernel::KernelProbe, NoFlows, Probe, View},
     plan::{plan, Actual, ActualMaps, ActualWg},
     policy::{Protocol, Rule},
-    reconcile::apply_map_op,
+    testing::apply_map_op,
     state::{format_time, parse, DesiredState, Mode, PeerSpec, WgKey},
 };
 use wgfence_common::{Config, Counter, Variant, MAX_IPV6_EXT_HEADERS, PROTO_UNKNOWN, VARIANTS};

@@ -80,6 +80,8 @@ pub fn build_sandbox_tool(tool: &str) -> Result<PathBuf> {
     }
     setup::run(setup::Bpffs::Require)?;
     let root = util::workspace_root()?;
+    // Two builds: in one, the tool's `testing` feature of the agent's library would be built
+    // into the agent binary too, and the sandbox runs the agent as it ships.
     util::run(util::cargo_command(&root).args([
         "build",
         "--release",
@@ -87,11 +89,16 @@ pub fn build_sandbox_tool(tool: &str) -> Result<PathBuf> {
         "wgfence",
         "--bin",
         "wgfence",
+    ]))
+    .context("building the agent failed")?;
+    util::run(util::cargo_command(&root).args([
+        "build",
+        "--release",
         "--package",
         "wgfence-tests",
         "--bin",
         tool,
     ]))
-    .with_context(|| format!("building the agent and {tool} failed"))?;
+    .with_context(|| format!("building {tool} failed"))?;
     Ok(util::target_dir(&root).join("release"))
 }

@@ -437,6 +437,7 @@ impl Maps {
 
     /// Flows recorded for `slot` by the datapath, and deleted by the agent: the slot holds
     /// `made - freed` flows.
+    #[cfg(any(test, feature = "testing"))]
     pub fn flow_quota(&self, slot: u32) -> Result<(u64, u64)> {
         let made = self
             .flow_made

@@ -56,7 +56,9 @@ pub use hook::{HookKind, HookMode};
 use lock::{Acquired, PinDirLock};
 pub use maps::{Counters, Flow, Maps, PolicyEntry};
 use sys::HeldLink;
-pub use test_run::{test_run, TestProgram, TestRun, ETH_HLEN, MIN_TEST_INPUT};
+pub use test_run::{test_run, TestProgram, TestRun};
+#[cfg(any(test, feature = "testing"))]
+pub use test_run::{ETH_HLEN, MIN_TEST_INPUT};
 pub use upgrade::UpgradeReport;
 
 /// The datapath object, built from `ebpf/` by `build.rs`.
@@ -64,6 +66,7 @@ pub(crate) static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WGFENCE_BPF_
 
 /// Where the build left the benchmark's floor programs (`ebpf/src/floor.rs`): a path, read
 /// by `cargo xtask bench` on the machine that built it. The agent never loads them.
+#[cfg(any(test, feature = "testing"))]
 pub const FLOOR_OBJECT_PATH: &str = env!("WGFENCE_FLOOR_OBJECT");
 
 /// Where bpffs is normally mounted.
@@ -802,6 +805,7 @@ impl Dataplane {
     /// lock (a detach waits until nothing holds them, so one issued while this process still
     /// held them would time out and leave its marker). For the tests and the benchmarks, which
     /// attach in-process.
+    #[cfg(any(test, feature = "testing"))]
     pub fn detach_now(&mut self) -> Result<bool> {
         self.let_go();
         Self::detach(&self.bpffs, &self.interface)
@@ -819,6 +823,7 @@ impl Dataplane {
 
     /// Whether the device's tcx hooks run this dataplane's programs, ingress and egress (two
     /// queries). Must run in the interface's network namespace.
+    #[cfg(any(test, feature = "testing"))]
     pub fn programs_attached(&mut self) -> Result<bool> {
         let ifindex = iface::index(&self.interface)?;
         Ok(!self.missing_hooks(ifindex)?.contains(&true))

@@ -9,7 +9,7 @@ use std::{
 
 use aya::{Ebpf, EbpfLoader};
 use aya_obj::generated::{bpf_attr, bpf_cmd};
-use wgfence_common::{map_names, Variant, VARIANT_ETHERNET};
+use wgfence_common::{map_names, Variant};
 
 use super::{
     classifier,
@@ -19,12 +19,15 @@ use super::{
 };
 
 /// Length of the Ethernet header the Ethernet variant expects before the IP header.
+#[cfg(any(test, feature = "testing"))]
 pub const ETH_HLEN: usize = 14;
 /// The least input `BPF_PROG_TEST_RUN` takes for a tc program (it parses the input as an
 /// Ethernet header before the program runs; the program still sees every byte from the first).
+#[cfg(any(test, feature = "testing"))]
 pub const MIN_TEST_INPUT: usize = ETH_HLEN;
 
 /// Index of the loopback device, on which `BPF_PROG_TEST_RUN` runs tc programs.
+#[cfg(any(test, feature = "testing"))]
 const LOOPBACK_IFINDEX: u32 = 1;
 /// `struct __sk_buff` field indexes (u32 words): `ingress_ifindex`, `ifindex`.
 const SKB_INGRESS_IFINDEX: usize = 9;
@@ -55,12 +58,14 @@ pub struct TestProgram {
 
 impl TestProgram {
     /// Loads the Ethernet variant: its packets start with an Ethernet header.
+    #[cfg(any(test, feature = "testing"))]
     pub fn load() -> Result<Self> {
-        Self::load_variant(VARIANT_ETHERNET)
+        Self::load_variant(wgfence_common::VARIANT_ETHERNET)
     }
 
     /// Loads `variant`; the L3 variant runs on raw IP packets (at least [`MIN_TEST_INPUT`]
     /// bytes: the kernel's minimum).
+    #[cfg(any(test, feature = "testing"))]
     pub fn load_variant(variant: Variant) -> Result<Self> {
         Self::load_with(
             EbpfLoader::new(),
@@ -95,6 +100,7 @@ impl TestProgram {
     /// Loads `variant` with every map pinned in `pin_dir` (created there, or reused when
     /// already pinned), not attached: a stand-in for the live datapath that
     /// [`TestProgram::against_pins`] can probe.
+    #[cfg(any(test, feature = "testing"))]
     pub fn load_pinned(variant: Variant, pin_dir: &std::path::Path) -> Result<Self> {
         std::fs::create_dir_all(pin_dir).map_err(|source| DataplaneError::Io {
             path: pin_dir.to_owned(),
@@ -164,6 +170,7 @@ impl TestProgram {
     }
 
     /// Runs the egress program (packets to peers) `repeat` times on `frame`.
+    #[cfg(any(test, feature = "testing"))]
     pub fn run_egress(&mut self, frame: &[u8], repeat: u32) -> Result<TestRun> {
         self.run_program(self.variant.egress, frame, repeat, None)
     }
@@ -171,6 +178,7 @@ impl TestProgram {
     /// Runs the egress program once on `frame` as a packet that came in on the interface the
     /// program runs on (`__sk_buff.ingress_ifindex == ifindex`, the loopback device under
     /// `BPF_PROG_TEST_RUN`): a peer's packet the node sent back into the tunnel.
+    #[cfg(any(test, feature = "testing"))]
     pub fn run_egress_hairpin(&mut self, frame: &[u8]) -> Result<TestRun> {
         self.run_program(self.variant.egress, frame, 1, Some(LOOPBACK_IFINDEX))
     }
@@ -190,6 +198,7 @@ impl TestProgram {
 
     /// The loaded ingress program, e.g. to run it from several threads at once with
     /// [`test_run`].
+    #[cfg(any(test, feature = "testing"))]
     pub fn ingress_fd(&mut self) -> Result<BorrowedFd<'_>> {
         let program = self.variant.ingress;
         let fd = classifier(&mut self.ebpf, program)?

@@ -179,6 +179,7 @@ pub fn parse_tests(raw: &Value) -> Result<Vec<PolicyTest>, Vec<(String, String)>
 }
 
 /// A test as the canonical state file writes it.
+#[cfg(any(test, feature = "testing"))]
 pub fn to_json(test: &PolicyTest) -> Value {
     let texts = |a: &[Assertion]| a.iter().map(|a| Value::from(a.text.clone())).collect();
     let mut obj = serde_json::Map::new();

@@ -222,6 +222,7 @@ impl Pipeline {
     }
 
     /// The indexes, rebuilt from the state, are the ones kept up to date; what differs.
+    #[cfg(any(test, feature = "testing"))]
     pub(super) fn check_indexes(&self) -> Result<(), String> {
         let mut rebuilt = Index::default();
         for peer in &self.state.peers {

@@ -7,7 +7,7 @@ use serde_json::json;
 use wgfence::{
     dataplane::TestProgram,
     plan::{plan, Actual},
-    reconcile::apply_map_op,
+    testing::apply_map_op,
     settings::{online_cpus, DatapathSettings},
     state::DesiredState,
 };

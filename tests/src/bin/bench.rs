@@ -15,7 +15,8 @@ use wgfence::{
     dataplane::{AttachOptions, Dataplane},
     plan::{plan, plan_changes, Actual, Op},
     policy::CompiledPolicy,
-    reconcile::{apply_map_op, Outcome, Reconciler},
+    reconcile::{Outcome, Reconciler},
+    testing::apply_map_op,
     state::{parse, parse_value_tree, Changes, DesiredState, Pipeline},
     wg::WireGuard as WgDevice,
 };
