@@ -1681,7 +1681,7 @@ mod tests {
     }
 
     fn apply_checked(kernel: &mut Kernel, old: &DesiredState, new: &DesiredState) -> Plan {
-        let plan = plan(new, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+        let plan = plan(new, &kernel.actual()).unwrap();
         apply_plan_checked(kernel, old, new, &plan);
         plan
     }
@@ -1724,7 +1724,7 @@ mod tests {
                 reversed.reverse();
                 let (_, again) = build(&reversed);
                 if again == new {
-                    let replan = plan(&again, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+                    let replan = plan(&again, &kernel.actual()).unwrap();
                     prop_assert!(replan.is_empty(), "reordered state planned {:?}", replan.ops);
                 }
                 old = new;
@@ -1749,10 +1749,10 @@ mod tests {
                 if over_capacity(&kernel, &new, &update) {
                     continue;
                 }
-                let update = update.unwrap_or_else(|e| panic!("{e}"));
+                let update = update.unwrap();
                 apply_plan_checked(&mut kernel, &old, &new, &update);
                 assert_converged(&kernel, &new);
-                let full = plan(&new, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+                let full = plan(&new, &kernel.actual()).unwrap();
                 prop_assert!(full.is_empty(), "a full plan after the incremental one: {:?}", full.ops);
                 prop_assert!(plan_update(&new, &new, &kernel.actual()).map(|p| p.is_empty()).unwrap_or(false));
                 old = new;
@@ -1791,8 +1791,7 @@ mod tests {
     }
 
     fn one(peers: Value) -> DesiredState {
-        parse(&json!({ "version": 1, "peers": peers }).to_string())
-            .unwrap_or_else(|e| panic!("{e}"))
+        parse(&json!({ "version": 1, "peers": peers }).to_string()).unwrap()
     }
 
     /// A full plan, or one that looks only at what differs from `previous`.
@@ -1889,9 +1888,8 @@ mod tests {
                 key: WgKey([1; 32]),
             },
         ];
-        let full = plan(&after, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
-        let update =
-            plan_update(&before, &after, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+        let full = plan(&after, &kernel.actual()).unwrap();
+        let update = plan_update(&before, &after, &kernel.actual()).unwrap();
         for (how, p) in [("full", &full), ("incremental", &update)] {
             assert!(
                 p.ops.starts_with(&revocation),
@@ -1910,7 +1908,7 @@ mod tests {
             failed.apply(op);
             assert_safe_midway(&failed, &before, &after);
         }
-        let retry = plan(&after, &failed.actual()).unwrap_or_else(|e| panic!("{e}"));
+        let retry = plan(&after, &failed.actual()).unwrap();
         assert!(
             !retry.ops.iter().any(|op| revocation.contains(op)),
             "the retry revokes r again: {:#?}",
@@ -2096,7 +2094,7 @@ mod tests {
             let take = if incremental {
                 converge(&mut kernel, &old, &new)
             } else {
-                let plan = plan(&new, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+                let plan = plan(&new, &kernel.actual()).unwrap();
                 for op in &plan.ops {
                     kernel.apply(op);
                 }
@@ -2128,7 +2126,7 @@ mod tests {
         assert_eq!(kernel.0.maps().owner_high, first);
         // A restarted agent reads only the kernel: the high-water mark is all that is left.
         let restarted = Actual::new(kernel.0.maps().clone(), kernel.0.wg().clone());
-        let plan = plan(&b, &restarted).unwrap_or_else(|e| panic!("{e}"));
+        let plan = plan(&b, &restarted).unwrap();
         let owner = plan.ops.iter().find_map(|op| match op {
             Op::PutPeerEntry { entry, .. } => Some(entry.owner),
             _ => None,
@@ -2210,7 +2208,7 @@ mod tests {
         kernel.0.wg.peers.remove(&WgKey([2; 32]));
         kernel.0 = Actual::new(kernel.0.maps.clone(), kernel.0.wg.clone());
         // The kernel is already broken, so the midway invariants cannot hold; apply plainly.
-        let repair = plan(&s, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+        let repair = plan(&s, &kernel.actual()).unwrap();
         for op in &repair.ops {
             kernel.apply(op);
         }
@@ -2262,8 +2260,7 @@ mod tests {
         for incremental in [false, true] {
             let mut kernel = Kernel::default();
             converge(&mut kernel, &DesiredState::default(), &before);
-            let p = plan_either(incremental, &before, &after, &kernel)
-                .unwrap_or_else(|e| panic!("{e}"));
+            let p = plan_either(incremental, &before, &after, &kernel).unwrap();
             if let Err(e) = invariants::check_revocations_lead(&kernel.0, &after, &p.ops) {
                 panic!("incremental {incremental}: {e}");
             }
@@ -2328,8 +2325,7 @@ mod tests {
             converge(&mut kernel, &DesiredState::default(), &before);
             // The trie is full: it holds z's two entries and no more.
             let capacity = 2;
-            let first = plan_either(incremental, &before, &after, &kernel)
-                .unwrap_or_else(|e| panic!("{e}"));
+            let first = plan_either(incremental, &before, &after, &kernel).unwrap();
             let gc = lead(&first.ops)
                 .iter()
                 .filter(|op| matches!(op, Op::DeletePolicyEntry { .. }))
@@ -2348,9 +2344,7 @@ mod tests {
                     converged = true;
                     break;
                 }
-                ops = plan(&after, &kernel.actual())
-                    .unwrap_or_else(|e| panic!("{e}"))
-                    .ops;
+                ops = plan(&after, &kernel.actual()).unwrap().ops;
             }
             assert!(converged, "incremental {incremental}: the trie stays full");
             assert_converged(&kernel, &after);
@@ -2360,9 +2354,7 @@ mod tests {
         // go before the retry writes n's policy again.
         let mut kernel = Kernel::default();
         converge(&mut kernel, &DesiredState::default(), &before);
-        let ops = plan(&after, &kernel.actual())
-            .unwrap_or_else(|e| panic!("{e}"))
-            .ops;
+        let ops = plan(&after, &kernel.actual()).unwrap().ops;
         let first_put = ops
             .iter()
             .position(|op| matches!(op, Op::PutPolicyEntry { .. }))
@@ -2370,7 +2362,7 @@ mod tests {
         for op in &ops[..=first_put.min(ops.len() - 1)] {
             kernel.apply(op);
         }
-        let retry = plan(&after, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+        let retry = plan(&after, &kernel.actual()).unwrap();
         assert!(
             lead(&retry.ops)
                 .iter()
@@ -2401,8 +2393,7 @@ mod tests {
             converge(&mut kernel, &DesiredState::default(), &before);
             let slot = |k: &Kernel, n: u8| kernel_entry(k, IpAddr::from([10, 8, 0, n])).slot;
             let (a, r) = (slot(&kernel, 2), slot(&kernel, 3));
-            let p = plan_either(incremental, &before, &after, &kernel)
-                .unwrap_or_else(|e| panic!("{e}"));
+            let p = plan_either(incremental, &before, &after, &kernel).unwrap();
             for op in &p.ops {
                 kernel.apply(op);
                 assert_safe_midway(&kernel, &before, &after);
@@ -2529,7 +2520,7 @@ mod tests {
             entry.slot = 0;
         }
         kernel.0 = Actual::new(maps, kernel.0.wg().clone()).with_slot_limit(2);
-        let p = plan(&s, &kernel.actual()).unwrap_or_else(|e| panic!("{e}"));
+        let p = plan(&s, &kernel.actual()).unwrap();
         for op in &p.ops {
             kernel.apply(op);
         }

@@ -494,7 +494,7 @@ mod tests {
             tcp("10.0.0.0/8", &[(400, 450)]),
             tcp("10.1.0.0/16", &[(443, 443), (500, 500)]),
         ];
-        let compiled = compile(&rules).unwrap_or_else(|e| panic!("{e}"));
+        let compiled = compile(&rules).unwrap();
         let dst = ip("10.1.2.3");
         let (_, allows) = compiled
             .entries()

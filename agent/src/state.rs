@@ -587,7 +587,7 @@ mod tests {
 
     /// Both passes accept `text` alike.
     fn both(text: &str) -> DesiredState {
-        let tree = tree::parse_value_tree(text).unwrap_or_else(|e| panic!("{e}"));
+        let tree = tree::parse_value_tree(text).unwrap();
         let fast = fast::parse(text).unwrap_or_else(|| panic!("the typed pass refused {text}"));
         assert_eq!(tree, fast);
         tree
@@ -668,7 +668,7 @@ mod tests {
             }]
         })
         .to_string();
-        let s = parse(&text).unwrap_or_else(|e| panic!("{e}"));
+        let s = parse(&text).unwrap();
         let p = &s.peers[0];
         assert_eq!(p.name, "alice-laptop");
         assert_eq!(p.address, Some(Ipv4Addr::new(10, 8, 0, 2)));
@@ -682,7 +682,7 @@ mod tests {
     /// `"egress": []` allows nothing (a restricted policy without a single entry).
     #[test]
     fn no_egress_means_unrestricted_and_an_empty_egress_allows_nothing() {
-        let s = parse(&state(vec![peer("a", 2)])).unwrap_or_else(|e| panic!("{e}"));
+        let s = parse(&state(vec![peer("a", 2)])).unwrap();
         assert!(s.peers[0].policy.is_none());
         assert_eq!(s.peers[0].rules, None);
         assert_eq!(s.restricted_peers(), 0);
@@ -707,7 +707,7 @@ mod tests {
         // Equal empty rule sets share one (empty) policy, like any other.
         let mut b = peer("b", 3);
         b["egress"] = json!([]);
-        let s = parse(&state(vec![empty, b])).unwrap_or_else(|e| panic!("{e}"));
+        let s = parse(&state(vec![empty, b])).unwrap();
         assert_eq!(distinct_policies(&s).len(), 1);
         assert_eq!(s.peers_allowed_nothing(), ["a", "b"]);
     }
@@ -760,10 +760,10 @@ mod tests {
 
     #[test]
     fn replies_default_on_and_switch_off() {
-        let s = parse(&state(vec![peer("a", 2)])).unwrap_or_else(|e| panic!("{e}"));
+        let s = parse(&state(vec![peer("a", 2)])).unwrap();
         assert!(s.replies, "replies default to on");
         let off = json!({ "version": 1, "replies": false, "peers": [peer("a", 2)] }).to_string();
-        assert!(!parse(&off).unwrap_or_else(|e| panic!("{e}")).replies);
+        assert!(!parse(&off).unwrap().replies);
         assert_error(
             &json!({ "version": 1, "replies": "yes", "peers": [] }).to_string(),
             "replies: must be true or false",
@@ -966,7 +966,7 @@ mod tests {
             { "cidr": "::/0", "protocol": "icmp", "types": ["echo-request"] },
         ]);
         let text = state(vec![p]);
-        let parsed = parse(&text).unwrap_or_else(|e| panic!("{e}"));
+        let parsed = parse(&text).unwrap();
         assert_eq!(parse_value_tree(&text), Ok(parsed.clone()));
         let rules = parsed.peers[0].rules.clone().unwrap_or_default();
         let icmp4 = rules
@@ -986,10 +986,7 @@ mod tests {
             .find(|r| matches!(r.cidr, IpNet::V6(_)))
             .map(|r| r.ports.clone());
         assert_eq!(icmp6, Some(vec![PortRange::single(128)]));
-        assert_eq!(
-            parse(&parsed.to_canonical_json()).unwrap_or_else(|e| panic!("{e}")),
-            parsed
-        );
+        assert_eq!(parse(&parsed.to_canonical_json()).unwrap(), parsed);
     }
 
     #[test]
@@ -1158,7 +1155,7 @@ mod tests {
         let mut nothing = peer("carol", 4);
         nothing["egress"] = json!([]);
         let text = json!({ "version": 1, "replies": false, "peers": [peer("bob", 3), a, nothing] });
-        let s = parse(&text.to_string()).unwrap_or_else(|e| panic!("{e}"));
+        let s = parse(&text.to_string()).unwrap();
         let canonical = s.to_canonical_json();
         let again = parse(&canonical).unwrap_or_else(|e| panic!("{e}\n{canonical}"));
         assert_eq!(again, s);
@@ -1178,7 +1175,7 @@ mod tests {
         a["egress"] = rules.clone();
         let mut b = peer("b", 3);
         b["egress"] = rules;
-        let s = parse(&state(vec![a, b])).unwrap_or_else(|e| panic!("{e}"));
+        let s = parse(&state(vec![a, b])).unwrap();
         let (pa, pb) = (s.peers[0].policy.as_ref(), s.peers[1].policy.as_ref());
         assert!(matches!((pa, pb), (Some(x), Some(y)) if Arc::ptr_eq(x, y)));
         assert_eq!(distinct_policies(&s).len(), 1);

@@ -233,8 +233,7 @@ pub(crate) mod tests {
                 std::time::SystemTime::now()
             ));
             fs::create_dir(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            fs::set_permissions(&path, fs::Permissions::from_mode(0o755))
-                .unwrap_or_else(|e| panic!("{e}"));
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).unwrap();
             Self(path)
         }
     }
@@ -262,9 +261,7 @@ pub(crate) mod tests {
         write(&file, 0o644);
         assert!(check_state_path(&file).is_ok());
         chmod(&file, 0o666);
-        let e = check_state_path(&file)
-            .err()
-            .unwrap_or_else(|| panic!("0666 passed"));
+        let e = check_state_path(&file).expect_err("0666 passed");
         let text = e.to_string();
         assert!(
             text.contains(&file.display().to_string()) && text.contains("mode 0666"),
@@ -293,12 +290,12 @@ pub(crate) mod tests {
         let d = Dir::new("kube");
         chmod(&d.0, 0o1777);
         let data = d.0.join("..2026_11_30_00_00_00.1");
-        fs::create_dir(&data).unwrap_or_else(|e| panic!("{e}"));
+        fs::create_dir(&data).unwrap();
         chmod(&data, 0o755);
         write(&data.join("state.json"), 0o644);
-        symlink("..2026_11_30_00_00_00.1", d.0.join("..data")).unwrap_or_else(|e| panic!("{e}"));
+        symlink("..2026_11_30_00_00_00.1", d.0.join("..data")).unwrap();
         let state = d.0.join("state.json");
-        symlink("..data/state.json", &state).unwrap_or_else(|e| panic!("{e}"));
+        symlink("..data/state.json", &state).unwrap();
         assert!(check_state_path(&state).is_ok());
 
         chmod(&data.join("state.json"), 0o646);
@@ -343,8 +340,8 @@ pub(crate) mod tests {
     fn a_symlink_loop_is_an_error_not_a_hang() {
         let d = Dir::new("loop");
         let a = d.0.join("a");
-        symlink("b", &a).unwrap_or_else(|e| panic!("{e}"));
-        symlink("a", d.0.join("b")).unwrap_or_else(|e| panic!("{e}"));
+        symlink("b", &a).unwrap();
+        symlink("a", d.0.join("b")).unwrap();
         assert!(matches!(
             check_state_path(&a),
             Err(TrustError::SymlinkLoop { .. })
@@ -360,7 +357,7 @@ pub(crate) mod tests {
         let d = Dir::new("owner");
         let file = d.0.join("state.json");
         write(&file, 0o644);
-        std::os::unix::fs::chown(&file, Some(65534), None).unwrap_or_else(|e| panic!("{e}"));
+        std::os::unix::fs::chown(&file, Some(65534), None).unwrap();
         assert!(matches!(
             check_state_path(&file),
             Err(TrustError::Owner { uid: 65534, .. })

@@ -224,7 +224,7 @@ mod tests {
               "egress": [{{"cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443]}}]}},
             {{"name": "bob", "publicKey": "{KEY2}", "address": "10.8.0.3"}}]}}"#
         );
-        parse(&text).unwrap_or_else(|e| panic!("{e}"))
+        parse(&text).unwrap()
     }
 
     fn wg(state: &DesiredState) -> ActualWg {
@@ -260,17 +260,15 @@ mod tests {
     fn names_each_entry_that_differs() {
         let state = state();
         let mut maps = compiled_maps(&state).unwrap_or_default();
-        let alice: IpAddr = "10.8.0.2".parse().unwrap_or_else(|e| panic!("{e}"));
+        let alice: IpAddr = "10.8.0.2".parse().unwrap();
         let id = maps.peers.get(&alice).map(|e| e.policy).unwrap_or_default();
         // An allow entry added behind the agent's back, a stranger's peer entry, an orphan
         // policy and an extra allowed IP.
         if let Some(policy) = maps.policies.get_mut(&id) {
             policy.insert_entry(net("10.2.3.4/32"), vec![Allow::new(PROTO_TCP, 22, 22)]);
         }
-        maps.peers.insert(
-            "10.8.0.9".parse().unwrap_or_else(|e| panic!("{e}")),
-            PeerEntry::default(),
-        );
+        maps.peers
+            .insert("10.8.0.9".parse().unwrap(), PeerEntry::default());
         maps.policies.insert(
             77,
             CompiledPolicy::from_entries([(net("0.0.0.0/0"), vec![Allow::new(0, 0, u16::MAX)])]),

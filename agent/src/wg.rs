@@ -346,7 +346,7 @@ mod tests {
             endpoint: "[fd00::1]:51820".parse().ok(),
             preshared_key: Some(None),
             persistent_keepalive: Some(None),
-            add_allowed_ips: vec!["10.8.0.2/32".parse().unwrap_or_else(|e| panic!("{e}"))],
+            add_allowed_ips: vec!["10.8.0.2/32".parse().unwrap()],
         };
         let mut request = String::new();
         uapi_change(&mut request, &change);

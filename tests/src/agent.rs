@@ -45,7 +45,7 @@ pub fn binary() -> PathBuf {
     if let Some(bin) = std::env::var_os("WGFENCE_BIN") {
         return bin.into();
     }
-    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("current_exe: {e}"));
+    let exe = std::env::current_exe().expect("current_exe");
     let dir = exe.parent().unwrap_or_else(|| Path::new("."));
     let candidates = [dir.join("wgfence"), dir.join("..").join("wgfence")];
     candidates
@@ -238,13 +238,11 @@ impl Agent {
             container: None,
         };
         match layout {
-            Layout::Kubernetes => symlink("..data/state.json", &agent.state)
-                .unwrap_or_else(|e| panic!("symlink: {e}")),
+            Layout::Kubernetes => symlink("..data/state.json", &agent.state).expect("symlink"),
             Layout::LinkElsewhere => {
                 let elsewhere = agent.dir.join("elsewhere");
-                fs::create_dir(&elsewhere).unwrap_or_else(|e| panic!("{e}"));
-                symlink(elsewhere.join("state.json"), &agent.state)
-                    .unwrap_or_else(|e| panic!("symlink: {e}"));
+                fs::create_dir(&elsewhere).unwrap();
+                symlink(elsewhere.join("state.json"), &agent.state).expect("symlink");
             }
             Layout::Plain | Layout::InPlace | Layout::ParentLink => {}
         }
@@ -257,7 +255,7 @@ impl Agent {
             .append(true)
             .open(&self.log)
             .unwrap_or_else(|e| panic!("{}: {e}", self.log.display()));
-        let log2 = log.try_clone().unwrap_or_else(|e| panic!("{e}"));
+        let log2 = log.try_clone().unwrap();
         let mut state = self.state.to_string_lossy().into_owned();
         let mut command = match (&self.container, self.wrapper.split_first()) {
             (Some(podman), _) => {
@@ -284,7 +282,7 @@ impl Agent {
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log2);
-        let child = crate::spawn(&mut command).unwrap_or_else(|e| panic!("starting wgfence: {e}"));
+        let child = crate::spawn(&mut command).expect("starting wgfence");
         self.child = Some(child);
     }
 
@@ -300,38 +298,37 @@ impl Agent {
         match self.layout {
             Layout::Plain => {
                 let tmp = self.dir.join(format!(".state.json.{n}"));
-                fs::write(&tmp, state).unwrap_or_else(|e| panic!("{e}"));
-                fs::rename(&tmp, &self.state).unwrap_or_else(|e| panic!("{e}"));
+                fs::write(&tmp, state).unwrap();
+                fs::rename(&tmp, &self.state).unwrap();
             }
             Layout::InPlace => {
-                fs::write(&self.state, state).unwrap_or_else(|e| panic!("{e}"));
+                fs::write(&self.state, state).unwrap();
             }
             Layout::LinkElsewhere => {
                 let elsewhere = self.dir.join("elsewhere");
                 let tmp = elsewhere.join(format!(".state.json.{n}"));
-                fs::write(&tmp, state).unwrap_or_else(|e| panic!("{e}"));
-                fs::rename(&tmp, elsewhere.join("state.json")).unwrap_or_else(|e| panic!("{e}"));
+                fs::write(&tmp, state).unwrap();
+                fs::rename(&tmp, elsewhere.join("state.json")).unwrap();
             }
             Layout::ParentLink => {
                 let release = format!("release.{n}");
-                fs::create_dir(self.dir.join(&release)).unwrap_or_else(|e| panic!("{e}"));
-                fs::write(self.dir.join(&release).join("state.json"), state)
-                    .unwrap_or_else(|e| panic!("{e}"));
+                fs::create_dir(self.dir.join(&release)).unwrap();
+                fs::write(self.dir.join(&release).join("state.json"), state).unwrap();
                 let tmp = self.dir.join("current.tmp");
-                symlink(&release, &tmp).unwrap_or_else(|e| panic!("{e}"));
-                fs::rename(&tmp, self.dir.join("current")).unwrap_or_else(|e| panic!("{e}"));
+                symlink(&release, &tmp).unwrap();
+                fs::rename(&tmp, self.dir.join("current")).unwrap();
             }
             Layout::Kubernetes => {
                 // What kubelet's AtomicWriter does.
                 let data = format!("..2026_11_30_00_00_00.{n}");
                 let data_dir = self.dir.join(&data);
-                fs::create_dir(&data_dir).unwrap_or_else(|e| panic!("{e}"));
-                fs::write(data_dir.join("state.json"), state).unwrap_or_else(|e| panic!("{e}"));
+                fs::create_dir(&data_dir).unwrap();
+                fs::write(data_dir.join("state.json"), state).unwrap();
                 let tmp = self.dir.join("..data_tmp");
                 let _ = fs::remove_file(&tmp);
-                symlink(&data, &tmp).unwrap_or_else(|e| panic!("{e}"));
+                symlink(&data, &tmp).unwrap();
                 let old = fs::read_link(self.dir.join("..data")).ok();
-                fs::rename(&tmp, self.dir.join("..data")).unwrap_or_else(|e| panic!("{e}"));
+                fs::rename(&tmp, self.dir.join("..data")).unwrap();
                 if let Some(old) = old {
                     let _ = fs::remove_dir_all(self.dir.join(old));
                 }
@@ -346,9 +343,8 @@ impl Agent {
             .write(true)
             .truncate(true)
             .open(&self.state)
-            .unwrap_or_else(|e| panic!("{e}"));
-        f.write_all(state.as_bytes())
-            .unwrap_or_else(|e| panic!("{e}"));
+            .unwrap();
+        f.write_all(state.as_bytes()).unwrap();
     }
 
     /// `GET path` on the agent's HTTP endpoint: (status, body).
@@ -421,8 +417,11 @@ impl Agent {
         self.metric(gw, "wgfence_reconcile_duration_seconds_count")
     }
 
+    /// The agent's log so far (it exists from the start: a log that cannot be read fails the
+    /// test, rather than reading as one without the lines a test looks for).
     pub fn log_text(&self) -> String {
-        fs::read_to_string(&self.log).unwrap_or_default()
+        fs::read_to_string(&self.log)
+            .unwrap_or_else(|e| panic!("reading the agent's log {}: {e}", self.log.display()))
     }
 
     /// The agent's process id while it runs.
@@ -455,7 +454,10 @@ impl Drop for Agent {
     fn drop(&mut self) {
         self.kill();
         if std::thread::panicking() {
-            eprintln!("--- wgfence log ({}) ---\n{}", self.node, self.log_text());
+            // Not `log_text`: a panic here, while a failed test unwinds, would abort.
+            let log =
+                fs::read_to_string(&self.log).unwrap_or_else(|e| format!("(unreadable: {e})"));
+            eprintln!("--- wgfence log ({}) ---\n{log}", self.node);
         }
         let status = wgfence::status::status_path(&self.interface);
         // The snapshot, and its temporary file if the agent was killed mid-write.

@@ -76,7 +76,7 @@ pub fn require_root() {
 
 /// Compiles `rules` and writes the policy's trie entries under `policy`.
 pub fn install_policy(maps: &mut Maps, policy: u32, rules: &[Rule]) -> CompiledPolicy {
-    let compiled = compile(rules).unwrap_or_else(|e| panic!("policy does not compile: {e}"));
+    let compiled = compile(rules).expect("policy does not compile");
     for (prefix, allows) in compiled.entries() {
         maps.upsert_policy(policy, prefix, &CompiledPolicy::value(allows))
             .unwrap_or_else(|e| panic!("writing policy entry {prefix}: {e}"));

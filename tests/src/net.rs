@@ -220,7 +220,7 @@ impl WireGuard {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot start wireguard-go (is it installed?): {e}"));
+            .expect("cannot start wireguard-go (is it installed?)");
         let wg = Self {
             name: name.to_owned(),
             keys,

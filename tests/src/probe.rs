@@ -70,14 +70,12 @@ fn udp(dst: SocketAddr) -> Reach {
         SocketAddr::V6(_) => "[::]:0",
     }
     .parse()
-    .unwrap_or_else(|e| panic!("{e}"));
-    let socket = UdpSocket::bind(any).unwrap_or_else(|e| panic!("udp bind: {e}"));
+    .unwrap();
+    let socket = UdpSocket::bind(any).expect("udp bind");
     socket
         .connect(dst)
         .unwrap_or_else(|e| panic!("udp connect {dst}: {e}"));
-    socket
-        .set_read_timeout(Some(TIMEOUT))
-        .unwrap_or_else(|e| panic!("{e}"));
+    socket.set_read_timeout(Some(TIMEOUT)).unwrap();
     socket
         .send(b"wgfence probe")
         .unwrap_or_else(|e| panic!("udp send to {dst}: {e}"));

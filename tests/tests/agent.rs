@@ -48,7 +48,7 @@ fn ping_stream(gw: &Gateway, peer: usize, count: u32) -> Child {
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap_or_else(|e| panic!("ping: {e}"))
+        .expect("ping")
 }
 
 struct PingResult {
@@ -59,9 +59,7 @@ struct PingResult {
 }
 
 fn finish(ping: Child) -> PingResult {
-    let out = ping
-        .wait_with_output()
-        .unwrap_or_else(|e| panic!("ping: {e}"));
+    let out = ping.wait_with_output().expect("ping");
     let text = String::from_utf8_lossy(&out.stdout);
     let last_reply = text
         .lines()
@@ -188,9 +186,7 @@ fn revoke_peer_1(gw: &Gateway, agent: &Agent, what: &str) {
     let revoked = finish(revoked);
     let bystander = finish(bystander);
 
-    let last = revoked
-        .last_reply
-        .unwrap_or_else(|| panic!("no reply before the revocation"));
+    let last = revoked.last_reply.expect("no reply before the revocation");
     let latency = last - t0;
     eprintln!(
         "revocation ({what}): last reply {:.0} ms after the state file changed",
@@ -276,9 +272,7 @@ fn idle_connections_to_the_metrics_port_neither_delay_a_revocation_nor_exhaust_d
     let both = state(vec![gw.peer_json(0, None), gw.peer_json(1, None)]);
     let agent = Agent::start(&gw, Layout::Plain, &both, &[]);
     agent.wait_ready(&gw);
-    let pid = agent
-        .pid()
-        .unwrap_or_else(|| panic!("the agent is not running"));
+    let pid = agent.pid().expect("the agent is not running");
     set_nofile(pid as libc::pid_t, 1024, 1024);
     // This process holds the 2,000 client ends: raise its own soft limit to the hard one.
     let mut own = libc::rlimit {
@@ -298,9 +292,7 @@ fn idle_connections_to_the_metrics_port_neither_delay_a_revocation_nor_exhaust_d
     );
     let baseline = open_fds(pid);
 
-    let addr: std::net::SocketAddr = wgfence_tests::agent::METRICS
-        .parse()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let addr: std::net::SocketAddr = wgfence_tests::agent::METRICS.parse().unwrap();
     let started = Instant::now();
     // Each attempt ends established (and is held) or reset by the agent, which closes what
     // is over its limit at once; none may hang in the kernel's queue.
@@ -619,7 +611,7 @@ fn a_state_beyond_wireguard_go_capacity_is_rejected_whole() {
 /// Runs `wgfence <args> --state <text>` in the node's namespace: (success, stdout, stderr).
 fn cli(gw: &Gateway, agent: &Agent, args: &[&str], text: &str) -> (bool, String, String) {
     let path = agent.dir.join("cli.json");
-    std::fs::write(&path, text).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(&path, text).unwrap();
     let out = gw
         .node
         .command(wgfence_tests::agent::binary())
@@ -720,9 +712,7 @@ fn clients_holding_the_metrics_port_neither_fail_the_liveness_probe_nor_delay_a_
     let both = state(vec![gw.peer_json(0, None), gw.peer_json(1, None)]);
     let agent = Agent::start(&gw, Layout::Plain, &both, &["--health-addr", HEALTH]);
     agent.wait_ready(&gw);
-    let metrics: std::net::SocketAddr = wgfence_tests::agent::METRICS
-        .parse()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let metrics: std::net::SocketAddr = wgfence_tests::agent::METRICS.parse().unwrap();
     let stop = AtomicBool::new(false);
     let (live, starved) = thread::scope(|s| {
         s.spawn(|| {

@@ -60,12 +60,10 @@ fn enforces_unknown_unrestricted_and_restricted_peers() {
         ],
     );
     for addr in gw.peers[0].addrs() {
-        maps.upsert_peer(addr, entry(1, 0))
-            .unwrap_or_else(|e| panic!("{e}"));
+        maps.upsert_peer(addr, entry(1, 0)).unwrap();
     }
     for addr in gw.peers[1].addrs() {
-        maps.upsert_peer(addr, entry(UNRESTRICTED, 1))
-            .unwrap_or_else(|e| panic!("{e}"));
+        maps.upsert_peer(addr, entry(UNRESTRICTED, 1)).unwrap();
     }
 
     let (r, o, u) = (&gw.peers[0].ns, &gw.peers[1].ns, &gw.peers[2].ns);
@@ -121,7 +119,7 @@ fn enforces_unknown_unrestricted_and_restricted_peers() {
             .filter(|c| c.from == from && c.expect == expect)
             .count() as u64
     };
-    let counters = dp.maps().counters().unwrap_or_else(|e| panic!("{e}"));
+    let counters = dp.maps().counters().unwrap();
     let at_least = [
         (Counter::DropUnknownSource, probes("unknown", Blocked)),
         (Counter::PassUnrestricted, probes("open", Reached)),
@@ -134,7 +132,7 @@ fn enforces_unknown_unrestricted_and_restricted_peers() {
             "{counter:?} < {n}: {counters:?}"
         );
     }
-    let restricted = dp.maps().peer_counters(0).unwrap_or_else(|e| panic!("{e}"));
+    let restricted = dp.maps().peer_counters(0).unwrap();
     assert!(
         restricted.pass_packets >= probes("restricted", Reached)
             && restricted.drop_packets >= probes("restricted", Blocked),
@@ -157,8 +155,7 @@ fn a_policy_switch_applies_to_the_next_packet() {
     install_policy(maps, 1, &web(443));
     install_policy(maps, 2, &web(80));
     for addr in gw.peers[0].addrs() {
-        maps.upsert_peer(addr, entry(1, 0))
-            .unwrap_or_else(|e| panic!("{e}"));
+        maps.upsert_peer(addr, entry(1, 0)).unwrap();
     }
     let ns = &gw.peers[0].ns;
     let dst = ip("10.2.3.4");
@@ -169,7 +166,7 @@ fn a_policy_switch_applies_to_the_next_packet() {
     let writes = dp.maps().writes();
     dp.maps_mut()
         .upsert_peer(gw.peers[0].v4.into(), entry(2, 0))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     assert_eq!(dp.maps().writes(), writes + 1);
     assert_eq!(probe(ns, Kind::Tcp(80), dst), Reach::Reached);
     assert_eq!(probe(ns, Kind::Tcp(443), dst), Reach::Blocked);
@@ -184,7 +181,7 @@ fn adopting_pinned_objects_keeps_traffic_flowing() {
         for addr in peer.addrs() {
             dp.maps_mut()
                 .upsert_peer(addr, entry(UNRESTRICTED, 0))
-                .unwrap_or_else(|e| panic!("{e}"));
+                .unwrap();
         }
         // The agent goes away: everything stays pinned and enforcing.
     }
@@ -206,26 +203,23 @@ fn adopting_pinned_objects_keeps_traffic_flowing() {
         .args(["-c", &count.to_string(), "10.8.0.1"])
         .stdout(Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("ping: {e}"));
-    let before = gw.attach().maps().peers().unwrap_or_else(|e| panic!("{e}"));
+        .expect("ping");
+    let before = gw.attach().maps().peers().unwrap();
     for _ in 0..3 {
         thread::sleep(Duration::from_millis(700));
         let dp = gw.attach();
         assert_eq!(dp.attachment(), Attachment::Replaced);
-        assert_eq!(dp.maps().peers().unwrap_or_else(|e| panic!("{e}")), before);
+        assert_eq!(dp.maps().peers().unwrap(), before);
     }
-    let out = ping
-        .wait_with_output()
-        .unwrap_or_else(|e| panic!("ping: {e}"));
+    let out = ping.wait_with_output().expect("ping");
     let summary = String::from_utf8_lossy(&out.stdout);
     assert!(
         summary.contains(&format!("{count} packets transmitted, {count} received")),
         "packets were lost across the reloads:\n{summary}"
     );
     // And the traffic went through the datapath, not around it.
-    let maps = wgfence::dataplane::Dataplane::open_maps(&gw.bpffs, gw.interface())
-        .unwrap_or_else(|e| panic!("{e}"));
-    let counters = maps.counters().unwrap_or_else(|e| panic!("{e}"));
+    let maps = wgfence::dataplane::Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap();
+    let counters = maps.counters().unwrap();
     assert!(
         counters.get(Counter::PassUnrestricted) >= count,
         "{counters:?}"
@@ -244,9 +238,8 @@ fn a_restart_takes_over_the_running_programs_only_on_the_same_maps() {
     let programs = || {
         let id = |info: Option<(u32, u32)>| info.map(|(_, program)| program);
         (
-            id(Dataplane::egress_link_info(&gw.bpffs, gw.interface())
-                .unwrap_or_else(|e| panic!("{e}"))),
-            id(Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"))),
+            id(Dataplane::egress_link_info(&gw.bpffs, gw.interface()).unwrap()),
+            id(Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap()),
         )
     };
     drop(gw.attach());
@@ -256,23 +249,21 @@ fn a_restart_takes_over_the_running_programs_only_on_the_same_maps() {
     assert_eq!(programs(), first, "the restart loaded the programs again");
 
     let stats = pin_dir(&gw.bpffs, gw.interface()).join(map_names::STATS);
-    std::fs::remove_file(&stats).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::remove_file(&stats).unwrap();
     drop(gw.attach());
     let again = programs();
     assert!(
         again.0 != first.0 && again.1 != first.1,
         "the programs on the removed map were taken over: {first:?} {again:?}"
     );
-    let map = aya::maps::MapInfo::from_pin(&stats)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .id();
+    let map = aya::maps::MapInfo::from_pin(&stats).unwrap().id();
     // The ingress program counts every verdict in it.
     if let Some(id) = again.1 {
         let info = aya::programs::loaded_programs()
             .filter_map(Result::ok)
             .find(|p| p.id() == id)
             .unwrap_or_else(|| panic!("program {id} not loaded"));
-        let maps = info.map_ids().unwrap_or_else(|e| panic!("{e}"));
+        let maps = info.map_ids().unwrap();
         assert!(
             maps.is_some_and(|maps| maps.contains(&map)),
             "program {id} does not use the pinned {}",
@@ -365,8 +356,8 @@ fn an_interrupted_detach_is_finished_by_the_next() {
     // What a detach killed right after its rename leaves behind.
     let pinned = pin_dir(bpffs, &name);
     let interrupted = pinned.with_file_name(format!("detaching-{name}-0000000001"));
-    std::fs::rename(&pinned, &interrupted).unwrap_or_else(|e| panic!("{e}"));
-    let detached = Dataplane::detach(bpffs, &name).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::rename(&pinned, &interrupted).unwrap();
+    let detached = Dataplane::detach(bpffs, &name).unwrap();
     let left = interrupted.exists();
     if left {
         let _ = std::fs::remove_dir_all(&interrupted);
@@ -410,13 +401,13 @@ fn a_detach_that_cannot_release_the_links_fails_naming_the_holder() {
     let (link, _) = Dataplane::link_info(bpffs, &name)
         .ok()
         .flatten()
-        .unwrap_or_else(|| panic!("no pinned link"));
+        .expect("no pinned link");
 
     let detach = || {
         Command::new(binary())
             .args(["detach", "--interface", &name, "--timeout", "1"])
             .output()
-            .unwrap_or_else(|e| panic!("wgfence detach: {e}"))
+            .expect("wgfence detach")
     };
     let out = detach();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -451,7 +442,7 @@ fn a_detach_that_cannot_release_the_links_fails_naming_the_holder() {
     let link_show = Command::new("bpftool")
         .args(["link", "show", "id", &link.to_string()])
         .output()
-        .unwrap_or_else(|e| panic!("bpftool: {e}"));
+        .expect("bpftool");
     assert!(!link_show.status.success(), "link {link} still exists");
 }
 

@@ -621,9 +621,9 @@ fn the_example_overlay_renders_consistently() {
         .unwrap_or_else(|| panic!("{secret} not emitted"));
     let encoded = str_at(&emitted["data"]["state.json"]);
     let decoded = base64_decode(encoded);
-    let text = String::from_utf8(decoded).unwrap_or_else(|e| panic!("state.json: {e}"));
+    let text = String::from_utf8(decoded).expect("state.json");
     let source = std::fs::read_to_string(repo().join("deploy/overlays/example/state.json"))
-        .unwrap_or_else(|e| panic!("deploy/overlays/example/state.json: {e}"));
+        .expect("deploy/overlays/example/state.json");
     assert_eq!(text, source, "the Secret carries the overlay's state.json");
     if let Err(e) = wgfence::state::parse(&text) {
         panic!("the example state is rejected by the agent: {e}");

@@ -62,8 +62,8 @@ use wgfence::{
     explain::{compiled_maps, evaluate, kernel::KernelProbe, NoFlows, Probe, View},
     plan::{plan, Actual, ActualMaps, ActualWg},
     policy::{Protocol, Rule},
-    testing::apply_map_op,
     state::{format_time, parse, DesiredState, Mode, PeerSpec, WgKey},
+    testing::apply_map_op,
 };
 use wgfence_common::{Config, Counter, Variant, MAX_IPV6_EXT_HEADERS, PROTO_UNKNOWN, VARIANTS};
 use wgfence_tests::{
@@ -112,7 +112,7 @@ impl<'a> Model<'a> {
                 peers.insert(addr, peer);
             }
         }
-        let compiled = compiled_maps(state).unwrap_or_else(|e| panic!("planning: {e}"));
+        let compiled = compiled_maps(state).expect("planning");
         Self {
             peers,
             now: now_secs(),
@@ -594,7 +594,7 @@ impl Drop for PinDir {
 fn install(program: &mut TestProgram, state: &DesiredState) {
     let maps = ActualMaps::default().with_wall_minus_boot(wgfence::clock::wall_minus_boot_ns());
     let ops = plan(state, &Actual::new(maps, ActualWg::default()))
-        .unwrap_or_else(|e| panic!("planning: {e}"))
+        .expect("planning")
         .ops;
     for op in &ops {
         apply_map_op(program.maps_mut(), op).unwrap_or_else(|e| panic!("{op}: {e}"));
@@ -901,12 +901,8 @@ fn differential(variant: Variant, seed: u64, rounds: u64, packets: usize) {
             .unwrap_or_else(|e| panic!("loading explain's probe ({}): {e}", variant.name));
         let model = Model::new(&state);
         let bounds = Boundaries::of(&state);
-        let counters = |program: &TestProgram| {
-            program
-                .maps()
-                .counters()
-                .unwrap_or_else(|e| panic!("reading the counters: {e}"))
-        };
+        let counters =
+            |program: &TestProgram| program.maps().counters().expect("reading the counters");
         let before = counters(&program);
         let mut expected: HashMap<Counter, u64> = HashMap::new();
         for i in 0..packets {
@@ -1027,7 +1023,7 @@ fn rule_mismatches(program: &TestProgram, state: &DesiredState, model: &Model<'_
         };
         let entry = maps
             .peer(addr)
-            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap()
             .unwrap_or_else(|| panic!("no entry for {}", peer.name));
         if rules.is_empty() {
             continue;
@@ -1048,10 +1044,7 @@ fn rule_mismatches(program: &TestProgram, state: &DesiredState, model: &Model<'_
     let mut out = Vec::new();
     let mut total = 0;
     for (index, want) in want {
-        let got = maps
-            .rule_counters(index)
-            .unwrap_or_else(|e| panic!("{e}"))
-            .packets;
+        let got = maps.rule_counters(index).unwrap().packets;
         total += got;
         if got != want {
             out.push(format!(
@@ -1085,8 +1078,7 @@ fn both_variants_decide_like_the_reference_model() {
 fn compare(state: &DesiredState, frames: &[Vec<u8>]) {
     require_root();
     for variant in VARIANTS {
-        let mut program = TestProgram::load_variant(variant)
-            .unwrap_or_else(|e| panic!("loading the datapath: {e}"));
+        let mut program = TestProgram::load_variant(variant).expect("loading the datapath");
         install(&mut program, state);
         let model = Model::new(state);
         for frame in frames {
@@ -1112,7 +1104,7 @@ fn the_scan_reaches_the_last_of_the_allows_a_value_holds() {
     let text = json!({ "version": 1, "peers": [{ "name": "wide", "publicKey": key(1),
         "address": "10.8.0.2", "egress": [{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": ports }] }] })
     .to_string();
-    let state = parse(&text).unwrap_or_else(|e| panic!("{e}"));
+    let state = parse(&text).unwrap();
     let frames: Vec<Vec<u8>> = (0..=2 * max + 1)
         .map(|port| Packet::new("10.8.0.2", "10.1.2.3", TCP, port).frame())
         .collect();
@@ -1159,11 +1151,10 @@ fn ten_thousand_explains_move_nothing_live() {
                      { "cidr": "fd00::/16", "protocol": "udp", "ports": [53] }] },
         { "name": "open", "publicKey": key(2), "address": "10.8.0.3" }] })
     .to_string();
-    let state = parse(&text).unwrap_or_else(|e| panic!("{e}"));
+    let state = parse(&text).unwrap();
     let variant = VARIANTS[0];
     let pins = PinDir::new();
-    let mut program = TestProgram::load_pinned(variant, &pins.0)
-        .unwrap_or_else(|e| panic!("loading the datapath: {e}"));
+    let mut program = TestProgram::load_pinned(variant, &pins.0).expect("loading the datapath");
     install(&mut program, &state);
     // Replies on, drop events on (one per microsecond, a burst of 1000).
     let config = Config {
@@ -1174,20 +1165,17 @@ fn ten_thousand_explains_move_nothing_live() {
         event_burst_ns: 1_000_000,
         ..Config::default()
     };
-    program
-        .maps_mut()
-        .set_config(&config)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let alice: IpAddr = "10.8.0.2".parse().unwrap_or_else(|e| panic!("{e}"));
+    program.maps_mut().set_config(&config).unwrap();
+    let alice: IpAddr = "10.8.0.2".parse().unwrap();
     let owner = program
         .maps()
         .peers()
-        .unwrap_or_default()
+        .unwrap()
         .into_iter()
         .find(|(a, _)| *a == alice)
         .map(|(_, e)| e.owner)
-        .unwrap_or_else(|| panic!("alice has no entry"));
-    let remote: IpAddr = "192.0.2.7".parse().unwrap_or_else(|e| panic!("{e}"));
+        .expect("alice has no entry");
+    let remote: IpAddr = "192.0.2.7".parse().unwrap();
     program
         .maps_mut()
         .insert_flow(&wgfence::dataplane::Flow {
@@ -1203,18 +1191,17 @@ fn ten_thousand_explains_move_nothing_live() {
                 slot: 0,
             },
         })
-        .unwrap_or_else(|e| panic!("{e}"));
-    let mut events = wgfence::monitor::Monitor::open(&pins.1, PIN_INTERFACE)
-        .unwrap_or_else(|e| panic!("opening the event ring: {e}"));
+        .unwrap();
+    let mut events =
+        wgfence::monitor::Monitor::open(&pins.1, PIN_INTERFACE).expect("opening the event ring");
     let mut seen = Vec::new();
     let mut drain = |seen: &mut Vec<_>| {
         events
             .wait(std::time::Duration::ZERO, seen)
-            .unwrap_or_else(|e| panic!("reading drop events: {e}"))
+            .expect("reading drop events")
     };
 
-    let mut explain = KernelProbe::from_pin_dir(&pins.0, variant)
-        .unwrap_or_else(|e| panic!("loading explain's probe: {e}"));
+    let mut explain = KernelProbe::from_pin_dir(&pins.0, variant).expect("loading explain's probe");
     let ip = |s: &str| -> IpAddr { s.parse().unwrap_or_else(|e| panic!("{s}: {e}")) };
     let mut reply = Probe::new(alice, remote, TCP, 50_000);
     reply.src_port = 22;
@@ -1259,15 +1246,9 @@ fn ten_thousand_explains_move_nothing_live() {
 
     // The control: one production drop and one production reply move them.
     let frame = Probe::new(alice, ip("10.1.2.3"), TCP, 22).frame(variant.l3_offset);
-    assert!(!program
-        .run(&frame)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .passed());
+    assert!(!program.run(&frame).unwrap().passed());
     let frame = reply.frame(variant.l3_offset);
-    assert!(program
-        .run(&frame)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .passed());
+    assert!(program.run(&frame).unwrap().passed());
     let moved = dump_live(&pins);
     for (name, (a, b)) in ["stats", "peer stats", "event bucket", "flows"]
         .iter()

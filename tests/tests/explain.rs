@@ -21,7 +21,7 @@ fn explain(gw: &Gateway, agent: &Agent, args: &[&str]) -> Value {
         .args(["--state", &state])
         .args(args)
         .output()
-        .unwrap_or_else(|e| panic!("running explain: {e}"));
+        .expect("running explain");
     assert!(
         out.status.success(),
         "explain {args:?} failed: {}",
@@ -91,11 +91,7 @@ fn explain_agrees_with_real_probes() {
     ];
     let mut table = Vec::new();
     for (peer, kind, dst, expect) in cases {
-        let real = probe(
-            &gw.peers[peer].ns,
-            kind,
-            dst.parse().unwrap_or_else(|e| panic!("{e}")),
-        );
+        let real = probe(&gw.peers[peer].ns, kind, dst.parse().unwrap());
         let name = format!("peer{peer}");
         let mut args = vec!["--peer", &name, "--to", dst];
         let port;
@@ -260,7 +256,7 @@ fn verify(gw: &Gateway, agent: &Agent) -> (i32, String) {
         .command(binary())
         .args(["verify", "--interface", gw.interface(), "--state", &state])
         .output()
-        .unwrap_or_else(|e| panic!("running verify: {e}"));
+        .expect("running verify");
     (
         out.status.code().unwrap_or(-1),
         format!(
@@ -297,7 +293,7 @@ fn verify_and_explain_see_drift_until_the_resync_repairs_it() {
             .args(["--state", &agent.state.to_string_lossy()])
             .args(args)
             .output()
-            .unwrap_or_else(|e| panic!("{e}"));
+            .unwrap();
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     eprintln!(
@@ -389,7 +385,10 @@ fn every_removed_rule_fails_a_test(name: &str, text: &str) -> usize {
     let intact = wgfence::state::parse(text);
     assert!(intact.is_ok(), "{name} itself: {intact:?}");
     let root: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let peers = root["peers"].as_array().cloned().unwrap_or_default();
+    let peers = root["peers"]
+        .as_array()
+        .cloned()
+        .expect("the state has peers");
     let mut removed = 0;
     for (i, peer) in peers.iter().enumerate() {
         let rules = peer["egress"].as_array().cloned().unwrap_or_default();
@@ -438,7 +437,7 @@ fn the_shipped_states_tests_catch_every_removed_rule() {
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../deploy/overlays/example/state.json"),
     )
-    .unwrap_or_else(|e| panic!("the example state: {e}"));
+    .expect("the example state");
     n += every_removed_rule_fails_a_test("deploy/overlays/example/state.json", &example);
     eprintln!("{n} single-rule deletions, each caught by a policy test");
 }
@@ -457,8 +456,8 @@ fn a_state_whose_test_fails_is_rejected_live() {
 
     let gw = Gateway::new(1);
     let peer = |rules: Value, tests: Value| {
-        let mut state: Value = serde_json::from_str(&state(vec![gw.peer_json(0, Some(rules))]))
-            .unwrap_or_else(|e| panic!("{e}"));
+        let mut state: Value =
+            serde_json::from_str(&state(vec![gw.peer_json(0, Some(rules))])).unwrap();
         state["tests"] = tests;
         state.to_string()
     };
@@ -482,11 +481,7 @@ fn a_state_whose_test_fails_is_rejected_live() {
             let mut wrong = Vec::new();
             while !stop.load(Ordering::Relaxed) || rounds < 3 {
                 for (kind, want) in cases {
-                    let got = probe(
-                        ns,
-                        kind,
-                        "10.1.2.3".parse().unwrap_or_else(|e| panic!("{e}")),
-                    );
+                    let got = probe(ns, kind, "10.1.2.3".parse().unwrap());
                     if got != want {
                         wrong.push(format!("round {rounds}: {kind} {got:?}"));
                     }
@@ -510,7 +505,7 @@ fn a_state_whose_test_fails_is_rejected_live() {
             .join()
             .unwrap_or_else(|e| std::panic::resume_unwind(e))
     });
-    let (status, body) = agent.get(&gw, "/readyz").unwrap_or_default();
+    let (status, body) = agent.get(&gw, "/readyz").expect("GET /readyz");
     assert_eq!(status, 503);
     assert!(
         body.contains("policy test failed")
@@ -539,7 +534,7 @@ fn except_and_icmp_types_with_real_traffic() {
     let agent = Agent::start(&gw, Layout::Plain, &text, &[]);
     agent.wait_ready(&gw);
     let ns = &gw.peers[0].ns;
-    let ip = |s: &str| -> std::net::IpAddr { s.parse().unwrap_or_else(|e| panic!("{e}")) };
+    let ip = |s: &str| -> std::net::IpAddr { s.parse().unwrap() };
     let cases: [(Kind, &str, Reach); 5] = [
         (Kind::Tcp(443), "10.1.2.3", Reach::Reached),
         (Kind::Tcp(443), "10.2.3.4", Reach::Blocked),

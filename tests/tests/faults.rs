@@ -55,10 +55,8 @@ fn assert_enforced(gw: &Gateway, when: &str) {
 /// peer references, and WireGuard has exactly the desired peers with their addresses.
 #[track_caller]
 fn assert_converged(gw: &Gateway, desired_json: &str) {
-    let desired = wgfence::state::parse(desired_json)
-        .unwrap_or_else(|e| panic!("the test's own state is invalid: {e}"));
-    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface())
-        .unwrap_or_else(|e| panic!("opening the pinned maps: {e}"));
+    let desired = wgfence::state::parse(desired_json).expect("the test's own state is invalid");
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).expect("opening the pinned maps");
     if let Some(mismatch) = wgfence_tests::map_mismatch(&maps, &desired) {
         panic!("the maps do not hold the state: {mismatch}");
     }
@@ -181,7 +179,7 @@ fn a_state_beyond_the_maps_capacity_is_rejected_before_any_write() {
     let writes = agent.metric(&gw, "wgfence_bpf_map_writes_total");
     let before = Dataplane::open_maps(&gw.bpffs, gw.interface())
         .and_then(|m| m.peers())
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
 
     // One more than the maps' MAX_PEERS (131,072), minimal peers, the real one among them.
     let max = wgfence_common::MAX_PEERS as usize;
@@ -200,10 +198,10 @@ fn a_state_beyond_the_maps_capacity_is_rejected_before_any_write() {
     assert_eq!(agent.metric(&gw, "wgfence_bpf_map_writes_total"), writes);
     let after = Dataplane::open_maps(&gw.bpffs, gw.interface())
         .and_then(|m| m.peers())
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     assert_eq!(after, before, "the maps changed");
     assert_eq!(gw.wg_peers().len(), 1);
-    let (status, body) = agent.get(&gw, "/readyz").unwrap_or_default();
+    let (status, body) = agent.get(&gw, "/readyz").expect("GET /readyz");
     assert_eq!(status, 503, "{body}");
     assert_enforced(&gw, "after the rejection");
 }
@@ -221,7 +219,7 @@ fn a_recreated_interface_is_reattached_and_reconverged() {
     let (link_before, _) = Dataplane::link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
-        .unwrap_or_else(|| panic!("no pinned link"));
+        .expect("no pinned link");
 
     // While the agent runs.
     gw.recreate_interface();
@@ -239,7 +237,7 @@ fn a_recreated_interface_is_reattached_and_reconverged() {
     let (link_after, _) = Dataplane::link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
-        .unwrap_or_else(|| panic!("no pinned link after the recreation"));
+        .expect("no pinned link after the recreation");
     assert_ne!(link_before, link_after, "the dead link is still pinned");
     gw.new_session(0);
     assert_enforced(
@@ -314,14 +312,14 @@ fn a_deleted_state_file_keeps_enforcing_and_recovers() {
     agent.wait_ready(&gw);
     let writes = agent.metric(&gw, "wgfence_bpf_map_writes_total");
 
-    fs::remove_file(&agent.state).unwrap_or_else(|e| panic!("{e}"));
+    fs::remove_file(&agent.state).unwrap();
     agent.wait_readyz(&gw, 503);
-    let (_, body) = agent.get(&gw, "/readyz").unwrap_or_default();
+    let (_, body) = agent.get(&gw, "/readyz").expect("GET /readyz");
     assert!(body.contains("state file missing"), "{body}");
     let out = Command::new(binary())
         .args(["status", "--interface", gw.interface(), "--json"])
         .output()
-        .unwrap_or_else(|e| panic!("wgfence status: {e}"));
+        .expect("wgfence status");
     let report: Value = serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("status --json: {e}: {out:?}"));
     assert_eq!(report["agent"]["ready"], false, "{report:#}");
@@ -352,11 +350,10 @@ fn a_state_file_others_can_write_is_refused() {
     agent.wait_ready(&gw);
     assert!(agent.stop().is_some_and(|s| s.success()));
 
-    fs::set_permissions(&agent.state, fs::Permissions::from_mode(0o666))
-        .unwrap_or_else(|e| panic!("{e}"));
+    fs::set_permissions(&agent.state, fs::Permissions::from_mode(0o666)).unwrap();
     let out = wgfence_tests::agent::run_command(&binary(), &gw, &agent.state)
         .output()
-        .unwrap_or_else(|e| panic!("wgfence run: {e}"));
+        .expect("wgfence run");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(
@@ -372,16 +369,14 @@ fn a_state_file_others_can_write_is_refused() {
     assert!(agent.stop().is_some_and(|s| s.success()));
 
     // Secure at start, made writable while running: the next load is refused.
-    fs::set_permissions(&agent.state, fs::Permissions::from_mode(0o644))
-        .unwrap_or_else(|e| panic!("{e}"));
+    fs::set_permissions(&agent.state, fs::Permissions::from_mode(0o644)).unwrap();
     agent.restart(&gw, &[]);
     agent.wait_ready(&gw);
-    fs::set_permissions(&agent.state, fs::Permissions::from_mode(0o664))
-        .unwrap_or_else(|e| panic!("{e}"));
+    fs::set_permissions(&agent.state, fs::Permissions::from_mode(0o664)).unwrap();
     // A chmod is no directory event: touch the directory the way an update would.
     agent.write_state_in_place(&s);
     agent.wait_readyz(&gw, 503);
-    let (_, body) = agent.get(&gw, "/readyz").unwrap_or_default();
+    let (_, body) = agent.get(&gw, "/readyz").expect("GET /readyz");
     assert!(body.contains("not trusted"), "{body}");
     assert_enforced(&gw, "with an untrusted state file");
 }
@@ -393,18 +388,18 @@ fn a_loose_pin_directory_is_tightened_to_root_only() {
     let gw = Gateway::new(1);
     let dir = gw.bpffs.join("wgfence").join(gw.interface());
     fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap_or_else(|e| panic!("{e}"));
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap();
     let s = state(vec![gw.peer_json(0, Some(web_only()))]);
     let agent = Agent::start(&gw, Layout::Plain, &s, &[]);
     agent.wait_ready(&gw);
     let mode = fs::metadata(&dir)
         .map(|m| m.permissions().mode() & 0o7777)
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     assert_eq!(mode, 0o700, "{:o}", mode);
     assert!(agent.log_text().contains("tightened to 0700"));
     let parent = fs::metadata(gw.bpffs.join("wgfence"))
         .map(|m| m.permissions().mode() & 0o077)
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     assert_eq!(parent, 0, "<bpffs>/wgfence is open to others");
     assert_enforced(&gw, "after adopting the directory");
 }
@@ -415,11 +410,11 @@ fn a_loose_pin_directory_is_tightened_to_root_only() {
 /// peers; the agent does not know these entries until its next full read.
 fn fill_peer_map(gw: &Gateway) -> usize {
     let max = wgfence_common::MAX_PEERS as usize;
-    let mut maps = Dataplane::open_maps(&gw.bpffs, gw.interface())
-        .unwrap_or_else(|e| panic!("opening the pinned maps: {e}"));
+    let mut maps =
+        Dataplane::open_maps(&gw.bpffs, gw.interface()).expect("opening the pinned maps");
     let present = maps
         .peers()
-        .unwrap_or_else(|e| panic!("reading peers: {e}"))
+        .expect("reading peers")
         .iter()
         .filter(|(addr, _)| addr.is_ipv4())
         .count();
@@ -542,9 +537,8 @@ fn at_a_full_peer_map_revoke_r_and_add_n_revokes_r_at_once() {
     );
     // The retry reads the kernel again: n's entries are gone, the drift is repaired.
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(30));
-    let desired = wgfence::state::parse(&two).unwrap_or_else(|e| panic!("{e}"));
-    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface())
-        .unwrap_or_else(|e| panic!("opening the pinned maps: {e}"));
+    let desired = wgfence::state::parse(&two).unwrap();
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).expect("opening the pinned maps");
     assert_eq!(wgfence_tests::map_mismatch(&maps, &desired), None);
     assert_eq!(
         probe(&gw.peers[1].ns, Kind::Tcp(22), ip("10.2.3.4")),
@@ -594,10 +588,10 @@ fn assert_pins_restored(gw: &Gateway, agent: &Agent, s: &str, link: (u32, u32)) 
     );
     let mode = fs::metadata(&dir)
         .map(|m| m.permissions().mode() & 0o7777)
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     assert_eq!(mode, 0o700, "re-created pin directory mode {mode:o}");
     assert_eq!(
-        Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+        Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap(),
         Some(link),
         "the pinned link is not the one the agent held"
     );
@@ -625,7 +619,7 @@ fn assert_revocation_applies(gw: &Gateway, agent: &Agent, when: &str) {
         0,
         Some(json!([{ "cidr": "10.8.0.1/32", "protocol": "icmp" }])),
     )]);
-    let desired = wgfence::state::parse(&revoked).unwrap_or_else(|e| panic!("{e}"));
+    let desired = wgfence::state::parse(&revoked).unwrap();
     agent.write_state(&revoked);
     let applied = wait_for(Duration::from_secs(1), || {
         Dataplane::open_maps(&gw.bpffs, gw.interface())
@@ -667,7 +661,7 @@ fn assert_detach_releases(gw: &Gateway, agent: &Agent, wrapper: &[&str]) {
     let (link, _) = Dataplane::link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
-        .unwrap_or_else(|| panic!("no pinned link before the detach"));
+        .expect("no pinned link before the detach");
     let mut detach = match wrapper.split_first() {
         Some((program, args)) => {
             let mut command = Command::new(program);
@@ -680,13 +674,13 @@ fn assert_detach_releases(gw: &Gateway, agent: &Agent, wrapper: &[&str]) {
         .args(["detach", "--interface", gw.interface(), "--bpffs"])
         .arg(&gw.bpffs)
         .output()
-        .unwrap_or_else(|e| panic!("wgfence detach: {e}"));
+        .expect("wgfence detach");
     assert!(out.status.success(), "{out:?}");
     // At once: detach returns only when the links are gone.
     let link_show = Command::new("bpftool")
         .args(["link", "show", "id", &link.to_string()])
         .output()
-        .unwrap_or_else(|e| panic!("bpftool: {e}"));
+        .expect("bpftool");
     assert!(
         !link_show.status.success(),
         "link {link} still exists after detach returned: {link_show:?}"
@@ -697,7 +691,7 @@ fn assert_detach_releases(gw: &Gateway, agent: &Agent, wrapper: &[&str]) {
         "still filtering right after detach returned"
     );
     agent.wait_readyz(gw, 503);
-    let (_, body) = agent.get(gw, "/readyz").unwrap_or_default();
+    let (_, body) = agent.get(gw, "/readyz").expect("GET /readyz");
     assert!(body.contains("detached"), "{body}");
     thread::sleep(Duration::from_secs(2));
     let dir = pin_dir(&gw.bpffs, gw.interface());
@@ -726,7 +720,7 @@ fn a_removed_pin_directory_is_restored_and_enforcement_never_stops() {
     let link = Dataplane::link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
-        .unwrap_or_else(|| panic!("no pinned link"));
+        .expect("no pinned link");
     let dir = pin_dir(&gw.bpffs, gw.interface());
 
     fs::remove_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
@@ -782,22 +776,14 @@ impl PrivateBpffs {
 
     /// The bpffs as the test sees it (through the agent's root).
     fn seen_from_outside(&self, agent: &Agent) -> std::path::PathBuf {
-        let pid = agent
-            .pid()
-            .unwrap_or_else(|| panic!("the agent is not running"));
-        std::path::Path::new(&format!("/proc/{pid}/root")).join(
-            self.path
-                .strip_prefix("/")
-                .unwrap_or_else(|e| panic!("{e}")),
-        )
+        let pid = agent.pid().expect("the agent is not running");
+        std::path::Path::new(&format!("/proc/{pid}/root"))
+            .join(self.path.strip_prefix("/").unwrap())
     }
 
     /// Runs `args` in the agent's mount namespace.
     fn in_agent_ns(agent: &Agent, args: &[&str]) {
-        let pid = agent
-            .pid()
-            .unwrap_or_else(|| panic!("the agent is not running"))
-            .to_string();
+        let pid = agent.pid().expect("the agent is not running").to_string();
         let mut full = vec!["nsenter", "--target", &pid, "--mount"];
         full.extend_from_slice(args);
         wgfence_tests::net::run(&full);
@@ -842,15 +828,15 @@ fn a_removed_wgfence_directory_and_a_remounted_bpffs_are_repaired() {
     let link = Dataplane::link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
-        .unwrap_or_else(|| panic!("no pinned link"));
+        .expect("no pinned link");
 
     let wgfence_dir = gw.bpffs.join("wgfence");
-    fs::remove_dir_all(&wgfence_dir).unwrap_or_else(|e| panic!("{e}"));
+    fs::remove_dir_all(&wgfence_dir).unwrap();
     assert_denied_throughout(&gw, Duration::from_secs(3), "with <bpffs>/wgfence removed");
     assert_pins_restored(&gw, &agent, &s, link);
     let parent_mode = fs::metadata(&wgfence_dir)
         .map(|m| m.permissions().mode() & 0o077)
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     assert_eq!(parent_mode, 0, "<bpffs>/wgfence re-created open to others");
     assert_healthy(&gw, &agent, "after <bpffs>/wgfence was restored");
     assert_eq!(repairs(&gw, &agent), 1.0);
@@ -905,9 +891,7 @@ fn a_removed_wgfence_directory_and_a_remounted_bpffs_are_repaired() {
     assert_eq!(repairs(&gw, &agent), 2.0);
 
     // The repaired directory is locked again.
-    let pid = agent
-        .pid()
-        .unwrap_or_else(|| panic!("the agent is not running"));
+    let pid = agent.pid().expect("the agent is not running");
     let seen = gw.bpffs.to_string_lossy().into_owned();
     let out = second_agent(&gw, &s, &["--bpffs", &seen]);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -923,25 +907,23 @@ fn a_removed_wgfence_directory_and_a_remounted_bpffs_are_repaired() {
 /// test.
 fn second_agent(gw: &Gateway, state: &str, extra: &[&str]) -> std::process::Output {
     let dir = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-second-"));
-    fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    fs::create_dir_all(&dir).unwrap();
     let path = dir.join("state.json");
-    fs::write(&path, state).unwrap_or_else(|e| panic!("{e}"));
+    fs::write(&path, state).unwrap();
     let mut child = wgfence_tests::agent::run_command(&binary(), gw, &path)
         .args(extra)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("wgfence run: {e}"));
+        .expect("wgfence run");
     let exited = wait_for(Duration::from_secs(5), || {
         child.try_wait().ok().flatten().is_some()
     });
     if exited.is_none() {
         let _ = child.kill();
     }
-    let out = child
-        .wait_with_output()
-        .unwrap_or_else(|e| panic!("wgfence run: {e}"));
+    let out = child.wait_with_output().expect("wgfence run");
     let _ = fs::remove_dir_all(&dir);
     assert!(
         exited.is_some(),
@@ -961,25 +943,21 @@ fn a_second_agent_on_the_same_interface_is_refused() {
     let s = state(vec![gw.peer_json(0, Some(web_only()))]);
     let agent = Agent::start(&gw, Layout::Plain, &s, &[]);
     agent.wait_ready(&gw);
-    let pid = agent
-        .pid()
-        .unwrap_or_else(|| panic!("the agent is not running"));
+    let pid = agent.pid().expect("the agent is not running");
     let snapshot = || {
-        let maps =
-            Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+        let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap();
         (
             maps.peers()
-                .unwrap_or_else(|e| panic!("{e}"))
+                .unwrap()
                 .into_iter()
                 .collect::<BTreeMap<_, _>>(),
             maps.policies()
-                .unwrap_or_else(|e| panic!("{e}"))
+                .unwrap()
                 .into_iter()
                 .map(|e| ((e.policy, e.prefix), e.value.allows().to_vec()))
                 .collect::<BTreeMap<_, _>>(),
-            Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
-            Dataplane::egress_link_info(&gw.bpffs, gw.interface())
-                .unwrap_or_else(|e| panic!("{e}")),
+            Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap(),
+            Dataplane::egress_link_info(&gw.bpffs, gw.interface()).unwrap(),
         )
     };
     let before = snapshot();
@@ -1036,7 +1014,7 @@ fn detach_and_wait_back(gw: &Gateway, agent: &Agent, direction: &str, link: (u32
     let out = Command::new("bpftool")
         .args(["link", "detach", "id", &link.0.to_string()])
         .output()
-        .unwrap_or_else(|e| panic!("bpftool: {e}"));
+        .expect("bpftool");
     assert!(out.status.success(), "{out:?}");
     let back = wait_for(Duration::from_millis(1500), || {
         runs_on(gw, gw.interface(), direction, link.1)
@@ -1130,7 +1108,7 @@ fn a_renamed_interface_keeps_enforcing_beside_its_successor() {
         .ip(&["route", "replace", "10.8.0.0/24", "dev", &renamed]);
     let old_socket = gw.wg.socket();
     let socket = Socket(old_socket.with_file_name(format!("{renamed}.sock")));
-    fs::rename(&old_socket, &socket.0).unwrap_or_else(|e| panic!("{e}"));
+    fs::rename(&old_socket, &socket.0).unwrap();
     let successor = WireGuard::start(&gw.node, &name, 51821);
     let attached = wait_for(Duration::from_secs(5), || {
         agent
@@ -1181,16 +1159,16 @@ fn an_agent_lets_go_for_a_detach_even_if_a_new_agent_took_the_pin_path() {
     let (link, _) = Dataplane::link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
-        .unwrap_or_else(|| panic!("no pinned link"));
+        .expect("no pinned link");
     let dir = pin_dir(&gw.bpffs, gw.interface());
     let marker = dir.with_file_name(format!(
         "detaching-{}-{:010}",
         gw.interface(),
         std::process::id()
     ));
-    fs::rename(&dir, &marker).unwrap_or_else(|e| panic!("{e}"));
-    fs::create_dir(&dir).unwrap_or_else(|e| panic!("{e}"));
-    let newcomer = fs::File::open(&dir).unwrap_or_else(|e| panic!("{e}"));
+    fs::rename(&dir, &marker).unwrap();
+    fs::create_dir(&dir).unwrap();
+    let newcomer = fs::File::open(&dir).unwrap();
     // SAFETY: flock on a descriptor this test holds.
     let locked = unsafe { libc::flock(newcomer.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     assert_eq!(locked, 0, "{}", std::io::Error::last_os_error());
@@ -1217,12 +1195,12 @@ fn an_agent_lets_go_for_a_detach_even_if_a_new_agent_took_the_pin_path() {
     let link_show = Command::new("bpftool")
         .args(["link", "show", "id", &link.to_string()])
         .output()
-        .unwrap_or_else(|e| panic!("bpftool: {e}"));
+        .expect("bpftool");
     assert!(
         !link_show.status.success(),
         "link {link} still exists once its pins are gone: the agent holds it"
     );
     agent.wait_readyz(&gw, 503);
-    let (_, body) = agent.get(&gw, "/readyz").unwrap_or_default();
+    let (_, body) = agent.get(&gw, "/readyz").expect("GET /readyz");
     assert!(body.contains("detached"), "{body}");
 }

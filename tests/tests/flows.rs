@@ -67,7 +67,7 @@ fn program(settings: DatapathSettings, replies: bool) -> TestProgram {
                 ..PeerEntry::default()
             },
         )
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     }
     maps.upsert_peer(
         ip(OPEN_V4),
@@ -78,9 +78,8 @@ fn program(settings: DatapathSettings, replies: bool) -> TestProgram {
             ..PeerEntry::default()
         },
     )
-    .unwrap_or_else(|e| panic!("{e}"));
-    maps.set_config(&settings.config(replies, 1))
-        .unwrap_or_else(|e| panic!("{e}"));
+    .unwrap();
+    maps.set_config(&settings.config(replies, 1)).unwrap();
     program
 }
 
@@ -91,9 +90,7 @@ fn default_program() -> TestProgram {
 /// Sends `packet` toward the peer (egress).
 #[track_caller]
 fn to_peer(p: &mut TestProgram, packet: &Packet) {
-    let run = p
-        .run_egress(&packet.frame(), 1)
-        .unwrap_or_else(|e| panic!("egress test run: {e}"));
+    let run = p.run_egress(&packet.frame(), 1).expect("egress test run");
     assert!(
         run.passed(),
         "the egress program never drops: {}",
@@ -104,11 +101,9 @@ fn to_peer(p: &mut TestProgram, packet: &Packet) {
 /// Runs the peer's `packet` (ingress) and asserts which verdict counter it got.
 #[track_caller]
 fn from_peer(p: &mut TestProgram, packet: &Packet, expected: Counter) {
-    let before = p.maps().counters().unwrap_or_else(|e| panic!("{e}"));
-    let run = p
-        .run(&packet.frame())
-        .unwrap_or_else(|e| panic!("ingress test run: {e}"));
-    let after = p.maps().counters().unwrap_or_else(|e| panic!("{e}"));
+    let before = p.maps().counters().unwrap();
+    let run = p.run(&packet.frame()).expect("ingress test run");
+    let after = p.maps().counters().unwrap();
     let got: Vec<Counter> = Counter::ALL
         .into_iter()
         .filter(|c| after.get(*c) > before.get(*c))
@@ -122,10 +117,7 @@ fn recorded(p: &TestProgram) -> u64 {
 }
 
 fn counted(p: &TestProgram, counter: Counter) -> u64 {
-    p.maps()
-        .counters()
-        .map(|c| c.get(counter))
-        .unwrap_or_else(|e| panic!("{e}"))
+    p.maps().counters().map(|c| c.get(counter)).unwrap()
 }
 
 #[test]
@@ -258,11 +250,7 @@ fn nothing_the_peer_sends_or_the_network_answers_opens_a_flow() {
         &Packet::new(PEER_V4, NODE_V4, ICMP, 0).icmp(8, 9),
         Counter::DropPolicy,
     );
-    assert!(p
-        .maps()
-        .flows()
-        .unwrap_or_else(|e| panic!("{e}"))
-        .is_empty());
+    assert!(p.maps().flows().unwrap().is_empty());
 }
 
 #[test]
@@ -301,7 +289,7 @@ fn with_replies_off_nothing_is_recorded_and_nothing_passes_as_a_reply() {
     from_peer(&mut p, &answer, Counter::PassReply);
     p.maps_mut()
         .set_config(&DatapathSettings::default().config(false, 1))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     from_peer(&mut p, &answer, Counter::DropPolicy);
 }
 
@@ -420,7 +408,7 @@ fn a_peer_holds_at_most_its_quota_of_flows_and_others_keep_theirs() {
                 ..PeerEntry::default()
             },
         )
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     // A flood of new flows toward the peer, over both families (one quota for both).
     for port in 0..200u16 {
         to_peer(
@@ -432,7 +420,7 @@ fn a_peer_holds_at_most_its_quota_of_flows_and_others_keep_theirs() {
             &Packet::new(NODE_V6, PEER_V6, UDP, 161).src_port(10_000 + port),
         );
     }
-    let flows = p.maps().flows().unwrap_or_else(|e| panic!("{e}"));
+    let flows = p.maps().flows().unwrap();
     assert_eq!(
         flows.len(),
         QUOTA as usize,
@@ -440,10 +428,7 @@ fn a_peer_holds_at_most_its_quota_of_flows_and_others_keep_theirs() {
     );
     assert_eq!(recorded(&p), u64::from(QUOTA));
     assert_eq!(counted(&p, Counter::FlowRefused), 400 - u64::from(QUOTA));
-    assert_eq!(
-        p.maps().flow_quota(SLOT).unwrap_or_else(|e| panic!("{e}")),
-        (u64::from(QUOTA), 0)
-    );
+    assert_eq!(p.maps().flow_quota(SLOT).unwrap(), (u64::from(QUOTA), 0));
     // The flows it got pass replies; one past the quota does not.
     from_peer(
         &mut p,
@@ -473,12 +458,9 @@ fn a_peer_holds_at_most_its_quota_of_flows_and_others_keep_theirs() {
     let forgotten = p
         .maps_mut()
         .remove_flows(|f| f.peer == ip(PEER_V4) && f.remote_port == 10_000)
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     assert_eq!(forgotten, 1);
-    assert_eq!(
-        p.maps().flow_quota(SLOT).unwrap_or_else(|e| panic!("{e}")),
-        (u64::from(QUOTA), 1)
-    );
+    assert_eq!(p.maps().flow_quota(SLOT).unwrap(), (u64::from(QUOTA), 1));
     let before = recorded(&p);
     to_peer(
         &mut p,
@@ -505,16 +487,12 @@ fn packets_that_came_in_on_the_interface_record_no_flow() {
         ] {
             let run = p
                 .run_egress_hairpin(&packet.frame())
-                .unwrap_or_else(|e| panic!("egress test run: {e}"));
+                .expect("egress test run");
             assert!(run.passed(), "the egress program never drops");
         }
     }
     assert_eq!(recorded(&p), 0);
-    assert!(p
-        .maps()
-        .flows()
-        .unwrap_or_else(|e| panic!("{e}"))
-        .is_empty());
+    assert!(p.maps().flows().unwrap().is_empty());
     // The same packet from elsewhere (the node, another interface) does record.
     to_peer(
         &mut p,
@@ -566,7 +544,7 @@ fn a_flow_belongs_to_the_owner_that_recorded_it() {
                     ..PeerEntry::default()
                 },
             )
-            .unwrap_or_else(|e| panic!("{e}"));
+            .unwrap();
     };
     // Same policy, same slot, new owner: the old flow is not the new owner's.
     give(&mut p, SLOT, OWNER + 10);
@@ -586,7 +564,7 @@ fn a_flow_belongs_to_the_owner_that_recorded_it() {
     let gone = p
         .maps_mut()
         .remove_flows(|f| f.value.owner != owner)
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     assert_eq!(gone, 1);
     to_peer(&mut p, &datagram);
     from_peer(&mut p, &answer, Counter::PassReply);

@@ -45,7 +45,7 @@ fn setup() -> (Gateway, Agent, String) {
 fn counters(gw: &Gateway) -> Counters {
     Dataplane::open_maps(&gw.bpffs, gw.interface())
         .and_then(|m| m.counters())
-        .unwrap_or_else(|e| panic!("reading the counters: {e}"))
+        .expect("reading the counters")
 }
 
 /// How much each counter grew since `before`: polled until it equals `want` (packets through
@@ -80,7 +80,7 @@ fn listen(gw: &Gateway, addr: &str) -> UdpSocket {
         .unwrap_or_else(|e| panic!("binding {addr} on the node: {e}"));
     socket
         .set_read_timeout(Some(Duration::from_millis(1500)))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     socket
 }
 
@@ -295,7 +295,7 @@ fn packets_after_a_revocation_are_dropped_while_the_session_is_up() {
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap_or_else(|e| panic!("ping: {e}"));
+        .expect("ping");
     thread::sleep(Duration::from_millis(1000));
     let mut moved = gw.peer_json(0, Some(rules()));
     moved["address"] = json!("10.8.0.102");
@@ -305,9 +305,7 @@ fn packets_after_a_revocation_are_dropped_while_the_session_is_up() {
         .unwrap_or_default();
     let before = counters(&gw);
     agent.write_state(&state(vec![moved, gw.peer_json(1, None)]));
-    let out = ping
-        .wait_with_output()
-        .unwrap_or_else(|e| panic!("ping: {e}"));
+    let out = ping.wait_with_output().expect("ping");
     let text = String::from_utf8_lossy(&out.stdout);
     let last = text
         .lines()
@@ -332,7 +330,7 @@ fn packets_after_a_revocation_are_dropped_while_the_session_is_up() {
         .lines()
         .find(|l| l.starts_with(&key))
         .map(str::to_owned)
-        .unwrap_or_else(|| panic!("peer 0 left WireGuard"));
+        .expect("peer 0 left WireGuard");
     assert!(line.contains("10.8.0.2/32"), "{line}");
     assert!(
         gw.wg

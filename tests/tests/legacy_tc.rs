@@ -136,14 +136,12 @@ fn ping_stream(gw: &Gateway, dst: &str, count: u32) -> Child {
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap_or_else(|e| panic!("ping: {e}"))
+        .expect("ping")
 }
 
 /// (transmitted, received) of a finished ping.
 fn finish(ping: Child) -> (u32, u32) {
-    let out = ping
-        .wait_with_output()
-        .unwrap_or_else(|e| panic!("ping: {e}"));
+    let out = ping.wait_with_output().expect("ping");
     let text = String::from_utf8_lossy(&out.stdout);
     let summary = text
         .lines()
@@ -174,7 +172,7 @@ impl TcMonitor {
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| panic!("tc monitor: {e}"));
+            .expect("tc monitor");
         let lines = Arc::new(Mutex::new(Vec::new()));
         if let Some(out) = child.stdout.take() {
             let lines = Arc::clone(&lines);
@@ -205,7 +203,7 @@ fn detach(gw: &Gateway) {
         .command(binary())
         .args(["detach", "--interface", gw.interface()])
         .output()
-        .unwrap_or_else(|e| panic!("wgfence detach: {e}"));
+        .expect("wgfence detach");
     assert!(
         out.status.success(),
         "detach failed: {}",
@@ -219,13 +217,13 @@ fn status_json(gw: &Gateway) -> Value {
         .command(binary())
         .args(["status", "--json", "--interface", gw.interface()])
         .output()
-        .unwrap_or_else(|e| panic!("wgfence status: {e}"));
+        .expect("wgfence status");
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("status --json: {e}"))
+    serde_json::from_slice(&out.stdout).expect("status --json")
 }
 
 #[test]
@@ -244,7 +242,7 @@ fn on_the_tc_hook_the_datapath_enforces_like_on_tcx() {
     assert_our_filters_first(&gw, "attached");
     // Nothing on the tcx hook: the tc filters do the work.
     assert_eq!(
-        Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+        Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap(),
         None
     );
     assert!(gw.node.enter(|| dp.programs_attached()).unwrap_or(false));
@@ -259,7 +257,7 @@ fn on_the_tc_hook_the_datapath_enforces_like_on_tcx() {
                 ..wgfence_common::PeerEntry::default()
             },
         )
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     }
     drop(dp);
     let (o, u) = (&gw.peers[1].ns, &gw.peers[2].ns);
@@ -317,7 +315,7 @@ fn on_the_tc_hook_the_datapath_enforces_like_on_tcx() {
         .command(binary())
         .args(["status", "--interface", gw.interface()])
         .output()
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(
         text.contains(
@@ -442,7 +440,7 @@ fn detach_on_the_tc_hook_removes_exactly_what_the_agent_added() {
         .arg("--state")
         .arg(&agent.state)
         .output()
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(
@@ -476,7 +474,7 @@ fn a_recreated_interface_and_removed_pins_are_repaired_on_the_tc_hook() {
 
     // The pin directory removed by hand: restored, enforcement never stops.
     let dir = wgfence::dataplane::pin_dir(&gw.bpffs, gw.interface());
-    std::fs::remove_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::remove_dir_all(&dir).unwrap();
     assert!(
         wait_for(Duration::from_secs(5), || dir
             .join(wgfence_common::map_names::PEERS_V4)
@@ -520,7 +518,7 @@ fn a_recreated_interface_and_removed_pins_are_repaired_on_the_tc_hook() {
     let out = std::process::Command::new(binary())
         .args(["detach", "--interface", gw.interface()])
         .output()
-        .unwrap_or_else(|e| panic!("wgfence detach: {e}"));
+        .expect("wgfence detach");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("its filters still run there"), "{stderr}");
     assert_our_filters_first(&gw, "after a detach from another namespace");
@@ -537,7 +535,7 @@ fn switching_between_tc_and_tcx_hands_over_without_leaving_the_old_hook_behind()
     let ours = |dir: &str| {
         tc_out(&gw, &["filter", "show", "dev", gw.interface(), dir]).contains("0x77670001")
     };
-    let link = || Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    let link = || Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap();
     assert_eq!(link(), None);
     let enforced = |when: &str| {
         let r = &gw.peers[0].ns;

@@ -95,14 +95,14 @@ impl Bench {
                     ..PeerEntry::default()
                 },
             )
-            .unwrap_or_else(|e| panic!("{e}"));
+            .unwrap();
         }
         let settings = DatapathSettings {
             events_per_second,
             ..DatapathSettings::default()
         };
         maps.set_config(&settings.config(true, wgfence::settings::online_cpus()))
-            .unwrap_or_else(|e| panic!("{e}"));
+            .unwrap();
         let state =
             tempfile_path::Path(std::env::temp_dir().join(unique("wgfence-monitor-state-")));
         let key = |n: u8| wgfence::state::WgKey([n; 32]).to_base64();
@@ -111,7 +111,7 @@ impl Bench {
               "egress": [{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] }] },
             { "name": "bob", "publicKey": key(2), "address": OPEN },
         ]});
-        std::fs::write(&state.0, text.to_string()).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(&state.0, text.to_string()).unwrap();
         Self {
             dataplane,
             attached,
@@ -136,9 +136,9 @@ impl Bench {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .unwrap_or_else(|e| panic!("wgfence monitor: {e}"));
-        let stdout = child.stdout.take().unwrap_or_else(|| panic!("no stdout"));
-        let stderr = child.stderr.take().unwrap_or_else(|| panic!("no stderr"));
+            .expect("wgfence monitor");
+        let stdout = child.stdout.take().expect("no stdout");
+        let stderr = child.stderr.take().expect("no stderr");
         let child = Running(child);
         wait_until_monitoring(stderr);
         let (tx, rx) = mpsc::channel();
@@ -176,7 +176,7 @@ fn wait_until_monitoring(stderr: std::process::ChildStderr) {
     });
     let line = rx
         .recv_timeout(Duration::from_secs(10))
-        .unwrap_or_else(|_| panic!("wgfence monitor did not start within 10 s"));
+        .expect("wgfence monitor did not start within 10 s");
     assert!(
         line.starts_with("monitoring drop events"),
         "monitor: {line}"
@@ -274,7 +274,7 @@ fn peer_filter_shows_only_that_peer() {
     ]);
     let event = events
         .recv_timeout(Duration::from_secs(5))
-        .unwrap_or_else(|_| panic!("no event for alice"));
+        .expect("no event for alice");
     assert_eq!(event["peer"], "alice", "{event}");
     assert!(events.recv_timeout(Duration::from_millis(500)).is_err());
     stop(child);
@@ -283,7 +283,7 @@ fn peer_filter_shows_only_that_peer() {
         .args(["monitor", "--interface", &bench.attached, "--peer", "carol"])
         .args(["--state", &bench.state.0.display().to_string()])
         .output()
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("no peer named \"carol\""), "{stderr}");
@@ -312,11 +312,7 @@ fn a_flood_yields_at_most_the_configured_event_rate() {
         "{received} events from {sent} drops in {elapsed:.1} s, bound {bound}"
     );
     assert!(received >= f64::from(RATE) * 0.5, "only {received} events");
-    let counters = bench
-        .dataplane
-        .maps()
-        .counters()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let counters = bench.dataplane.maps().counters().unwrap();
     let limited = counters.get(wgfence_common::Counter::EventRateLimited);
     assert!(limited > 0 && limited + counters.get(wgfence_common::Counter::EventSent) >= sent);
 }

@@ -69,11 +69,11 @@ fn program() -> TestProgram {
 /// Runs `frame` and asserts the verdict and that exactly `counter` counted it.
 #[track_caller]
 fn expect(program: &mut TestProgram, frame: &[u8], counter: Counter) {
-    let before = program.maps().counters().unwrap_or_else(|e| panic!("{e}"));
+    let before = program.maps().counters().unwrap();
     let run = program
         .run(frame)
         .unwrap_or_else(|e| panic!("test run of {} bytes: {e}", frame.len()));
-    let after = program.maps().counters().unwrap_or_else(|e| panic!("{e}"));
+    let after = program.maps().counters().unwrap();
     assert_eq!(
         run.passed(),
         counter.is_pass(),
@@ -323,10 +323,7 @@ fn per_peer_counters_count_packets_and_bytes() {
         expect(&mut p, &pass, Counter::PassPolicy);
     }
     expect(&mut p, &drop, Counter::DropPolicy);
-    let c = p
-        .maps()
-        .peer_counters(RESTRICTED_SLOT)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let c = p.maps().peer_counters(RESTRICTED_SLOT).unwrap();
     assert_eq!(c.pass_packets, 3);
     assert_eq!(c.pass_bytes, 3 * pass.len() as u64);
     assert_eq!(c.drop_packets, 1);
@@ -348,27 +345,16 @@ fn per_peer_counters_are_summed_over_cpus_and_reset_on_every_cpu() {
             expect(&mut p, &pass, Counter::PassPolicy);
         }
     }
-    let c = p
-        .maps()
-        .peer_counters(RESTRICTED_SLOT)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let c = p.maps().peer_counters(RESTRICTED_SLOT).unwrap();
     assert_eq!(c.pass_packets, 5);
     assert_eq!(c.pass_bytes, 5 * pass.len() as u64);
     // A slot given to a new peer starts from zero on every CPU.
-    p.maps_mut()
-        .reset_peer_counters(RESTRICTED_SLOT)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let c = p
-        .maps()
-        .peer_counters(RESTRICTED_SLOT)
-        .unwrap_or_else(|e| panic!("{e}"));
+    p.maps_mut().reset_peer_counters(RESTRICTED_SLOT).unwrap();
+    let c = p.maps().peer_counters(RESTRICTED_SLOT).unwrap();
     assert_eq!(c, wgfence_common::PeerCounters::default());
     wgfence_tests::pin_to_cpu(1);
     expect(&mut p, &pass, Counter::PassPolicy);
-    let c = p
-        .maps()
-        .peer_counters(RESTRICTED_SLOT)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let c = p.maps().peer_counters(RESTRICTED_SLOT).unwrap();
     assert_eq!((c.pass_packets, c.pass_bytes), (1, pass.len() as u64));
 }
 
@@ -377,8 +363,8 @@ fn the_l3_variant_has_no_arp_check() {
     // On a device without a link layer, bytes 12-13 are the middle of the IPv4 header (here
     // the first half of the source address, 8.6.x.x): an unknown source, never ARP.
     require_root();
-    let mut p = TestProgram::load_variant(wgfence_common::VARIANT_L3)
-        .unwrap_or_else(|e| panic!("loading the L3 variant: {e}"));
+    let mut p =
+        TestProgram::load_variant(wgfence_common::VARIANT_L3).expect("loading the L3 variant");
     let ip = Packet::new("8.6.0.1", "10.2.3.4", TCP, 443).ip();
     assert_eq!(&ip[12..14], &[8, 6]);
     expect(&mut p, &ip, Counter::DropUnknownSource);

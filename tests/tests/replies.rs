@@ -153,12 +153,10 @@ fn answers_of(gw: &Gateway, i: usize, delay: Duration) -> (bool, bool) {
     thread::scope(|s| {
         let server = s.spawn(|| {
             peer.ns.enter(|| {
-                let socket = UdpSocket::bind(("0.0.0.0", PORT)).unwrap_or_else(|e| panic!("{e}"));
+                let socket = UdpSocket::bind(("0.0.0.0", PORT)).unwrap();
                 let _ = socket.set_read_timeout(Some(Duration::from_secs(5)));
                 let mut buf = [0u8; 16];
-                let (_, from) = socket
-                    .recv_from(&mut buf)
-                    .unwrap_or_else(|e| panic!("peer: {e}"));
+                let (_, from) = socket.recv_from(&mut buf).expect("peer");
                 let _ = socket.send_to(b"now", from);
                 thread::sleep(delay);
                 let _ = socket.send_to(b"later", from);
@@ -166,11 +164,9 @@ fn answers_of(gw: &Gateway, i: usize, delay: Duration) -> (bool, bool) {
         });
         thread::sleep(Duration::from_millis(200));
         let got = gw.node.enter(|| {
-            let socket = UdpSocket::bind("0.0.0.0:0").unwrap_or_else(|e| panic!("{e}"));
+            let socket = UdpSocket::bind("0.0.0.0:0").unwrap();
             let _ = socket.set_read_timeout(Some(Duration::from_millis(200)));
-            socket
-                .send_to(b"hello", (peer.v4, PORT))
-                .unwrap_or_else(|e| panic!("node: {e}"));
+            socket.send_to(b"hello", (peer.v4, PORT)).expect("node");
             let deadline = Instant::now() + delay + Duration::from_millis(1500);
             let (mut now, mut later) = (false, false);
             let mut buf = [0u8; 16];
@@ -236,8 +232,8 @@ fn monitor_names_the_running_agents_peers() {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("wgfence monitor: {e}"));
-    let stderr = monitor.stderr.take().unwrap_or_else(|| panic!("no stderr"));
+        .expect("wgfence monitor");
+    let stderr = monitor.stderr.take().expect("no stderr");
     let mut first = String::new();
     let mut reader = BufReader::new(stderr);
     let _ = reader.read_line(&mut first);
@@ -245,32 +241,25 @@ fn monitor_names_the_running_agents_peers() {
         first.starts_with("monitoring drop events"),
         "monitor: {first}"
     );
-    let unrestricted = wgfence_tests::probe::probe(
-        &gw.peers[1].ns,
-        Kind::Tcp(22),
-        "10.8.0.1".parse().unwrap_or_else(|e| panic!("{e}")),
-    );
+    let unrestricted =
+        wgfence_tests::probe::probe(&gw.peers[1].ns, Kind::Tcp(22), "10.8.0.1".parse().unwrap());
     assert_eq!(unrestricted, Reach::Reached);
-    let denied = wgfence_tests::probe::probe(
-        &gw.peers[0].ns,
-        Kind::Tcp(22),
-        "10.8.0.1".parse().unwrap_or_else(|e| panic!("{e}")),
-    );
+    let denied =
+        wgfence_tests::probe::probe(&gw.peers[0].ns, Kind::Tcp(22), "10.8.0.1".parse().unwrap());
     assert_eq!(denied, Reach::Blocked);
     let deadline = Instant::now() + Duration::from_secs(5);
     while Instant::now() < deadline && matches!(monitor.try_wait(), Ok(None)) {
         thread::sleep(Duration::from_millis(20));
     }
     let _ = monitor.kill();
-    let stdout = monitor.stdout.take().unwrap_or_else(|| panic!("no stdout"));
+    let stdout = monitor.stdout.take().expect("no stdout");
     let lines: Vec<String> = BufReader::new(stdout)
         .lines()
         .map_while(Result::ok)
         .collect();
     let _ = monitor.wait();
     assert_eq!(lines.len(), 1, "{lines:?}");
-    let event: serde_json::Value =
-        serde_json::from_str(&lines[0]).unwrap_or_else(|e| panic!("{e}"));
+    let event: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
     assert_eq!(event["peer"], "peer0", "{event}");
     assert_eq!(event["reason"], "policy_denied", "{event}");
     assert_eq!(
@@ -287,14 +276,14 @@ fn plan_shows_the_replies_switch_it_would_write() {
     agent.wait_ready(&gw);
     let plan = |text: &str| {
         let path = agent.dir.join("plan.json");
-        std::fs::write(&path, text).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::write(&path, text).unwrap();
         let out = gw
             .node
             .command(wgfence_tests::agent::binary())
             .args(["plan", "--interface", gw.interface(), "--state"])
             .arg(&path)
             .output()
-            .unwrap_or_else(|e| panic!("wgfence plan: {e}"));
+            .expect("wgfence plan");
         assert!(
             out.status.success(),
             "{}",
@@ -325,7 +314,7 @@ fn open_maps(gw: &Gateway) -> wgfence::dataplane::Maps {
 fn entry_of(gw: &Gateway, addr: std::net::IpAddr) -> wgfence_common::PeerEntry {
     open_maps(gw)
         .peers()
-        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap()
         .into_iter()
         .find_map(|(a, e)| (a == addr).then_some(e))
         .unwrap_or_else(|| panic!("no entry for {addr}"))
@@ -334,7 +323,7 @@ fn entry_of(gw: &Gateway, addr: std::net::IpAddr) -> wgfence_common::PeerEntry {
 fn flows_toward(gw: &Gateway, addr: std::net::IpAddr) -> Vec<Flow> {
     Dataplane::open_maps(&gw.bpffs, gw.interface())
         .and_then(|m| m.flows())
-        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap()
         .into_iter()
         .filter(|f| f.peer == addr)
         .collect()
@@ -395,7 +384,7 @@ fn no_peer_fills_the_flow_tables_and_a_flood_leaves_others_their_flows() {
         for port in 0..FLOOD {
             for dst in ["10.99.0.5", &b.v4.to_string()] {
                 let syn = Packet::new(&a_addr, dst, TCP, 443).src_port(20_000 + port);
-                send_raw(&syn.ip()).unwrap_or_else(|e| panic!("peer A: {e}"));
+                send_raw(&syn.ip()).expect("peer A");
             }
         }
     });
@@ -437,7 +426,7 @@ fn no_peer_fills_the_flow_tables_and_a_flood_leaves_others_their_flows() {
             for port in 0..FLOOD {
                 let syn =
                     Packet::new("10.8.0.1", &a.v4.to_string(), TCP, 22).src_port(20_000 + port);
-                send_raw(&syn.ip()).unwrap_or_else(|e| panic!("node: {e}"));
+                send_raw(&syn.ip()).expect("node");
             }
         });
         b_answers
@@ -490,13 +479,13 @@ fn the_agent_collects_flows_that_lost_their_owner_or_expired() {
     };
     let live = u64::MAX / 2;
     let mut m = maps();
-    let (made, freed) = m.flow_quota(entry.slot).unwrap_or_else(|e| panic!("{e}"));
+    let (made, freed) = m.flow_quota(entry.slot).unwrap();
     for f in [
         flow(0x0a63_0001, entry.owner + 1000, live),
         flow(0x0a63_0002, entry.owner, 0),
         flow(0x0a63_0003, entry.owner, live),
     ] {
-        m.insert_flow(&f).unwrap_or_else(|e| panic!("{e}"));
+        m.insert_flow(&f).unwrap();
     }
     agent.restart(&gw, &[]);
     agent.wait_ready(&gw);
@@ -513,16 +502,14 @@ fn the_agent_collects_flows_that_lost_their_owner_or_expired() {
         "only the live flow of the current owner stays"
     );
     assert_eq!(
-        maps()
-            .flow_quota(entry.slot)
-            .unwrap_or_else(|e| panic!("{e}")),
+        maps().flow_quota(entry.slot).unwrap(),
         (made + 3, freed + 2)
     );
 
     // While it runs: a flow of another owner goes within a sweep.
     maps()
         .insert_flow(&flow(0x0a63_0004, entry.owner + 1001, live))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     let deadline = Instant::now() + Duration::from_secs(12);
     while flows_toward(&gw, addr).len() > 1 && Instant::now() < deadline {
         thread::sleep(Duration::from_millis(200));
@@ -566,21 +553,17 @@ fn a_revocation_does_not_wait_behind_switching_replies_off() {
                 ..FlowValue::default()
             },
         };
-        m.insert_flow(&flow).unwrap_or_else(|e| panic!("{e}"));
+        m.insert_flow(&flow).unwrap();
     }
-    let (_, freed) = m.flow_quota(entry.slot).unwrap_or_else(|e| panic!("{e}"));
+    let (_, freed) = m.flow_quota(entry.slot).unwrap();
     agent.write_state(
         &json!({ "version": 1, "replies": false, "peers": [gw.peer_json(1, None)] }).to_string(),
     );
     let deadline = Instant::now() + Duration::from_secs(10);
     let revoked_at = loop {
-        let present = m
-            .peers()
-            .unwrap_or_else(|e| panic!("{e}"))
-            .iter()
-            .any(|(a, _)| *a == revoked);
+        let present = m.peers().unwrap().iter().any(|(a, _)| *a == revoked);
         if !present {
-            break m.flow_quota(entry.slot).unwrap_or_else(|e| panic!("{e}")).1;
+            break m.flow_quota(entry.slot).unwrap().1;
         }
         assert!(Instant::now() < deadline, "{revoked} was never revoked");
         thread::sleep(Duration::from_micros(200));
@@ -600,10 +583,7 @@ fn a_revocation_does_not_wait_behind_switching_replies_off() {
         "replies off kept flows"
     );
     assert_eq!(
-        maps()
-            .flow_quota(entry.slot)
-            .unwrap_or_else(|e| panic!("{e}"))
-            .1,
+        maps().flow_quota(entry.slot).unwrap().1,
         freed + u64::from(n)
     );
 }
@@ -636,7 +616,7 @@ fn a_restart_recounts_the_flow_quota() {
                 ..FlowValue::default()
             },
         })
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     }
     agent.kill();
     // Three of them deleted with nobody counting them.
@@ -659,17 +639,17 @@ fn a_restart_recounts_the_flow_quota() {
             .args(["map", "delete", "pinned", &map, "key"])
             .args(&key)
             .status()
-            .unwrap_or_else(|e| panic!("bpftool: {e}"));
+            .expect("bpftool");
         assert!(status.success(), "bpftool map delete {key:?}");
     }
     let held = |m: &wgfence::dataplane::Maps| {
         m.flows()
-            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap()
             .iter()
             .filter(|f| f.value.slot == entry.slot)
             .count() as u64
     };
-    let (made, freed) = m.flow_quota(entry.slot).unwrap_or_else(|e| panic!("{e}"));
+    let (made, freed) = m.flow_quota(entry.slot).unwrap();
     assert_eq!(
         made - freed,
         held(&m) + 3,
@@ -677,7 +657,7 @@ fn a_restart_recounts_the_flow_quota() {
     );
     agent.restart(&gw, &[]);
     agent.wait_ready(&gw);
-    let (made, freed) = m.flow_quota(entry.slot).unwrap_or_else(|e| panic!("{e}"));
+    let (made, freed) = m.flow_quota(entry.slot).unwrap();
     assert_eq!(
         made - freed,
         held(&m),
@@ -699,10 +679,7 @@ fn a_revocation_does_not_wait_behind_a_flow_sweep() {
     let revoked: std::net::IpAddr = gw.peers[0].v4.into();
     let mut m = maps();
     let entry = entry_of(&gw, std::net::IpAddr::from(gw.peers[1].v4));
-    let timeout = m
-        .config()
-        .unwrap_or_else(|e| panic!("{e}"))
-        .timeout_ns(17, 0);
+    let timeout = m.config().unwrap().timeout_ns(17, 0);
     // Expired 6 s from now: after the fill, and then found by the next sweep (every 5 s).
     let last_seen =
         (wgfence::monitor::Clock::now().monotonic_ns() + 6_000_000_000).saturating_sub(timeout);
@@ -739,7 +716,7 @@ fn a_revocation_does_not_wait_behind_a_flow_sweep() {
         }
     }
     assert!(filled > u64::from(MAX_FLOWS), "{filled} flows");
-    let freed = || m.flow_quota(entry.slot).unwrap_or_else(|e| panic!("{e}")).1;
+    let freed = || m.flow_quota(entry.slot).unwrap().1;
     let base = freed();
     // Wait for the sweep to start deleting them.
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -753,11 +730,7 @@ fn a_revocation_does_not_wait_behind_a_flow_sweep() {
     agent.write_state(&json!({ "version": 1, "peers": [gw.peer_json(1, None)] }).to_string());
     let deadline = Instant::now() + Duration::from_secs(10);
     let at_revocation = loop {
-        let present = m
-            .peers()
-            .unwrap_or_else(|e| panic!("{e}"))
-            .iter()
-            .any(|(a, _)| *a == revoked);
+        let present = m.peers().unwrap().iter().any(|(a, _)| *a == revoked);
         if !present {
             break freed();
         }
@@ -807,7 +780,7 @@ fn a_syn_flood_toward_a_silent_peer_holds_its_quota_only_briefly() {
         gw.node.enter(|| {
             for port in from..from + n {
                 let syn = Packet::new("10.8.0.1", &a.v4.to_string(), TCP, 22).src_port(port);
-                send_raw(&syn.ip()).unwrap_or_else(|e| panic!("node: {e}"));
+                send_raw(&syn.ip()).expect("node");
             }
         });
         thread::sleep(Duration::from_millis(300));
@@ -820,7 +793,7 @@ fn a_syn_flood_toward_a_silent_peer_holds_its_quota_only_briefly() {
     );
     let slot = Dataplane::open_maps(&gw.bpffs, gw.interface())
         .and_then(|m| m.peers())
-        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap()
         .into_iter()
         .find_map(|(addr, e)| (addr == std::net::IpAddr::from(a.v4)).then_some(e.slot))
         .unwrap_or_else(|| panic!("no entry for {}", a.v4));
@@ -845,7 +818,7 @@ fn a_syn_flood_toward_a_silent_peer_holds_its_quota_only_briefly() {
     );
     let (made, freed) = Dataplane::open_maps(&gw.bpffs, gw.interface())
         .and_then(|m| m.flow_quota(slot))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     assert_eq!(
         made - freed,
         1,

@@ -37,16 +37,13 @@ fn peer0(gw: &Gateway, mode: &str) -> Value {
 
 /// Peer 0's entry's would-drops (per-CPU counters summed), and the node-wide audit counter.
 fn would_drops(gw: &Gateway) -> (u64, u64) {
-    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap();
     let entry = maps
         .peer(IpAddr::V4(gw.peers[0].v4))
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or_else(|| panic!("peer 0 has no entry"));
-    let peer = maps
-        .peer_counters(entry.slot)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .audit_packets;
-    let total = maps.counters().unwrap_or_else(|e| panic!("{e}"));
+        .unwrap()
+        .expect("peer 0 has no entry");
+    let peer = maps.peer_counters(entry.slot).unwrap().audit_packets;
+    let total = maps.counters().unwrap();
     (peer, total.get(Counter::PassAudit))
 }
 
@@ -54,7 +51,7 @@ fn unknown_source_drops(gw: &Gateway) -> u64 {
     Dataplane::open_maps(&gw.bpffs, gw.interface())
         .and_then(|m| m.counters())
         .map(|c| c.get(Counter::DropUnknownSource))
-        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap()
 }
 
 /// `wgfence monitor --json`, its events on a channel.
@@ -77,9 +74,9 @@ impl Monitor {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .unwrap_or_else(|e| panic!("wgfence monitor: {e}"));
-        let stdout = child.stdout.take().unwrap_or_else(|| panic!("no stdout"));
-        let mut stderr = child.stderr.take().unwrap_or_else(|| panic!("no stderr"));
+            .expect("wgfence monitor");
+        let stdout = child.stdout.take().expect("no stdout");
+        let mut stderr = child.stderr.take().expect("no stderr");
         // It says so on stderr once it listens.
         let mut seen = String::new();
         let mut byte = [0u8; 1];
@@ -131,8 +128,8 @@ fn status_of(gw: &Gateway, name: &str) -> Value {
     let out = Command::new(binary())
         .args(["status", "--interface", gw.interface(), "--json"])
         .output()
-        .unwrap_or_else(|e| panic!("{e}"));
-    let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     report["peerCounters"]
         .as_array()
         .and_then(|a| a.iter().find(|p| p["peer"] == name))
@@ -146,18 +143,16 @@ fn denied_udp(gw: &Gateway, n: u64) -> u64 {
     let listener = gw
         .node
         .enter(|| UdpSocket::bind("10.2.3.4:9"))
-        .unwrap_or_else(|e| panic!("bind 10.2.3.4:9: {e}"));
+        .expect("bind 10.2.3.4:9");
     listener
         .set_read_timeout(Some(Duration::from_millis(300)))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     let sender = gw.peers[0]
         .ns
         .enter(|| UdpSocket::bind("0.0.0.0:0"))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     for _ in 0..n {
-        sender
-            .send_to(b"would-drop", "10.2.3.4:9")
-            .unwrap_or_else(|e| panic!("{e}"));
+        sender.send_to(b"would-drop", "10.2.3.4:9").unwrap();
         thread::sleep(Duration::from_millis(2));
     }
     let mut arrived = 0;
@@ -173,10 +168,7 @@ fn denied_udp(gw: &Gateway, n: u64) -> u64 {
 fn unknown_source_is_dropped(gw: &Gateway) {
     let before = unknown_source_drops(gw);
     let packet = Packet::new("10.8.0.99", "10.2.3.4", UDP, 9).ip();
-    gw.peers[0]
-        .ns
-        .enter(|| send_raw(&packet))
-        .unwrap_or_else(|e| panic!("{e}"));
+    gw.peers[0].ns.enter(|| send_raw(&packet)).unwrap();
     assert!(
         wait_for(Duration::from_secs(3), || unknown_source_drops(gw) > before).is_some(),
         "the packet from an unknown source was not dropped as unknown_source"
@@ -218,7 +210,7 @@ fn an_audited_peer_passes_and_counts_would_drops_until_it_is_enforced() {
     let server = gw
         .node
         .enter(|| TcpListener::bind("10.2.3.4:22"))
-        .unwrap_or_else(|e| panic!("bind 10.2.3.4:22: {e}"));
+        .expect("bind 10.2.3.4:22");
     thread::spawn(move || {
         for conn in server.incoming().map_while(Result::ok) {
             let mut reader = BufReader::new(&conn);
@@ -239,7 +231,7 @@ fn an_audited_peer_passes_and_counts_would_drops_until_it_is_enforced() {
     let audit: Vec<&Value> = events.iter().filter(|e| e["kind"] == "audit").collect();
     let c = Dataplane::open_maps(&gw.bpffs, gw.interface())
         .and_then(|m| m.counters())
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     assert!(
         !audit.is_empty(),
         "no AUDIT event: {events:?}; events sent {}, rate-limited {}, ring full {}, audit {}",
@@ -343,7 +335,7 @@ const RULE_C: &str = "tcp 10.2.3.4/32:80";
 fn nonzero_rule_counters(maps: &wgfence::dataplane::Maps) -> Vec<(u32, u64)> {
     (0..wgfence_common::MAX_RULES)
         .filter_map(|i| {
-            let c = maps.rule_counters(i).unwrap_or_else(|e| panic!("{e}"));
+            let c = maps.rule_counters(i).unwrap();
             (c.packets > 0).then_some((i, c.packets))
         })
         .collect()
@@ -382,11 +374,9 @@ fn udp_from_peer0(gw: &Gateway, dst: &str, n: u32) {
     let sender = gw.peers[0]
         .ns
         .enter(|| UdpSocket::bind("0.0.0.0:0"))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     for _ in 0..n {
-        sender
-            .send_to(b"hit", dst)
-            .unwrap_or_else(|e| panic!("{e}"));
+        sender.send_to(b"hit", dst).unwrap();
         thread::sleep(Duration::from_micros(300));
     }
 }
@@ -399,11 +389,11 @@ fn rule_counters_count_real_traffic_exactly_and_survive_a_sigkill() {
     let args = ["--peer-metrics", "--resync", "1"];
     let mut agent = Agent::start(&gw, Layout::Plain, &s, &args);
     agent.wait_ready(&gw);
-    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap();
     let entry = maps
         .peer(IpAddr::V4(gw.peers[0].v4))
-        .unwrap_or_else(|e| panic!("{e}"))
-        .unwrap_or_else(|| panic!("no entry for peer 0"));
+        .unwrap()
+        .expect("no entry for peer 0");
     assert_ne!(entry.rules, wgfence_common::NO_RULES, "{entry:?}");
     let (c, a, b) = (entry.rules, entry.rules + 1, entry.rules + 2);
 
@@ -436,7 +426,7 @@ fn rule_counters_count_real_traffic_exactly_and_survive_a_sigkill() {
     };
     check(&agent, "after the traffic");
     // Within a resync the agent has noted when A and B moved; C never did.
-    let seen = |i: u32| maps.rule_seen(i).unwrap_or_else(|e| panic!("{e}"));
+    let seen = |i: u32| maps.rule_seen(i).unwrap();
     assert!(
         wait_for(Duration::from_secs(5), || seen(a).packets == 1000
             && seen(b).packets == 500)
@@ -456,7 +446,7 @@ fn rule_counters_count_real_traffic_exactly_and_survive_a_sigkill() {
     agent.wait_ready(&gw);
     let after = Dataplane::open_maps(&gw.bpffs, gw.interface())
         .and_then(|m| m.peer(IpAddr::V4(gw.peers[0].v4)))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     assert_eq!(
         after.map(|e| (e.policy, e.rules)),
         Some((entry.policy, entry.rules))
@@ -478,7 +468,7 @@ fn unused_rules_are_c_alone(gw: &Gateway) {
     let out = Command::new(binary())
         .args(["status", "--interface", gw.interface(), "--rules", "--json"])
         .output()
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     let unused: Value =
         serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
     let rules: Vec<&str> = unused
@@ -502,7 +492,7 @@ fn unused_rules_are_c_alone(gw: &Gateway) {
             ])
             .arg(&since)
             .output()
-            .unwrap_or_else(|e| panic!("{e}"));
+            .unwrap();
         let v: Value =
             serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
         v.as_array().map_or(0, Vec::len)
@@ -522,7 +512,7 @@ fn rule_counters_count_test_run_packets_exactly() {
         policy::{PortRange, Protocol, Rule},
     };
     use wgfence_common::{PeerEntry, PROTO_TCP};
-    let mut program = TestProgram::load().unwrap_or_else(|e| panic!("{e}"));
+    let mut program = TestProgram::load().unwrap();
     let base = 4000;
     let rules = [
         Rule::new(wgfence_tests::net("10.9.1.1/32"), Protocol::Udp, vec![]),
@@ -549,24 +539,19 @@ fn rule_counters_count_test_run_packets_exactly() {
             ..PeerEntry::default()
         },
     )
-    .unwrap_or_else(|e| panic!("{e}"));
+    .unwrap();
     let a = Packet::new("10.8.0.2", "10.2.3.4", UDP, 5000).frame();
     let b = Packet::new("10.8.0.2", "10.9.1.1", UDP, 7000).frame();
     let denied = Packet::new("10.8.0.2", "10.2.3.4", PROTO_TCP, 22).frame();
     for (frame, n, pass) in [(&a, 1000, true), (&b, 500, true), (&denied, 300, false)] {
-        let run = program
-            .run_repeat(frame, n)
-            .unwrap_or_else(|e| panic!("{e}"));
+        let run = program.run_repeat(frame, n).unwrap();
         assert_eq!(run.passed(), pass);
     }
     let nonzero = nonzero_rule_counters(program.maps());
     // Canonical order: C (tcp 10.2.3.4:80) 0, A (udp 10.2.3.4:5000) 1, B (udp 10.9.1.1) 2;
     // the denied packets count on no rule.
     assert_eq!(nonzero, vec![(base + 1, 1000), (base + 2, 500)]);
-    let c = program
-        .maps()
-        .rule_counters(base + 1)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let c = program.maps().rule_counters(base + 1).unwrap();
     assert_eq!(c.bytes, 1000 * a.len() as u64);
 }
 
@@ -595,9 +580,7 @@ impl Drop for ClockSetBack {
 }
 
 fn set_wall_clock(t: std::time::SystemTime) {
-    let d = t
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let d = t.duration_since(std::time::UNIX_EPOCH).unwrap();
     let ts = libc::timespec {
         tv_sec: d.as_secs() as libc::time_t,
         tv_nsec: libc::c_long::from(d.subsec_nanos() as i32),
@@ -626,11 +609,11 @@ fn timed_pings(ns: &Netns, dst: &str, count: u32) -> Child {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("ping: {e}"))
+        .expect("ping")
 }
 
 fn reply_times(child: Child) -> Vec<f64> {
-    let out = child.wait_with_output().unwrap_or_else(|e| panic!("{e}"));
+    let out = child.wait_with_output().unwrap();
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter(|l| l.contains("bytes from"))
@@ -643,7 +626,7 @@ fn a_peer_expires_in_the_kernel_with_no_agent_running_and_a_clock_set_back_does_
     let gw = Gateway::new(2);
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     // Expires on a whole second, 5 to 6 s from now.
     let expires = now.as_secs() + 6;
     let mut windowed = gw.peer_json(0, None);
@@ -713,7 +696,7 @@ fn a_peer_expires_in_the_kernel_with_no_agent_running_and_a_clock_set_back_does_
     let drops = Dataplane::open_maps(&gw.bpffs, gw.interface())
         .and_then(|m| m.counters())
         .map(|c| c.get(Counter::DropExpired))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     assert!(drops >= 50, "{drops} packets counted as expired");
 
     // A new agent revokes the expired peer from WireGuard as well.

@@ -36,7 +36,7 @@ fn status(gw: &Gateway, args: &[&str]) -> Output {
         .args(["status", "--interface", gw.interface()])
         .args(args)
         .output()
-        .unwrap_or_else(|e| panic!("running wgfence status: {e}"))
+        .expect("running wgfence status")
 }
 
 fn status_text(gw: &Gateway) -> String {
@@ -143,9 +143,8 @@ fn status_reports_the_datapath_the_agent_and_per_peer_counters() {
         .args(["-j", "link", "show", "pinned"])
         .arg(&link)
         .output()
-        .unwrap_or_else(|e| panic!("bpftool: {e}"));
-    let shown: Value =
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("bpftool -j link show: {e}"));
+        .expect("bpftool");
+    let shown: Value = serde_json::from_slice(&out.stdout).expect("bpftool -j link show");
     assert_eq!(
         (count(&shown["id"]), count(&shown["prog_id"])),
         (link_id, program_id)
@@ -177,7 +176,7 @@ fn status_reports_the_datapath_the_agent_and_per_peer_counters() {
                 .filter_map(|x| x.as_str().map(str::to_owned))
                 .collect()
         })
-        .unwrap_or_default();
+        .expect("peer0 has addresses");
     let expected: BTreeSet<String> = gw.peers[0]
         .addrs()
         .iter()
@@ -200,7 +199,7 @@ fn status_reports_the_datapath_the_agent_and_per_peer_counters() {
         let by_reason: u64 = after[section]
             .as_object()
             .map(|m| m.values().map(count).sum())
-            .unwrap_or_default();
+            .unwrap_or_else(|| panic!("no {section} object: {after:#}"));
         assert_eq!(count(&after["packets"][verdict]), by_reason, "{after:#}");
     };
     total("pass", "passed");
@@ -248,7 +247,7 @@ fn status_reports_the_datapath_the_agent_and_per_peer_counters() {
         let addrs: Vec<&str> = p["addresses"]
             .as_array()
             .map(|a| a.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
+            .unwrap_or_else(|| panic!("{name} has no addresses: {after:#}"));
         let row: Vec<String> = text
             .lines()
             .find(|l| l.starts_with(&format!("{name} ")))
@@ -285,12 +284,12 @@ fn status_reports_the_datapath_the_agent_and_per_peer_counters() {
     std::fs::write(&renamed, state(vec![other]))
         .unwrap_or_else(|e| panic!("{}: {e}", renamed.display()));
     let out = status(&gw, &["--json", "--state", &renamed.to_string_lossy()]);
-    let named: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}"));
+    let named: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(peer(&named, "alice-renamed")["slot"], p0["slot"]);
     let unnamed: Vec<&Value> = named["peerCounters"]
         .as_array()
         .map(|a| a.iter().filter(|p| p["peer"].is_null()).collect())
-        .unwrap_or_default();
+        .unwrap_or_else(|| panic!("no peerCounters: {named:#}"));
     assert_eq!(
         unnamed.len(),
         1,
@@ -315,7 +314,7 @@ fn detach_removes_everything_and_status_says_so() {
     let out = Command::new(binary())
         .args(["detach", "--interface", gw.interface()])
         .output()
-        .unwrap_or_else(|e| panic!("wgfence detach: {e}"));
+        .expect("wgfence detach");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -359,7 +358,7 @@ fn detach_removes_everything_and_status_says_so() {
     let out = Command::new(binary())
         .args(["detach", "--interface", gw.interface()])
         .output()
-        .unwrap_or_else(|e| panic!("wgfence detach: {e}"));
+        .expect("wgfence detach");
     assert!(out.status.success());
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim(),
@@ -453,11 +452,11 @@ fn the_docs_and_the_alerts_match_what_the_agent_exports() {
     // The alerts use only metrics the agent exports.
     let rules = repo_file("deploy/components/monitoring/prometheusrule.yaml");
     let rules = Value::deserialize(serde_norway::Deserializer::from_str(&rules))
-        .unwrap_or_else(|e| panic!("prometheusrule.yaml: {e}"));
+        .expect("prometheusrule.yaml");
     let mut used = 0;
     for group in rules["spec"]["groups"].as_array().into_iter().flatten() {
         for rule in group["rules"].as_array().into_iter().flatten() {
-            let expr = rule["expr"].as_str().unwrap_or_default();
+            let expr = rule["expr"].as_str().expect("every rule has an expr");
             for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
                 if word.starts_with("wgfence_") {
                     used += 1;

@@ -54,7 +54,7 @@ fn ping_stream(ns: &Netns, dst: &str, src: Option<&str>, count: u32) -> Child {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("ping: {e}"))
+        .expect("ping")
 }
 
 /// (transmitted, received) from ping's summary line.
@@ -92,12 +92,12 @@ impl DeniedUdp {
         let sent = Arc::new(AtomicU64::new(0));
         let arrived = Arc::new(AtomicU64::new(0));
         let listener = gw.node.enter(|| UdpSocket::bind("10.2.3.4:9"));
-        let listener = listener.unwrap_or_else(|e| panic!("bind 10.2.3.4:9 on the node: {e}"));
+        let listener = listener.expect("bind 10.2.3.4:9 on the node");
         listener
             .set_read_timeout(Some(Duration::from_millis(50)))
-            .unwrap_or_else(|e| panic!("{e}"));
+            .unwrap();
         let sender = gw.peers[0].ns.enter(|| UdpSocket::bind("0.0.0.0:0"));
-        let sender = sender.unwrap_or_else(|e| panic!("bind on peer 0: {e}"));
+        let sender = sender.expect("bind on peer 0");
         let (s1, a1, s2, n2) = (stop.clone(), arrived.clone(), stop.clone(), sent.clone());
         let threads = vec![
             thread::spawn(move || {
@@ -205,7 +205,7 @@ fn status_json(bin: &std::path::Path, gw: &Gateway) -> Value {
     let out = Command::new(bin)
         .args(["status", "--interface", gw.interface(), "--json"])
         .output()
-        .unwrap_or_else(|e| panic!("wgfence status: {e}"));
+        .expect("wgfence status");
     assert!(out.status.success(), "status failed: {out:?}");
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("status --json: {e}: {out:?}"))
 }
@@ -267,8 +267,7 @@ fn with_daemonset_caps(dir: &std::path::Path, bin: &std::path::Path) -> std::pat
         bin.display()
     );
     fs::write(&script, text).unwrap_or_else(|e| panic!("{}: {e}", script.display()));
-    fs::set_permissions(&script, fs::Permissions::from_mode(0o755))
-        .unwrap_or_else(|e| panic!("{e}"));
+    fs::set_permissions(&script, fs::Permissions::from_mode(0o755)).unwrap();
     script
 }
 
@@ -327,18 +326,17 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         gw.peer_json(2, None),
     ]);
     let s = generated.to_string();
-    let desired = wgfence::state::parse(&s).unwrap_or_else(|e| panic!("{e}"));
+    let desired = wgfence::state::parse(&s).unwrap();
 
     // The layout-2 datapath, made by the layout-2 agent.
     // Both versions run with the DaemonSet's capabilities, as they would on a node.
     let scripts = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-caps-"));
-    fs::create_dir_all(&scripts).unwrap_or_else(|e| panic!("{e}"));
+    fs::create_dir_all(&scripts).unwrap();
     let v1_caps = with_daemonset_caps(&scripts, &v1);
     let v2 = with_daemonset_caps(&scripts, &binary());
     let mut agent = Agent::start_binary(v1_caps.clone(), &gw, Layout::Plain, &s, &[]);
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(120));
-    let layout =
-        Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    let layout = Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap();
     assert_eq!(
         layout,
         Some(2),
@@ -348,7 +346,7 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let out = Command::new(binary())
         .args(["status", "--interface", gw.interface()])
         .output()
-        .unwrap_or_else(|e| panic!("wgfence status: {e}"));
+        .expect("wgfence status");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && stderr.contains("runs map layout 2"),
@@ -357,30 +355,24 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
 
     // A flow the network started toward peer 0 under layout 2: node 10.1.2.3:4000 -> peer 0
     // port 5000. Peer 0's answers to it pass only as replies (its policy denies them).
-    let node_sock = gw
-        .node
-        .enter(|| UdpSocket::bind("10.1.2.3:4000"))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let node_sock = gw.node.enter(|| UdpSocket::bind("10.1.2.3:4000")).unwrap();
     node_sock
         .set_read_timeout(Some(Duration::from_secs(1)))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     let peer_sock = gw.peers[0]
         .ns
         .enter(|| UdpSocket::bind("10.8.0.2:5000"))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     let stranger = gw.peers[0]
         .ns
         .enter(|| UdpSocket::bind("10.8.0.2:5001"))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     let reply_arrives = |from: &UdpSocket| -> bool {
-        from.send_to(b"reply", "10.1.2.3:4000")
-            .unwrap_or_else(|e| panic!("{e}"));
+        from.send_to(b"reply", "10.1.2.3:4000").unwrap();
         let mut buf = [0u8; 16];
         node_sock.recv(&mut buf).is_ok()
     };
-    node_sock
-        .send_to(b"start", "10.8.0.2:5000")
-        .unwrap_or_else(|e| panic!("{e}"));
+    node_sock.send_to(b"start", "10.8.0.2:5000").unwrap();
     thread::sleep(Duration::from_millis(200));
     assert!(
         reply_arrives(&peer_sock),
@@ -405,7 +397,7 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         "started next to the layout-2 agent: {:?}\n{stderr}",
         out.status
     );
-    let pid = agent.pid().unwrap_or_default();
+    let pid = agent.pid().expect("the layout-2 agent runs");
     assert!(
         !out.status.success()
             && (stderr.contains(&format!("pid [{pid}] holds the link"))
@@ -413,7 +405,7 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         "started next to the running layout-2 agent: {out:?}"
     );
     assert_eq!(
-        Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+        Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap(),
         Some(2)
     );
 
@@ -431,7 +423,7 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let (link_v1, prog_v1) = Dataplane::link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
-        .unwrap_or_else(|| panic!("no pinned link under layout 2"));
+        .expect("no pinned link under layout 2");
 
     agent.binary = v2.clone();
     let t = Instant::now();
@@ -457,14 +449,14 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let (link_v2, prog_v2) = Dataplane::link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
-        .unwrap_or_else(|| panic!("no pinned link after the upgrade"));
+        .expect("no pinned link after the upgrade");
     assert_eq!(
         link_v2, link_v1,
         "the upgrade made a new link instead of updating the pinned one"
     );
     assert_ne!(prog_v2, prog_v1);
     assert_eq!(
-        Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+        Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap(),
         Some(3)
     );
     assert_eq!(old_pins(&gw), TOMBSTONES, "pins: {:?}", pins(&gw));
@@ -472,7 +464,7 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let text = Command::new(binary())
         .args(["status", "--interface", gw.interface()])
         .output()
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
     assert!(
         String::from_utf8_lossy(&text.stdout).contains("(layout v3,"),
         "{text:?}"
@@ -482,9 +474,9 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     // (one per address, as the planner allocates them: a flow counts only for the entry of its
     // own address). That they are layout 2's own, not new ones, shows in the flow below:
     // recorded under layout 2, it still belongs to its entry.
-    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap();
     assert_eq!(map_mismatch(&maps, &desired), None);
-    let peers = maps.peers().unwrap_or_else(|e| panic!("{e}"));
+    let peers = maps.peers().unwrap();
     let mut owners: BTreeSet<u64> = BTreeSet::new();
     for (_, entry) in &peers {
         assert_ne!(entry.owner, 0, "{peers:?}");
@@ -508,16 +500,14 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         .find(|(a, _)| *a == IpAddr::from([10, 8, 0, 2]))
         .map(|(_, e)| *e)
         .unwrap_or_else(|| panic!("no entry for peer 0: {peers:?}"));
-    let flows = maps.flows().unwrap_or_else(|e| panic!("{e}"));
+    let flows = maps.flows().unwrap();
     let udp = flows
         .iter()
         .find(|f| f.protocol == 17 && f.peer_port == 5000 && f.remote_port == 4000)
         .unwrap_or_else(|| panic!("the UDP flow was not carried over: {flows:?}"));
     assert_eq!(udp.value.owner, entry0.owner);
     assert_eq!(udp.value.slot, entry0.slot);
-    let (made, freed) = maps
-        .flow_quota(entry0.slot)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let (made, freed) = maps.flow_quota(entry0.slot).unwrap();
     assert!(made > freed, "flow_made {made}, flow_freed {freed}");
     assert!(
         reply_arrives(&peer_sock),
@@ -622,7 +612,7 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let out = Command::new(binary())
         .args(["detach", "--interface", gw.interface()])
         .output()
-        .unwrap_or_else(|e| panic!("wgfence detach: {e}"));
+        .expect("wgfence detach");
     assert!(out.status.success(), "{out:?}");
     let dir = gw.bpffs.join("wgfence").join(gw.interface());
     assert!(!dir.exists(), "detach left {:?}", pins(&gw));
@@ -638,7 +628,7 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
     let gw = Gateway::new(1);
     let s = serde_json::json!({ "version": 1, "peers": [gw.peer_json(0, Some(restricted()))] })
         .to_string();
-    let desired = wgfence::state::parse(&s).unwrap_or_else(|e| panic!("{e}"));
+    let desired = wgfence::state::parse(&s).unwrap();
     let mut agent = Agent::start_binary(v2_binary(), &gw, Layout::Plain, &s, &[]);
     agent.wait_ready(&gw);
     assert!(agent.stop().is_some_and(|s| s.success()));
@@ -692,8 +682,8 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
         log.contains("upgraded the datapath from map layout 2 to 3"),
         "{log}"
     );
-    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
-    let peers = maps.peers().unwrap_or_else(|e| panic!("{e}"));
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap();
+    let peers = maps.peers().unwrap();
     assert!(
         peers
             .iter()
@@ -713,10 +703,10 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
         .policy
         .as_deref()
         .map(|p| p.entries().map(|(n, a)| (n, untagged(a))).collect())
-        .unwrap_or_default();
+        .expect("peer 0 has egress rules");
     let mut have: Vec<_> = maps
         .policies()
-        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap()
         .into_iter()
         .map(|e| (e.prefix, untagged(e.value.allows())))
         .collect();
@@ -729,7 +719,7 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
         (Kind::Tcp(80), "10.2.3.4", Reach::Reached),
         (Kind::Tcp(22), "10.2.3.4", Reach::Blocked),
     ] {
-        let dst: IpAddr = dst.parse().unwrap_or_else(|e| panic!("{e}"));
+        let dst: IpAddr = dst.parse().unwrap();
         assert_eq!(probe(&gw.peers[0].ns, kind, dst), expect, "{kind} to {dst}");
     }
 }
@@ -757,19 +747,14 @@ fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
     let gw = Gateway::new(1);
     let s = wgfence_tests::state(vec![gw.peer_json(0, Some(restricted()))]);
     let scripts = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-caps-"));
-    fs::create_dir_all(&scripts).unwrap_or_else(|e| panic!("{e}"));
+    fs::create_dir_all(&scripts).unwrap();
     let v1_caps = with_daemonset_caps(&scripts, &v1);
     let v2_caps = with_daemonset_caps(&scripts, &binary());
     let mut agent = Agent::start_binary(v1_caps, &gw, Layout::Plain, &s, &[]);
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(60));
     // A flow the network starts toward peer 0, recorded by the layout-2 egress program.
-    let node_sock = gw
-        .node
-        .enter(|| UdpSocket::bind("10.1.2.3:4000"))
-        .unwrap_or_else(|e| panic!("{e}"));
-    node_sock
-        .send_to(b"start", "10.8.0.2:5000")
-        .unwrap_or_else(|e| panic!("{e}"));
+    let node_sock = gw.node.enter(|| UdpSocket::bind("10.1.2.3:4000")).unwrap();
+    node_sock.send_to(b"start", "10.8.0.2:5000").unwrap();
     assert!(agent.stop().is_some_and(|s| s.success()));
 
     let failpoint = match at {
@@ -806,7 +791,7 @@ fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
         );
     }
     assert_eq!(
-        Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+        Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap(),
         Some(3)
     );
     let left = pins(&gw);
@@ -841,22 +826,22 @@ fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
         "denied traffic arrived"
     );
 
-    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap();
     let peer0 = IpAddr::V4(gw.peers[0].v4);
     let slot = maps
         .peers()
-        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap()
         .into_iter()
         .find(|(addr, _)| *addr == peer0)
         .map(|(_, e)| e.slot)
-        .unwrap_or_else(|| panic!("peer 0 has no entry"));
+        .expect("peer 0 has no entry");
     let live = maps
         .flows()
-        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap()
         .iter()
         .filter(|f| f.value.slot == slot)
         .count() as u64;
-    let (made, freed) = maps.flow_quota(slot).unwrap_or_else(|e| panic!("{e}"));
+    let (made, freed) = maps.flow_quota(slot).unwrap();
     assert!(live >= 1, "the layout-2 flow was not carried");
     assert_eq!(
         made.wrapping_sub(freed),
@@ -906,7 +891,7 @@ fn a_layout_1_datapath_is_refused_and_goes_through_layout_2() {
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(60));
     assert!(agent.stop().is_some_and(|s| s.success()));
     let scripts = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-caps-"));
-    fs::create_dir_all(&scripts).unwrap_or_else(|e| panic!("{e}"));
+    fs::create_dir_all(&scripts).unwrap();
     for (what, bin) in [
         ("as root", binary()),
         (
@@ -926,7 +911,7 @@ fn a_layout_1_datapath_is_refused_and_goes_through_layout_2() {
         );
         eprintln!("refused {what}: {}", streams.check("while refused"));
         assert_eq!(
-            Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+            Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap(),
             Some(1),
             "{what}"
         );
@@ -949,7 +934,7 @@ fn a_layout_1_datapath_is_refused_and_goes_through_layout_2() {
             streams.check("across the upgrade")
         );
         assert_eq!(
-            Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+            Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap(),
             Some(to)
         );
     }
@@ -968,7 +953,7 @@ fn a_layout_2_datapath_on_the_legacy_tc_hook_is_upgraded_in_place() {
         gw.peer_json(1, None),
         gw.peer_json(2, None),
     ]);
-    let desired = wgfence::state::parse(&s).unwrap_or_else(|e| panic!("{e}"));
+    let desired = wgfence::state::parse(&s).unwrap();
     let tc = ["--attach", "tc"];
     let mut agent = Agent::start_binary(v2_binary(), &gw, Layout::Plain, &s, &tc);
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(60));
@@ -993,7 +978,7 @@ fn a_layout_2_datapath_on_the_legacy_tc_hook_is_upgraded_in_place() {
         "a tcx link appeared: {:?}",
         pins(&gw)
     );
-    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap();
     assert_eq!(map_mismatch(&maps, &desired), None);
     // The rollback is refused here too.
     assert!(agent.stop().is_some_and(|s| s.success()));

@@ -169,10 +169,10 @@ mod tests {
     #[test]
     fn a_second_lock_on_a_directory_is_refused_naming_this_process() {
         let dir = std::env::temp_dir().join(format!("wgfence-lock-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
-        let first = PinDirLock::try_acquire(&dir).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let first = PinDirLock::try_acquire(&dir).unwrap();
         assert!(matches!(first, Acquired::Locked(_)));
-        assert!(is_locked(&dir).unwrap_or_else(|e| panic!("{e}")));
+        assert!(is_locked(&dir).unwrap());
         match PinDirLock::try_acquire(&dir) {
             Err(DataplaneError::Locked { holder, .. }) => {
                 assert_eq!(holder, Some(std::process::id()));
@@ -180,7 +180,7 @@ mod tests {
             other => panic!("a second lock was not refused: {other:?}"),
         }
         drop(first);
-        assert!(!is_locked(&dir).unwrap_or_else(|e| panic!("{e}")));
+        assert!(!is_locked(&dir).unwrap());
         let again = PinDirLock::try_acquire(&dir);
         assert!(matches!(again, Ok(Acquired::Locked(_))), "{again:?}");
         drop(again);

@@ -489,7 +489,7 @@ mod tests {
         push_attr(&mut opts, TCA_BPF_ID, &42u32.to_ne_bytes());
         push_attr(&mut opts, TCA_BPF_FLAGS, &1u32.to_ne_bytes());
         push_attr(&mut body, TCA_OPTIONS | 0x8000, &opts);
-        let filter = parse_filter(&body).unwrap_or_else(|| panic!("not parsed"));
+        let filter = parse_filter(&body).expect("not parsed");
         assert_eq!(filter.priority, TC_PRIORITY);
         assert_eq!(filter.handle, TC_HANDLE);
         assert_eq!(filter.kind, "bpf");

@@ -350,13 +350,13 @@ mod tests {
 
     #[test]
     fn assertions_parse_in_every_form() {
-        let a = parse_assertion("10.2.3.4:443/tcp").unwrap_or_else(|e| panic!("{e}"));
+        let a = parse_assertion("10.2.3.4:443/tcp").unwrap();
         assert_eq!((a.protocol, a.port), (PROTO_TCP, 443));
-        let a = parse_assertion("[fd00::1]:53/udp").unwrap_or_else(|e| panic!("{e}"));
+        let a = parse_assertion("[fd00::1]:53/udp").unwrap();
         assert_eq!((a.dst.is_ipv6(), a.port), (true, 53));
-        let a = parse_assertion("fd00::1/icmp").unwrap_or_else(|e| panic!("{e}"));
+        let a = parse_assertion("fd00::1/icmp").unwrap();
         assert_eq!((a.protocol, a.icmp_type), (PROTO_ICMP, None));
-        let a = parse_assertion("192.0.2.1/icmp:0").unwrap_or_else(|e| panic!("{e}"));
+        let a = parse_assertion("192.0.2.1/icmp:0").unwrap();
         assert_eq!(a.icmp_type, Some(0));
         assert_eq!(parse_assertion("192.0.2.1/47").map(|a| a.protocol), Ok(47));
         for bad in [
@@ -390,9 +390,9 @@ mod tests {
             r#"[{"peer": "alice", "accept": ["10.2.3.4:443/tcp", "192.0.2.1/icmp"],
                  "deny": ["10.2.3.4:22/tcp", "192.0.3.1/icmp"]}]"#,
         );
-        let state = parse(&t).unwrap_or_else(|e| panic!("{e}"));
+        let state = parse(&t).unwrap();
         assert_eq!(state.tests.len(), 1);
-        let again = parse(&state.to_canonical_json()).unwrap_or_else(|e| panic!("{e}"));
+        let again = parse(&state.to_canonical_json()).unwrap();
         assert_eq!(again, state);
     }
 
@@ -403,7 +403,7 @@ mod tests {
                  "deny": ["10.2.3.4:443/tcp", "[fd00::1]:53/udp"]},
                 {"peer": "bob", "deny": ["10.2.3.4:443/tcp"]}]"#,
         );
-        let e = parse(&t).err().unwrap_or_else(|| panic!("accepted"));
+        let e = parse(&t).expect_err("accepted");
         let lines: Vec<String> = e.errors.iter().map(ToString::to_string).collect();
         assert_eq!(lines.len(), 4, "{lines:#?}");
         assert!(

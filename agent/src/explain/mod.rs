@@ -563,7 +563,7 @@ mod tests {
                          {{"cidr": "0.0.0.0/0", "protocol": "icmp"}}]}},
             {{"name": "bob", "publicKey": "{KEY2}", "address": "10.8.0.3"}}]}}"#
         );
-        parse(&text).unwrap_or_else(|e| panic!("{e}"))
+        parse(&text).unwrap()
     }
 
     fn explain(maps: &ActualMaps, probe: Probe) -> Explanation {

@@ -122,7 +122,7 @@ mod tests {
            "egress": [{"cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443]},
                       {"cidr": "0.0.0.0/0", "protocol": "icmp"},
                       {"protocol": "tcp", "ports": [443], "cidr": "10.0.0.0/8"}]}]}"#;
-        let state = parse(text).unwrap_or_else(|e| panic!("{e}"));
+        let state = parse(text).unwrap();
         let map = SourceMap::new(text, &state);
         assert_eq!(map.peer("alice").as_deref(), Some("peers[1]"));
         let alice = state

@@ -389,8 +389,7 @@ mod tests {
     };
 
     fn state(peers: serde_json::Value) -> DesiredState {
-        parse(&json!({ "version": 1, "peers": peers }).to_string())
-            .unwrap_or_else(|e| panic!("{e}"))
+        parse(&json!({ "version": 1, "peers": peers }).to_string()).unwrap()
     }
 
     /// Review of issue 11, finding 5: a peer entry written before its own policy's entries

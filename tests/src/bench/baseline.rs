@@ -130,7 +130,7 @@ pub fn restore_within(
     if let Some(mut stdin) = child.stdin.take() {
         stdin
             .write_all(ruleset.as_bytes())
-            .unwrap_or_else(|e| panic!("writing the ruleset: {e}"));
+            .expect("writing the ruleset");
     }
     let out = child
         .wait_with_output()

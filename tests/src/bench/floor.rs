@@ -55,26 +55,22 @@ impl Floor {
             .unwrap_or_else(|e| panic!("loading {FLOOR_OBJECT_PATH}: {e}"));
         let maps = program.maps();
         {
-            let map = ebpf
-                .map_mut("floor_peers")
-                .unwrap_or_else(|| panic!("no floor_peers"));
+            let map = ebpf.map_mut("floor_peers").expect("no floor_peers");
             let mut peers: HashMap<_, PeerKeyV4, PeerEntry> =
-                HashMap::try_from(map).unwrap_or_else(|e| panic!("floor_peers: {e}"));
-            for (addr, entry) in maps.peers().unwrap_or_else(|e| panic!("{e}")) {
+                HashMap::try_from(map).expect("floor_peers");
+            for (addr, entry) in maps.peers().unwrap() {
                 if let IpAddr::V4(a) = addr {
                     peers
                         .insert(PeerKeyV4 { addr: a.octets() }, entry, 0)
-                        .unwrap_or_else(|e| panic!("floor_peers: {e}"));
+                        .expect("floor_peers");
                 }
             }
         }
         {
-            let map = ebpf
-                .map_mut("floor_policy")
-                .unwrap_or_else(|| panic!("no floor_policy"));
+            let map = ebpf.map_mut("floor_policy").expect("no floor_policy");
             let mut policy: LpmTrie<_, PolicyKeyV4, PolicyValue> =
-                LpmTrie::try_from(map).unwrap_or_else(|e| panic!("floor_policy: {e}"));
-            for e in maps.policies().unwrap_or_else(|e| panic!("{e}")) {
+                LpmTrie::try_from(map).expect("floor_policy");
+            for e in maps.policies().unwrap() {
                 if let IpNet::V4(n) = e.prefix {
                     let key = Key::new(
                         POLICY_ID_BITS + u32::from(n.prefix_len()),
@@ -83,9 +79,7 @@ impl Floor {
                             addr: n.network().octets(),
                         },
                     );
-                    policy
-                        .insert(&key, e.value, 0)
-                        .unwrap_or_else(|e| panic!("floor_policy: {e}"));
+                    policy.insert(&key, e.value, 0).expect("floor_policy");
                 }
             }
         }
@@ -260,7 +254,7 @@ fn measure(program: &mut TestProgram, floor: &Floor, cases: &[Case]) -> Vec<f64>
                 Prog::Floor(name) => time(floor.fd(name), &c.input, REPEAT, c.passes, c.label),
                 Prog::Wgfence { replies, events } => {
                     configure(program, replies, events);
-                    let fd = program.ingress_fd().unwrap_or_else(|e| panic!("{e}"));
+                    let fd = program.ingress_fd().unwrap();
                     time(fd, &c.input, REPEAT, c.passes, c.label)
                 }
             };
@@ -287,9 +281,9 @@ fn concurrent(fd: BorrowedFd<'_>, a: &[u8], b: Option<&[u8]>) -> f64 {
                 time(fd, b, REPEAT, Some(true), "CPU 1")
             })
         });
-        let x = first.join().unwrap_or_else(|_| panic!("CPU 0 thread"));
+        let x = first.join().expect("CPU 0 thread");
         match second {
-            Some(t) => (x + t.join().unwrap_or_else(|_| panic!("CPU 1 thread"))) / 2.0,
+            Some(t) => (x + t.join().expect("CPU 1 thread")) / 2.0,
             None => x,
         }
     })
@@ -314,7 +308,7 @@ pub fn run(report: &mut Report, command: &str, states: &[(usize, DesiredState, P
         if online_cpus() >= 2 {
             // The largest state's program, as the agent configures it.
             configure(&mut program, true, 1000);
-            let fd = program.ingress_fd().unwrap_or_else(|e| panic!("{e}"));
+            let fd = program.ingress_fd().unwrap();
             let mut alone = Vec::new();
             let mut same = Vec::new();
             let mut two = Vec::new();

@@ -7,9 +7,9 @@ use serde_json::json;
 use wgfence::{
     dataplane::TestProgram,
     plan::{plan, Actual},
-    testing::apply_map_op,
     settings::{online_cpus, DatapathSettings},
     state::DesiredState,
+    testing::apply_map_op,
 };
 use wgfence_common::{Counter, Variant, PROTO_ICMP, PROTO_TCP, PROTO_UDP, VARIANT_ETHERNET};
 
@@ -25,11 +25,8 @@ const REPEAT: u32 = 1_000_000;
 
 /// `variant` loaded with private maps holding `desired`, written as the reconciler writes them.
 pub fn loaded_variant(desired: &DesiredState, variant: Variant) -> TestProgram {
-    let mut program = TestProgram::load_variant(variant).unwrap_or_else(|e| panic!("{e}"));
-    for op in plan(desired, &Actual::default())
-        .unwrap_or_else(|e| panic!("{e}"))
-        .ops
-    {
+    let mut program = TestProgram::load_variant(variant).unwrap();
+    for op in plan(desired, &Actual::default()).unwrap().ops {
         apply_map_op(program.maps_mut(), &op).unwrap_or_else(|e| panic!("{op}: {e}"));
     }
     program
@@ -49,7 +46,7 @@ pub fn configure(program: &mut TestProgram, replies: bool, events_per_second: u3
     program
         .maps_mut()
         .set_config(&settings.config(replies, online_cpus()))
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
 }
 
 /// One row: a packet run through one program with the datapath configured so.
@@ -95,7 +92,7 @@ fn once(program: &mut TestProgram, egress: bool, frame: &[u8], passes: bool) -> 
     } else {
         program.run_repeat(frame, REPEAT)
     }
-    .unwrap_or_else(|e| panic!("{e}"));
+    .unwrap();
     assert_eq!(run.passed(), passes, "unexpected verdict");
     Duration::from_nanos(u64::from(run.duration_ns))
 }
@@ -121,7 +118,7 @@ pub fn run(report: &mut Report, command: &str, desired: &DesiredState) {
         .iter()
         .rev()
         .find(|p| p.policy.is_none() && p.address.is_some())
-        .unwrap_or_else(|| panic!("no unrestricted peer"));
+        .expect("no unrestricted peer");
     let peer = restricted
         .address
         .map(|a| a.to_string())
@@ -156,7 +153,7 @@ pub fn run(report: &mut Report, command: &str, desired: &DesiredState) {
             };
             Packet::new(&peer, &dst.to_string(), protocol, allow.port_lo).frame()
         })
-        .unwrap_or_else(|| panic!("no IPv4 entry in the restricted peer's policy"));
+        .expect("no IPv4 entry in the restricted peer's policy");
 
     // The egress UDP row records the flow the reply rows answer.
     let cases: [Case<'_>; 12] = [
@@ -288,17 +285,15 @@ pub fn run(report: &mut Report, command: &str, desired: &DesiredState) {
 
     // A flood: denied packets for 3 s, events at 1,000/s node-wide.
     configure(&mut program, true, 1000);
-    let before = program.maps().counters().unwrap_or_else(|e| panic!("{e}"));
+    let before = program.maps().counters().unwrap();
     let start = Instant::now();
     let mut flooded = 0u64;
     while start.elapsed() < Duration::from_secs(3) {
-        program
-            .run_repeat(&denied, 100_000)
-            .unwrap_or_else(|e| panic!("{e}"));
+        program.run_repeat(&denied, 100_000).unwrap();
         flooded += 100_000;
     }
     let elapsed = start.elapsed().as_secs_f64();
-    let after = program.maps().counters().unwrap_or_else(|e| panic!("{e}"));
+    let after = program.maps().counters().unwrap();
     let delta = |c: Counter| after.get(c) - before.get(c);
     let admitted = delta(Counter::EventSent) + delta(Counter::EventRingFull);
     let cpus = online_cpus();

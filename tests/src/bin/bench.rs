@@ -16,8 +16,8 @@ use wgfence::{
     plan::{plan, plan_changes, Actual, Op},
     policy::CompiledPolicy,
     reconcile::{Outcome, Reconciler},
-    testing::apply_map_op,
     state::{parse, parse_value_tree, Changes, DesiredState, Pipeline},
+    testing::apply_map_op,
     wg::WireGuard as WgDevice,
 };
 use wgfence_common::{PROTO_ICMP, PROTO_TCP, PROTO_UDP};
@@ -147,9 +147,9 @@ fn main() {
     if let Some(dir) = md_path.parent() {
         let _ = std::fs::create_dir_all(dir);
     }
-    std::fs::write(&md_path, report.markdown()).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(&md_path, report.markdown()).unwrap();
     let results = serde_json::to_string_pretty(&report.json()).unwrap_or_default();
-    std::fs::write(&json_path, results).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(&json_path, results).unwrap();
     println!("wrote {} and {}", md_path.display(), json_path.display());
 }
 
@@ -188,7 +188,7 @@ fn now() -> f64 {
 
 fn parse_value(state: &Value) -> (String, DesiredState) {
     let text = state.to_string();
-    let desired = parse(&text).unwrap_or_else(|e| panic!("generated state invalid: {e}"));
+    let desired = parse(&text).expect("generated state invalid");
     (text, desired)
 }
 
@@ -249,7 +249,7 @@ fn per_packet(report: &mut Report, config: &Config) {
                     .iter()
                     .find(|(l, _, _)| *l == label)
                     .map(|(_, frame, _)| floor::ip(frame.clone()))
-                    .unwrap_or_else(|| unreachable!())
+                    .unwrap()
             };
             let other = desired
                 .peers
@@ -258,7 +258,7 @@ fn per_packet(report: &mut Report, config: &Config) {
                 .filter_map(|p| p.address)
                 .next()
                 .map(|a| Packet::new(&a.to_string(), "192.0.2.1", TCP, 80).ip())
-                .unwrap_or_else(|| panic!("no unrestricted peer"));
+                .expect("no unrestricted peer");
             let packets = floor::Packets {
                 unknown: frame("unknown"),
                 unrestricted: frame("unrestricted"),
@@ -279,7 +279,7 @@ fn test_packets(desired: &DesiredState) -> Vec<(&'static str, Vec<u8>, bool)> {
         .iter()
         .rev()
         .find(|p| p.policy.is_none())
-        .unwrap_or_else(|| panic!("no unrestricted peer"));
+        .expect("no unrestricted peer");
     let restricted = desired
         .peers
         .iter()
@@ -289,20 +289,14 @@ fn test_packets(desired: &DesiredState) -> Vec<(&'static str, Vec<u8>, bool)> {
                 .as_ref()
                 .is_some_and(|c| c.entries().any(|(n, _)| n.addr().is_ipv4()))
         })
-        .unwrap_or_else(|| panic!("no restricted peer with IPv4 rules"));
-    let policy: &CompiledPolicy = restricted
-        .policy
-        .as_deref()
-        .unwrap_or_else(|| unreachable!());
+        .expect("no restricted peer with IPv4 rules");
+    let policy: &CompiledPolicy = restricted.policy.as_deref().unwrap();
     let src = restricted
         .address
-        .unwrap_or_else(|| panic!("generated peers have IPv4 addresses"))
+        .expect("generated peers have IPv4 addresses")
         .to_string();
     // Allowed: the first IPv4 entry's network, with its first allow's protocol and port.
-    let (net, allows) = policy
-        .entries()
-        .find(|(n, _)| n.addr().is_ipv4())
-        .unwrap_or_else(|| unreachable!());
+    let (net, allows) = policy.entries().find(|(n, _)| n.addr().is_ipv4()).unwrap();
     let allow = allows[0];
     let (proto, port) = match allow.protocol {
         PROTO_TCP => (TCP, allow.port_lo),
@@ -319,11 +313,8 @@ fn test_packets(desired: &DesiredState) -> Vec<(&'static str, Vec<u8>, bool)> {
         .map(|_| gen::destination(&mut rng, false))
         .find(|d| !policy.permits(*d, PROTO_TCP, Some(1)))
         .map(|d| Packet::new(&src, &d.to_string(), TCP, 1).frame())
-        .unwrap_or_else(|| panic!("no denied destination found"));
-    let open_src = unrestricted
-        .address
-        .unwrap_or_else(|| unreachable!())
-        .to_string();
+        .expect("no denied destination found");
+    let open_src = unrestricted.address.unwrap().to_string();
     vec![
         // The cheapest verdict (one hash lookup that misses): the floor of the harness.
         (
@@ -387,7 +378,7 @@ impl MapsOnly {
         } else {
             plan(desired, &self.actual)
         }
-        .unwrap_or_else(|e| panic!("{e}"));
+        .unwrap();
         let plan_duration = start.elapsed();
         let writes = self.dataplane.maps().writes();
         for op in &plan.ops {
@@ -437,9 +428,7 @@ impl Target {
         };
         let t = Instant::now();
         std::hint::black_box(pipeline.hash(text.as_bytes()));
-        let changes = pipeline
-            .update(text, max_peers)
-            .unwrap_or_else(|e| panic!("{e}"));
+        let changes = pipeline.update(text, max_peers).unwrap();
         let parse = t.elapsed();
         let outcome = match self {
             Target::Device(node) => node
@@ -574,8 +563,8 @@ impl Node {
                 );
                 panic!("{}", wgfence::error_chain(&e))
             });
-        let device = WgDevice::open(&wg.name).unwrap_or_else(|e| panic!("{e}"));
-        let reconciler = Reconciler::new(dataplane, device).unwrap_or_else(|e| panic!("{e}"));
+        let device = WgDevice::open(&wg.name).unwrap();
+        let reconciler = Reconciler::new(dataplane, device).unwrap();
         Self {
             reconciler,
             _wg: wg,
@@ -701,9 +690,7 @@ fn apply_costs(report: &mut Report, config: &Config) {
         let mut parse_samples = Vec::new();
         for k in 0..changes {
             let kind = k % 3;
-            let peers = current["peers"]
-                .as_array_mut()
-                .unwrap_or_else(|| unreachable!());
+            let peers = current["peers"].as_array_mut().unwrap();
             let extra = n + k / 3;
             match kind {
                 0 => {
@@ -1017,7 +1004,7 @@ impl Veth {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| panic!("iperf3: {e}"));
+            .expect("iperf3");
         thread::sleep(Duration::from_millis(300));
         let out = self
             .src
@@ -1027,7 +1014,7 @@ impl Veth {
             ])
             .args(["-t", &secs.to_string(), "-B", &source.to_string()])
             .output()
-            .unwrap_or_else(|e| panic!("iperf3: {e}"));
+            .expect("iperf3");
         let _ = server.kill();
         let _ = server.wait();
         let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
@@ -1087,17 +1074,14 @@ fn throughput(report: &mut Report, config: &Config) {
     let ruleset = baseline::render(&desired, "vd");
     for _ in 0..runs {
         sample(0);
-        let mut dp = veth
-            .dst
-            .enter(|| Dataplane::attach(&options))
-            .unwrap_or_else(|e| panic!("{e}"));
+        let mut dp = veth.dst.enter(|| Dataplane::attach(&options)).unwrap();
         for op in plan(&desired, &Actual::default())
-            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap()
             .ops
             .iter()
             .filter(|op| !matches!(op, Op::WgPeer(_) | Op::RemoveWgPeer { .. }))
         {
-            apply_map_op(dp.maps_mut(), op).unwrap_or_else(|e| panic!("{e}"));
+            apply_map_op(dp.maps_mut(), op).unwrap();
         }
         sample(1);
         drop(dp);
@@ -1183,7 +1167,7 @@ fn ping_streams(
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null())
                 .spawn()
-                .unwrap_or_else(|e| panic!("ping: {e}"))
+                .expect("ping")
         })
         .collect()
 }
@@ -1191,7 +1175,7 @@ fn ping_streams(
 fn ping_totals(children: Vec<std::process::Child>) -> (u64, u64) {
     let mut totals = (0, 0);
     for child in children {
-        let out = child.wait_with_output().unwrap_or_else(|e| panic!("{e}"));
+        let out = child.wait_with_output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
         if std::env::var_os("WGFENCE_BENCH_DEBUG").is_some() {
             eprintln!("{text}");
@@ -1239,24 +1223,17 @@ fn churn(report: &mut Report, config: &Config) {
         let veth = Veth::new(&sources);
         let wg = WireGuard::start(&veth.dst, &unique("wgc"), 51820);
         let options = AttachOptions::new("vd");
-        let dataplane = veth
-            .dst
-            .enter(|| Dataplane::attach(&options))
-            .unwrap_or_else(|e| panic!("{e}"));
-        let device = WgDevice::open(&wg.name).unwrap_or_else(|e| panic!("{e}"));
-        let mut reconciler = Reconciler::new(dataplane, device).unwrap_or_else(|e| panic!("{e}"));
+        let dataplane = veth.dst.enter(|| Dataplane::attach(&options)).unwrap();
+        let device = WgDevice::open(&wg.name).unwrap();
+        let mut reconciler = Reconciler::new(dataplane, device).unwrap();
         let mut peers = base.clone();
         let (_, desired) = parse_value(&json!({ "version": 1, "peers": peers }));
-        reconciler
-            .reconcile(desired)
-            .unwrap_or_else(|e| panic!("{e}"));
+        reconciler.reconcile(desired).unwrap();
         let pings = ping_streams(&veth.src, &sources, "0.005", secs);
         let (done, writes) =
             drive_churn(secs, rate, &mut rng, &pool, &mut peers, streams, |state| {
                 let (_, desired) = parse_value(state);
-                let o = reconciler
-                    .reconcile(desired)
-                    .unwrap_or_else(|e| panic!("{e}"));
+                let o = reconciler.reconcile(desired).unwrap();
                 o.map_writes
             });
         let (tx, rx) = ping_totals(pings);
@@ -1465,11 +1442,11 @@ fn revocations_at(n: usize, probes: usize) -> (Vec<String>, Value, bool) {
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| panic!("ping: {e}"));
+            .expect("ping");
         thread::sleep(Duration::from_millis(150));
         let t0 = now();
         agent.write_state(&next);
-        let out = ping.wait_with_output().unwrap_or_else(|e| panic!("{e}"));
+        let out = ping.wait_with_output().unwrap();
         let last = String::from_utf8_lossy(&out.stdout)
             .lines()
             .rev()
@@ -1583,7 +1560,7 @@ fn restart_and_memory(report: &mut Report, config: &Config) {
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| panic!("ping: {e}"));
+            .expect("ping");
         thread::sleep(Duration::from_secs(1));
         agent.kill();
         let t = Instant::now();

@@ -117,7 +117,7 @@ fn main() {
         ("alice", &gw.peers[0].ns, Tcp(22), "10.8.0.1", D),
         ("alice", &gw.peers[0].ns, Ping, "fd00:8::1", D),
     ] {
-        let got = probe(ns, kind, dst.parse().unwrap_or_else(|e| panic!("{e}")));
+        let got = probe(ns, kind, dst.parse().unwrap());
         let word = |r: Reach| if r == A { "answered" } else { "dropped" };
         println!(
             "  {from:<6} {:<9} -> {dst:<10} {:<9} (expected {})",
@@ -143,18 +143,14 @@ fn main() {
         .args(["monitor", "--interface", gw.interface(), "--count", "3"])
         .stdout(std::process::Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("wgfence monitor: {e}"));
+        .expect("wgfence monitor");
     std::thread::sleep(Duration::from_millis(300));
     for (i, kind, dst) in [
         (0, Tcp(80), "10.2.3.4"),
         (2, Tcp(443), "10.1.2.3"),
         (0, Ping, "10.2.3.4"),
     ] {
-        let _ = probe(
-            &gw.peers[i].ns,
-            kind,
-            dst.parse().unwrap_or_else(|e| panic!("{e}")),
-        );
+        let _ = probe(&gw.peers[i].ns, kind, dst.parse().unwrap());
     }
     let deadline = Instant::now() + Duration::from_secs(3);
     while Instant::now() < deadline && matches!(monitor.try_wait(), Ok(None)) {
@@ -208,7 +204,7 @@ fn main() {
     // Carol probes back to back (an answered probe returns in about a millisecond); the
     // revocation lies between her last answered probe and the first unanswered one.
     let carol = &gw.peers[2].ns;
-    let dst = "10.1.2.3".parse().unwrap_or_else(|e| panic!("{e}"));
+    let dst = "10.1.2.3".parse().unwrap();
     let start = Instant::now();
     agent.write_state(&state(&gw, alice_more, false));
     let mut last_answered = None;

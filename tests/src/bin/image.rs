@@ -30,7 +30,7 @@ const CAP_MASK: u64 = (1 << 12) | (1 << 38) | (1 << 39);
 
 fn main() {
     let image = std::env::var("WGFENCE_IMAGE")
-        .unwrap_or_else(|_| panic!("WGFENCE_IMAGE names no image: run `cargo xtask image --run`"));
+        .expect("WGFENCE_IMAGE names no image: run `cargo xtask image --run`");
     println!("image {image}: the demo's gateway, peers alice, bob and carol (wireguard-go)");
     let gw = Gateway::new(3);
     let first = state(&gw, alice_rules(), true);
@@ -57,7 +57,7 @@ fn main() {
     let podman = agent
         .container
         .as_ref()
-        .unwrap_or_else(|| panic!("start_container made no container"));
+        .expect("start_container made no container");
     let caps = capabilities(&podman.exec(&["cat", "/proc/1/status"]).stdout);
     println!(
         "container {}: the agent's effective capabilities {caps:#018x} ({})",
