@@ -1,4 +1,4 @@
-//! Scenario 7 of `cargo xtask bench`: what reply flows and drop events cost the datapath, per
+//! The replies scenario of `cargo xtask bench`: what reply flows and drop events cost the datapath, per
 //! packet under `BPF_PROG_TEST_RUN`, and the event rate a flood of denied packets produces.
 
 use std::time::{Duration, Instant};
@@ -14,8 +14,9 @@ use wgfence::{
 use wgfence_common::{Counter, Variant, PROTO_ICMP, PROTO_TCP, PROTO_UDP, VARIANT_ETHERNET};
 
 use super::{
-    median,
+    gen, median, parse_value, progress,
     report::{f, Report},
+    Config,
 };
 use crate::packet::{Packet, TCP, TCP_ACK, TCP_SYN, UDP};
 
@@ -97,7 +98,7 @@ fn once(program: &mut TestProgram, egress: bool, frame: &[u8], passes: bool) -> 
     Duration::from_nanos(u64::from(run.duration_ns))
 }
 
-pub fn run(report: &mut Report, command: &str, desired: &DesiredState) {
+fn measure(report: &mut Report, command: &str, desired: &DesiredState) {
     let restricted = desired
         .peers
         .iter()
@@ -304,13 +305,13 @@ pub fn run(report: &mut Report, command: &str, desired: &DesiredState) {
     );
 
     report.section(
-        "10. Reply flows and drop events",
+        "Reply flows and drop events",
         &format!(
             "ns per packet under `BPF_PROG_TEST_RUN` (repeat {REPEAT}; the median of {ROUNDS} \
              rounds, each running every row once in turn, so drift hits all rows alike), with the \
              maps of the 10,000-peer state; packets between a restricted peer and {NODE}, which \
              its policy does not allow. Egress is the program on packets toward peers; the \
-             ingress rows compare with section 1 (same harness overhead). Command: `{command}`."
+             ingress rows compare with the per-packet section (same harness overhead). Command: `{command}`."
         ),
     );
     report.table(&["packet", "ns"], &rows);
@@ -328,4 +329,10 @@ pub fn run(report: &mut Report, command: &str, desired: &DesiredState) {
         1000.0 * (elapsed + 1.0),
     ));
     report.record("replies_and_events", serde_json::Value::Object(results));
+}
+
+pub fn run(report: &mut Report, config: &Config) {
+    progress("reply flows and drop events");
+    let (_, desired) = parse_value(&gen::state(10_000, 1));
+    measure(report, &config.command, &desired);
 }

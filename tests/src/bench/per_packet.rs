@@ -1,4 +1,4 @@
-//! Scenario 1 of `cargo xtask bench`: wgfence's per-packet paths beside floor programs the bench
+//! The per-packet scenario of `cargo xtask bench`: wgfence's per-packet paths beside floor programs the bench
 //! loads itself (`ebpf/src/floor.rs`: an empty classifier, one hash lookup with the key and
 //! value sizes of `wgf3_peers_v4`, that lookup plus one LPM lookup with the key and value sizes
 //! of `wgf3_policy_v4`), with the same entries in their maps, on the same raw IPv4 packets,
@@ -20,16 +20,23 @@ use ipnet::IpNet;
 use serde_json::json;
 use wgfence::{
     dataplane::{test_run, TestProgram, FLOOR_OBJECT_PATH},
+    policy::CompiledPolicy,
     settings::online_cpus,
     state::DesiredState,
 };
-use wgfence_common::{PeerEntry, PeerKeyV4, PolicyKeyV4, PolicyValue, POLICY_ID_BITS, VARIANT_L3};
+use wgfence_common::{
+    PeerEntry, PeerKeyV4, PolicyKeyV4, PolicyValue, POLICY_ID_BITS, PROTO_ICMP, PROTO_TCP,
+    PROTO_UDP, VARIANT_L3,
+};
 
 use super::{
-    median,
+    gen::{self, Rng},
+    median, parse_value, progress,
     replies::{configure, loaded_variant},
     report::{f, verdict, Report},
+    Config,
 };
+use crate::packet::{Packet, ICMP, TCP, UDP};
 
 /// Runs per measurement, as the kernel averages them.
 pub const REPEAT: u32 = 1_000_000;
@@ -134,7 +141,7 @@ struct Case {
     against: Option<(usize, f64)>,
 }
 
-/// The test packets of scenario 1 as raw IPv4 packets (what the L3 variant reads on a
+/// The test packets of this scenario as raw IPv4 packets (what the L3 variant reads on a
 /// WireGuard device): unknown source, unrestricted, restricted allowed, restricted denied.
 pub struct Packets {
     pub unknown: Vec<u8>,
@@ -289,8 +296,8 @@ fn concurrent(fd: BorrowedFd<'_>, a: &[u8], b: Option<&[u8]>) -> f64 {
     })
 }
 
-/// Runs scenario 1 for each state; writes the section's tables and goals.
-pub fn run(report: &mut Report, command: &str, states: &[(usize, DesiredState, Packets)]) {
+/// Measures each state; writes the section's tables and goals.
+fn compare(report: &mut Report, command: &str, states: &[(usize, DesiredState, Packets)]) {
     let mut results = Vec::new();
     let mut per_n: Vec<(usize, Vec<Case>, Vec<f64>)> = Vec::new();
     let mut scaling = None;
@@ -333,7 +340,7 @@ pub fn run(report: &mut Report, command: &str, states: &[(usize, DesiredState, P
     }
 
     report.section(
-        "1. Per-packet cost beside the floor",
+        "Per-packet cost beside the floor",
         &format!(
             "ns per packet under `BPF_PROG_TEST_RUN` (repeat {REPEAT}; the median of {ROUNDS} \
              rounds, each running every row once in turn), the L3 variant (the program a \
@@ -425,4 +432,100 @@ pub fn run(report: &mut Report, command: &str, states: &[(usize, DesiredState, P
 /// The raw IP packet of an Ethernet frame built by [`crate::packet::Packet::frame`].
 pub fn ip(frame: Vec<u8>) -> Vec<u8> {
     frame.get(14..).map(<[u8]>::to_vec).unwrap_or_default()
+}
+
+pub fn run(report: &mut Report, config: &Config) {
+    // The smallest state, and every peer slot and peer map entry in use.
+    let states: Vec<_> = [100, wgfence_common::MAX_PEERS as usize]
+        .into_iter()
+        .map(|n| {
+            progress(&format!("per-packet cost: generating N={n}"));
+            let (_, desired) = parse_value(&gen::state(n, 1));
+            let frames = test_packets(&desired);
+            let frame = |label: &str| {
+                frames
+                    .iter()
+                    .find(|(l, _, _)| *l == label)
+                    .map(|(_, frame, _)| ip(frame.clone()))
+                    .unwrap()
+            };
+            let other = desired
+                .peers
+                .iter()
+                .filter(|p| p.policy.is_none())
+                .filter_map(|p| p.address)
+                .next()
+                .map(|a| Packet::new(&a.to_string(), "192.0.2.1", TCP, 80).ip())
+                .expect("no unrestricted peer");
+            let packets = Packets {
+                unknown: frame("unknown"),
+                unrestricted: frame("unrestricted"),
+                allowed: frame("allowed"),
+                denied: frame("denied"),
+                other_unrestricted: other,
+            };
+            (n, desired, packets)
+        })
+        .collect();
+    compare(report, &config.command, &states);
+}
+
+/// An unrestricted packet, an allowed and a denied one for the last peers of each kind.
+fn test_packets(desired: &DesiredState) -> Vec<(&'static str, Vec<u8>, bool)> {
+    let unrestricted = desired
+        .peers
+        .iter()
+        .rev()
+        .find(|p| p.policy.is_none())
+        .expect("no unrestricted peer");
+    let restricted = desired
+        .peers
+        .iter()
+        .rev()
+        .find(|p| {
+            p.policy
+                .as_ref()
+                .is_some_and(|c| c.entries().any(|(n, _)| n.addr().is_ipv4()))
+        })
+        .expect("no restricted peer with IPv4 rules");
+    let policy: &CompiledPolicy = restricted.policy.as_deref().unwrap();
+    let src = restricted
+        .address
+        .expect("generated peers have IPv4 addresses")
+        .to_string();
+    // Allowed: the first IPv4 entry's network, with its first allow's protocol and port.
+    let (net, allows) = policy.entries().find(|(n, _)| n.addr().is_ipv4()).unwrap();
+    let allow = allows[0];
+    let (proto, port) = match allow.protocol {
+        PROTO_TCP => (TCP, allow.port_lo),
+        PROTO_UDP => (UDP, allow.port_lo),
+        PROTO_ICMP => (ICMP, 0),
+        _ => (TCP, 80),
+    };
+    let dst = net.addr().to_string();
+    assert!(policy.permits(net.addr(), proto, (proto != ICMP).then_some(port)));
+    let allowed = Packet::new(&src, &dst, proto, port).frame();
+    // Denied: a destination and port the policy does not allow.
+    let mut rng = Rng::new(7);
+    let denied = (0..10_000)
+        .map(|_| gen::destination(&mut rng, false))
+        .find(|d| !policy.permits(*d, PROTO_TCP, Some(1)))
+        .map(|d| Packet::new(&src, &d.to_string(), TCP, 1).frame())
+        .expect("no denied destination found");
+    let open_src = unrestricted.address.unwrap().to_string();
+    vec![
+        // The cheapest verdict (one hash lookup that misses): the floor of the harness.
+        (
+            "unknown",
+            Packet::new("192.0.2.99", "192.0.2.1", TCP, 80).frame(),
+            false,
+        ),
+        (
+            "unrestricted",
+            Packet::new(&open_src, "192.0.2.1", TCP, 80).frame(),
+            true,
+        ),
+        ("allowed", allowed, true),
+        ("denied", denied, false),
+    ]
 }
