@@ -93,3 +93,27 @@ pub fn map_mismatch(maps: &Maps, desired: &wgfence::state::DesiredState) -> Opti
         Err(e) => Some(format!("reading the maps: {e}")),
     }
 }
+
+/// The pin names `text` mentions (a doc's list, or a directory listing): map names
+/// (`wgf<layout>_...`), links (`link_...`) and programs (`prog_<direction>_<identity>`, where
+/// the 16 hex digits of a real identity read as `<identity>`), as [`wgfence::dataplane::pins`]
+/// names them.
+pub fn pin_names(text: &str) -> std::collections::BTreeSet<String> {
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || "_<>".contains(c)))
+        .filter(|w| {
+            w.starts_with("link_")
+                || w.starts_with("prog_")
+                || (w.starts_with("wgf") && w.as_bytes().get(4) == Some(&b'_'))
+        })
+        .map(
+            |w| match w.strip_prefix("prog_").and_then(|p| p.split_once('_')) {
+                Some((direction, id))
+                    if id.len() == 16 && id.bytes().all(|b| b.is_ascii_hexdigit()) =>
+                {
+                    format!("prog_{direction}_<identity>")
+                }
+                _ => w.to_owned(),
+            },
+        )
+        .collect()
+}

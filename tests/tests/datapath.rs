@@ -512,3 +512,39 @@ fn a_flow_quota_off_from_the_tables_is_recounted_at_the_next_attach() {
         "slot {slot}: {made} made - {freed} freed for 2 flows"
     );
 }
+
+/// The code's list of pins, which the docs test holds the docs to, is what an attach pins.
+#[test]
+fn an_attach_pins_exactly_what_the_docs_list() {
+    use wgfence::dataplane::{pin_dir, pins, AttachOptions, Dataplane, DEFAULT_BPFFS};
+    use wgfence_tests::net::{unique, Netns};
+
+    struct Pins(String);
+    impl Drop for Pins {
+        fn drop(&mut self) {
+            let _ = Dataplane::detach(std::path::Path::new(DEFAULT_BPFFS), &self.0);
+        }
+    }
+
+    let ns = Netns::new("wgft-pins-");
+    let name = unique("wgp");
+    ns.ip(&[
+        "link", "add", &name, "type", "veth", "peer", "name", "other0",
+    ]);
+    let options = AttachOptions::new(name.clone());
+    // Before `dp`, so it drops after it: the detach waits until nothing holds the links.
+    let _pins = Pins(name.clone());
+    let dp = ns
+        .enter(|| Dataplane::attach(&options))
+        .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+    let listing: Vec<String> =
+        std::fs::read_dir(pin_dir(std::path::Path::new(DEFAULT_BPFFS), &name))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+    let pinned = wgfence_tests::pin_names(&listing.join("\n"));
+    assert_eq!(listing.len(), pinned.len(), "{listing:?}");
+    let expected: std::collections::BTreeSet<String> = pins().into_iter().collect();
+    assert_eq!(pinned, expected);
+    drop(dp);
+}

@@ -76,6 +76,26 @@ pub const LINK_PIN: &str = "link_ingress";
 /// File name of the pinned egress tcx link inside an interface's pin directory.
 pub const LINK_PIN_EGRESS: &str = "link_egress";
 
+/// What the agent pins in an interface's pin directory on the tcx hook, as the docs list it:
+/// every map, the tombstones that stop an agent of layout 1 or 2 (placed at every start), the
+/// two links, and the two programs (`prog_<direction>_<identity>`, with `<identity>` standing
+/// for the hash [`program_identity`] makes). The legacy tc hook pins no link; an upgrade in
+/// progress adds its marker for a while. The docs test compares the lists in README.md and
+/// docs/operations.md with this one.
+#[cfg(any(test, feature = "testing"))]
+pub fn pins() -> Vec<String> {
+    let mut pins: Vec<String> = map_names::ALL
+        .iter()
+        .chain(&upgrade::TOMBSTONE_PINS)
+        .map(|n| (*n).to_owned())
+        .collect();
+    for hook in hooks(&wgfence_common::VARIANT_ETHERNET) {
+        pins.push(hook.link_pin.to_owned());
+        pins.push(format!("{PROGRAM_PIN_PREFIX}{}_<identity>", hook.direction));
+    }
+    pins
+}
+
 /// One program of the datapath and where it hooks in.
 struct Hook {
     program: &'static str,
