@@ -452,28 +452,12 @@ fn a_detach_that_cannot_release_the_links_fails_naming_the_holder() {
 /// is the number of flows the slot holds, so the slot gets its full quota back.
 #[test]
 fn a_flow_quota_off_from_the_tables_is_recounted_at_the_next_attach() {
-    use wgfence::dataplane::{AttachOptions, Dataplane, Flow, DEFAULT_BPFFS};
+    use wgfence::dataplane::{AttachOptions, Dataplane, Flow};
     use wgfence_common::FlowValue;
-    use wgfence_tests::net::{unique, Netns};
 
-    struct Pins(String);
-    impl Drop for Pins {
-        fn drop(&mut self) {
-            let _ = Dataplane::detach(std::path::Path::new(DEFAULT_BPFFS), &self.0);
-        }
-    }
-
-    let ns = Netns::new("wgft-quota-");
-    let name = unique("wgq");
-    ns.ip(&[
-        "link", "add", &name, "type", "veth", "peer", "name", "other0",
-    ]);
+    // In this order, so they drop in the reverse: the datapath, its pins, the namespace.
+    let (ns, name, _pins, mut dp) = attached_to_a_veth("wgft-quota-", "wgq");
     let options = AttachOptions::new(name.clone());
-    // Before `dp`, so it drops after it: the detach waits until nothing holds the links.
-    let _pins = Pins(name.clone());
-    let mut dp = ns
-        .enter(|| Dataplane::attach(&options))
-        .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
     let slot = 7;
     let flow = |port| Flow {
         peer: wgfence_tests::ip("10.8.0.2"),
@@ -516,27 +500,9 @@ fn a_flow_quota_off_from_the_tables_is_recounted_at_the_next_attach() {
 /// The code's list of pins, which the docs test holds the docs to, is what an attach pins.
 #[test]
 fn an_attach_pins_exactly_what_the_docs_list() {
-    use wgfence::dataplane::{pin_dir, pins, AttachOptions, Dataplane, DEFAULT_BPFFS};
-    use wgfence_tests::net::{unique, Netns};
+    use wgfence::dataplane::{pin_dir, pins, DEFAULT_BPFFS};
 
-    struct Pins(String);
-    impl Drop for Pins {
-        fn drop(&mut self) {
-            let _ = Dataplane::detach(std::path::Path::new(DEFAULT_BPFFS), &self.0);
-        }
-    }
-
-    let ns = Netns::new("wgft-pins-");
-    let name = unique("wgp");
-    ns.ip(&[
-        "link", "add", &name, "type", "veth", "peer", "name", "other0",
-    ]);
-    let options = AttachOptions::new(name.clone());
-    // Before `dp`, so it drops after it: the detach waits until nothing holds the links.
-    let _pins = Pins(name.clone());
-    let dp = ns
-        .enter(|| Dataplane::attach(&options))
-        .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+    let (_ns, name, _pins, dp) = attached_to_a_veth("wgft-pins-", "wgp");
     let listing: Vec<String> =
         std::fs::read_dir(pin_dir(std::path::Path::new(DEFAULT_BPFFS), &name))
             .unwrap()
@@ -547,4 +513,36 @@ fn an_attach_pins_exactly_what_the_docs_list() {
     let expected: std::collections::BTreeSet<String> = pins().into_iter().collect();
     assert_eq!(pinned, expected);
     drop(dp);
+}
+
+/// Detaches the datapath of an interface when dropped, after the datapath itself.
+struct Detach(String);
+
+impl Drop for Detach {
+    fn drop(&mut self) {
+        let _ = wgfence::dataplane::Dataplane::detach(
+            std::path::Path::new(wgfence::dataplane::DEFAULT_BPFFS),
+            &self.0,
+        );
+    }
+}
+
+/// A veth (named `link` and a unique suffix) in a namespace of its own, with the datapath
+/// attached to it. Bind the four in this order, so that they drop in the reverse one: the
+/// datapath, then its pins (a detach waits until nothing holds the links), then the namespace.
+fn attached_to_a_veth(
+    ns_prefix: &str,
+    link: &str,
+) -> (net::Netns, String, Detach, wgfence::dataplane::Dataplane) {
+    let ns = net::Netns::new(ns_prefix);
+    let name = net::unique(link);
+    ns.ip(&[
+        "link", "add", &name, "type", "veth", "peer", "name", "other0",
+    ]);
+    let options = wgfence::dataplane::AttachOptions::new(name.clone());
+    let detach = Detach(name.clone());
+    let dp = ns
+        .enter(|| wgfence::dataplane::Dataplane::attach(&options))
+        .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+    (ns, name, detach, dp)
 }
