@@ -286,14 +286,8 @@ mod tests {
             e.src[..4].copy_from_slice(&[10, 8, 0, 2]);
             e.dst[..4].copy_from_slice(&[10, 0, 0, 5]);
         } else {
-            e.src = "fd00:8::2"
-                .parse::<Ipv6Addr>()
-                .map(|a| a.octets())
-                .unwrap_or_default();
-            e.dst = "fd00::5"
-                .parse::<Ipv6Addr>()
-                .map(|a| a.octets())
-                .unwrap_or_default();
+            e.src = "fd00:8::2".parse::<Ipv6Addr>().map(|a| a.octets()).unwrap();
+            e.dst = "fd00::5".parse::<Ipv6Addr>().map(|a| a.octets()).unwrap();
         }
         e
     }
@@ -335,7 +329,7 @@ mod tests {
             "{}",
             v.line()
         );
-        let json = serde_json::to_value(&v).unwrap_or_default();
+        let json = serde_json::to_value(&v).unwrap();
         assert_eq!(json["reason"], "unknown_source");
         assert_eq!(json["dstPort"], 22);
     }

@@ -1625,7 +1625,7 @@ mod tests {
                 p["addressV6"] = json!(format!("fd00:8::{b}"));
             }
             if let Some(r) = g.rules {
-                p["egress"] = serde_json::from_str(RULE_SETS[r]).unwrap_or_default();
+                p["egress"] = serde_json::from_str(RULE_SETS[r]).unwrap();
             }
             if let Some(e) = g.endpoint {
                 p["endpoint"] = json!(format!("198.51.100.{e}:51820"));
@@ -1774,11 +1774,11 @@ mod tests {
         let mut changed = peers;
         changed[7]["egress"] = json!([{ "cidr": "10.0.0.0/8", "protocol": "udp" }]);
         let after = one(Value::Array(changed));
-        let update = plan_update(&before, &after, &kernel.actual()).unwrap_or_default();
+        let update = plan_update(&before, &after, &kernel.actual()).unwrap();
         // The new policy's entry, its rule counters zeroed, and one switch; the old policy is
         // still used by 49 peers.
         assert_eq!(update.ops.len(), 3, "{:#?}", update.ops);
-        assert_eq!(update, plan(&after, &kernel.actual()).unwrap_or_default());
+        assert_eq!(update, plan(&after, &kernel.actual()).unwrap());
         // The same from the change set alone, without comparing the states.
         let changes = Changes {
             touched: vec![&after.peers[7]],
@@ -1957,8 +1957,8 @@ mod tests {
 
         // Omitting egress and "egress": [] are different states, both ways, also incrementally.
         let swapped = one(json!([open(2), closed(3), closed(4)]));
-        let update = plan_update(&nothing, &swapped, &kernel.actual()).unwrap_or_default();
-        assert_eq!(update, plan(&swapped, &kernel.actual()).unwrap_or_default());
+        let update = plan_update(&nothing, &swapped, &kernel.actual()).unwrap();
+        assert_eq!(update, plan(&swapped, &kernel.actual()).unwrap());
         assert_eq!(update.ops.len(), 2, "two switches: {:#?}", update.ops);
         for op in &update.ops {
             kernel.apply(op);
@@ -2225,7 +2225,7 @@ mod tests {
             { "name": "a", "publicKey": key(1), "address": "10.8.0.2", "egress": rules },
             { "name": "b", "publicKey": key(2), "address": "10.8.0.3", "egress": rules },
         ]));
-        let p = plan(&s, &Actual::default()).unwrap_or_default();
+        let p = plan(&s, &Actual::default()).unwrap();
         let policy_puts = p
             .ops
             .iter()

@@ -528,7 +528,7 @@ mod tests {
             tcp("10.0.0.0/8", &[(8000, 8100)]),
             tcp("10.0.0.0/8", &[(8060, 8070)]),
         ])
-        .unwrap_or_default();
+        .unwrap();
         let entries: Vec<_> = p.entries().map(|(_, a)| a.to_vec()).collect();
         assert_eq!(
             entries,
@@ -545,7 +545,7 @@ mod tests {
             tcp("10.0.0.0/8", &[(443, 443)]),
             tcp("10.0.0.0/8", &[(8050, 8200)]),
         ])
-        .unwrap_or_default();
+        .unwrap();
         assert_eq!(p, q);
     }
 
@@ -555,7 +555,7 @@ mod tests {
             "10.0.0.0/8",
             &[(443, 443), (8000, 8100), (8050, 8200), (444, 500)],
         )])
-        .unwrap_or_default();
+        .unwrap();
         let entries: Vec<_> = p.entries().collect();
         assert_eq!(
             entries,
@@ -575,7 +575,7 @@ mod tests {
             tcp("10.0.0.0/8", &[(22, 22)]),
             Rule::new(net("10.0.0.0/8"), Protocol::Any, vec![]),
         ];
-        let p = compile(&rules).unwrap_or_default();
+        let p = compile(&rules).unwrap();
         let entries: Vec<_> = p.entries().collect();
         assert_eq!(
             entries,
@@ -594,7 +594,7 @@ mod tests {
                 vec![PortRange::single(53)],
             ),
         ];
-        let p = compile(&rules).unwrap_or_default();
+        let p = compile(&rules).unwrap();
         // 10.1.2.3 matches /16 longest: it keeps ICMP from /0 and TCP 443 from /8.
         assert!(p.permits(ip("10.1.2.3"), PROTO_UDP, Some(53)));
         assert!(p.permits(ip("10.1.2.3"), PROTO_TCP, Some(443)));
@@ -630,7 +630,7 @@ mod tests {
             tcp("10.0.0.0/8", &[(1, 1000)]),
             tcp("10.1.0.0/16", &[(80, 80)]),
         ];
-        let p = compile(&rules).unwrap_or_default();
+        let p = compile(&rules).unwrap();
         assert_eq!(p.len(), 1);
         assert!(p.permits(ip("10.1.0.1"), PROTO_TCP, Some(80)));
     }
@@ -640,8 +640,7 @@ mod tests {
         let rule = tcp("0.0.0.0/0", &[(443, 443)]).with_except(vec![net("10.96.0.0/12")]);
         // One prefix per bit from /0 to /12: the halves that do not hold the hole.
         assert_eq!(rule.pieces().len(), 12);
-        let p = compile(&[rule, Rule::new(net("0.0.0.0/0"), Protocol::Icmp, vec![])])
-            .unwrap_or_default();
+        let p = compile(&[rule, Rule::new(net("0.0.0.0/0"), Protocol::Icmp, vec![])]).unwrap();
         assert!(p.permits(ip("10.95.255.255"), PROTO_TCP, Some(443)));
         assert!(!p.permits(ip("10.96.0.1"), PROTO_TCP, Some(443)));
         assert!(!p.permits(ip("10.111.255.255"), PROTO_TCP, Some(443)));
@@ -657,7 +656,7 @@ mod tests {
             Protocol::Icmp,
             vec![PortRange::single(8)],
         );
-        let p = compile(&[rule]).unwrap_or_default();
+        let p = compile(&[rule]).unwrap();
         assert!(p.permits(ip("192.0.2.1"), PROTO_ICMP, Some(8)));
         assert!(!p.permits(ip("192.0.2.1"), PROTO_ICMP, Some(0)));
         // A type the datapath did not read (a later fragment, an old datapath): dropped.
@@ -668,7 +667,7 @@ mod tests {
 
     #[test]
     fn host_bits_are_cleared() {
-        let p = compile(&[tcp("10.1.2.3/8", &[])]).unwrap_or_default();
+        let p = compile(&[tcp("10.1.2.3/8", &[])]).unwrap();
         assert_eq!(
             p.entries().map(|(n, _)| n).collect::<Vec<_>>(),
             vec![net("10.0.0.0/8")]
@@ -677,8 +676,7 @@ mod tests {
 
     #[test]
     fn only_port_less_entries_match_unknown_ports() {
-        let p = compile(&[tcp("10.0.0.0/8", &[(443, 443)]), tcp("10.9.0.0/16", &[])])
-            .unwrap_or_default();
+        let p = compile(&[tcp("10.0.0.0/8", &[(443, 443)]), tcp("10.9.0.0/16", &[])]).unwrap();
         assert!(!p.permits(ip("10.1.0.1"), PROTO_TCP, None));
         assert!(p.permits(ip("10.9.0.1"), PROTO_TCP, None));
     }
@@ -771,14 +769,14 @@ mod properties {
     fn v4_net() -> impl Strategy<Value = IpNet> {
         (0u8..4, 0u8..4, 0u8..=32).prop_map(|(a, b, len)| {
             let addr = Ipv4Addr::new(10, a, b, a ^ b);
-            IpNet::V4(Ipv4Net::new(addr, len).unwrap_or_default().trunc())
+            IpNet::V4(Ipv4Net::new(addr, len).unwrap().trunc())
         })
     }
 
     fn v6_net() -> impl Strategy<Value = IpNet> {
         (0u16..4, 0u16..4, 0u8..=128).prop_map(|(a, b, len)| {
             let addr = Ipv6Addr::new(0xfd00, a, b, 0, 0, 0, 0, a ^ b);
-            IpNet::V6(Ipv6Net::new(addr, len).unwrap_or_default().trunc())
+            IpNet::V6(Ipv6Net::new(addr, len).unwrap().trunc())
         })
     }
 

@@ -968,7 +968,7 @@ mod tests {
         let text = state(vec![p]);
         let parsed = parse(&text).unwrap();
         assert_eq!(parse_value_tree(&text), Ok(parsed.clone()));
-        let rules = parsed.peers[0].rules.clone().unwrap_or_default();
+        let rules = parsed.peers[0].rules.clone().unwrap();
         let icmp4 = rules
             .iter()
             .find(|r| {

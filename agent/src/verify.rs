@@ -252,16 +252,16 @@ mod tests {
     #[test]
     fn what_a_state_compiles_to_has_no_drift() {
         let state = state();
-        let maps = compiled_maps(&state).unwrap_or_default();
+        let maps = compiled_maps(&state).unwrap();
         assert_eq!(drift_of(&state, &Actual::new(maps, wg(&state))), vec![]);
     }
 
     #[test]
     fn names_each_entry_that_differs() {
         let state = state();
-        let mut maps = compiled_maps(&state).unwrap_or_default();
+        let mut maps = compiled_maps(&state).unwrap();
         let alice: IpAddr = "10.8.0.2".parse().unwrap();
-        let id = maps.peers.get(&alice).map(|e| e.policy).unwrap_or_default();
+        let id = maps.peers.get(&alice).map(|e| e.policy).unwrap();
         // An allow entry added behind the agent's back, a stranger's peer entry, an orphan
         // policy and an extra allowed IP.
         if let Some(policy) = maps.policies.get_mut(&id) {

@@ -753,14 +753,14 @@ mod tests {
 
     #[test]
     fn trie_keys_count_the_policy_id_bits() {
-        let net: Ipv4Net = "10.1.0.0/16".parse().unwrap_or_default();
+        let net: Ipv4Net = "10.1.0.0/16".parse().unwrap();
         let key = key_v4(7, net);
         assert_eq!(key.prefix_len(), 48);
         assert_eq!(key.data().policy, 7);
         assert_eq!(key.data().addr, [10, 1, 0, 0]);
         assert_eq!(prefix_len(key.prefix_len(), 32).ok(), Some(16));
 
-        let net: Ipv6Net = "fd00::/8".parse().unwrap_or_default();
+        let net: Ipv6Net = "fd00::/8".parse().unwrap();
         let key = key_v6(9, net);
         assert_eq!(key.prefix_len(), 40);
         assert_eq!(prefix_len(key.prefix_len(), 128).ok(), Some(8));

@@ -130,11 +130,11 @@ mod tests {
             .iter()
             .find(|p| p.name == "alice")
             .and_then(|p| p.rules.clone())
-            .unwrap_or_default();
+            .unwrap();
         let tcp = alice
             .iter()
             .position(|r| r.protocol == crate::policy::Protocol::Tcp)
-            .unwrap_or_default();
+            .unwrap();
         assert_eq!(
             map.rule("alice", tcp),
             ["peers[1].egress[0]", "peers[1].egress[2]"]

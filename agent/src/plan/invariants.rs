@@ -407,7 +407,7 @@ mod tests {
               "egress": [{ "cidr": "10.0.0.0/8", "protocol": "tcp" }] },
         ]));
         let mut kernel = Actual::default();
-        for op in plan(&old, &kernel).map(|p| p.ops).unwrap_or_default() {
+        for op in plan(&old, &kernel).map(|p| p.ops).unwrap() {
             kernel.apply(&op);
         }
         assert_eq!(check_converged(&kernel, &old), Ok(()));
