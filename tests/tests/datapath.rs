@@ -246,7 +246,8 @@ fn a_restart_takes_over_the_running_programs_only_on_the_same_maps() {
         (
             id(Dataplane::egress_link_info(&gw.bpffs, gw.interface())
                 .unwrap_or_else(|e| panic!("{e}"))),
-            id(Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"))),
+            id(Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
+                .unwrap_or_else(|e| panic!("{e}"))),
         )
     };
     drop(gw.attach());
@@ -407,7 +408,7 @@ fn a_detach_that_cannot_release_the_links_fails_naming_the_holder() {
     let mut dp = ns
         .enter(|| Dataplane::attach(&options))
         .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
-    let (link, _) = Dataplane::link_info(bpffs, &name)
+    let (link, _) = Dataplane::ingress_link_info(bpffs, &name)
         .ok()
         .flatten()
         .unwrap_or_else(|| panic!("no pinned link"));

@@ -244,7 +244,7 @@ fn on_the_tc_hook_the_datapath_enforces_like_on_tcx() {
     assert_our_filters_first(&gw, "attached");
     // Nothing on the tcx hook: the tc filters do the work.
     assert_eq!(
-        Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
+        Dataplane::ingress_link_info(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}")),
         None
     );
     assert!(gw.node.enter(|| dp.programs_attached()).unwrap_or(false));
@@ -537,7 +537,9 @@ fn switching_between_tc_and_tcx_hands_over_without_leaving_the_old_hook_behind()
     let ours = |dir: &str| {
         tc_out(&gw, &["filter", "show", "dev", gw.interface(), dir]).contains("0x77670001")
     };
-    let link = || Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"));
+    let link = || {
+        Dataplane::ingress_link_info(&gw.bpffs, gw.interface()).unwrap_or_else(|e| panic!("{e}"))
+    };
     assert_eq!(link(), None);
     let enforced = |when: &str| {
         let r = &gw.peers[0].ns;

@@ -69,7 +69,7 @@ pub const FLOOR_OBJECT_PATH: &str = env!("WGFENCE_FLOOR_OBJECT");
 /// Where bpffs is normally mounted.
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
 /// File name of the pinned ingress tcx link inside an interface's pin directory.
-pub const LINK_PIN: &str = "link_ingress";
+pub const LINK_PIN_INGRESS: &str = "link_ingress";
 /// File name of the pinned egress tcx link inside an interface's pin directory.
 pub const LINK_PIN_EGRESS: &str = "link_egress";
 
@@ -98,7 +98,7 @@ const fn hooks(variant: &Variant) -> [Hook; 2] {
             program: variant.ingress,
             attach_type: TcAttachType::Ingress,
             bpf_attach_type: sys::BPF_TCX_INGRESS,
-            link_pin: LINK_PIN,
+            link_pin: LINK_PIN_INGRESS,
             direction: "ingress",
         },
     ]
@@ -296,7 +296,7 @@ impl Dataplane {
     /// Must run in the interface's network namespace.
     pub fn attach(options: &AttachOptions) -> Result<Self> {
         let interface = options.interface.as_str();
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let variant = iface::variant(interface)?;
         let hooks = hooks(&variant);
         ensure_bpffs(&options.bpffs)?;
@@ -306,24 +306,7 @@ impl Dataplane {
         let ifindex = iface::index(interface)?;
         let kind = hook::choose(options.hook, ifindex)?;
         if kind == HookKind::Tc {
-            for hook in &hooks {
-                if let tc::Place::Foreign(filter) =
-                    tc::place(ifindex, hook.attach_type, hook.program).map_err(|source| {
-                        DataplaneError::Qdisc {
-                            interface: interface.to_owned(),
-                            source,
-                        }
-                    })?
-                {
-                    return Err(DataplaneError::ForeignFilter {
-                        interface: interface.to_owned(),
-                        direction: hook.direction,
-                        priority: tc::TC_PRIORITY,
-                        handle: tc::TC_HANDLE,
-                        found: format!("{filter:?}"),
-                    });
-                }
-            }
+            check_tc_places(interface, ifindex, &hooks)?;
         }
         let pin_dir = pin_dir(&options.bpffs, interface);
         // Before anything in the kernel changes: another agent on this interface is an error.
@@ -331,7 +314,7 @@ impl Dataplane {
         // An interrupted detach left its links attached under another name: finish it first,
         // or its program would stay in the chain beside ours. Its filters (tc) are at the
         // agent's place: taken over below.
-        let mut added_qdisc = remove_detaching(&options.bpffs, interface)?.added_qdisc
+        let added_qdisc = remove_detaching(&options.bpffs, interface)?.added_qdisc
             || pin_dir.join(tc::QDISC_MARKER).is_dir();
         // Links that run an older layout's programs: fill the new maps from the old ones
         // before the switch (see `upgrade`). Decided before the loader creates anything.
@@ -348,37 +331,14 @@ impl Dataplane {
         };
         let mut upgrade =
             upgrade::Upgrade::prepare(&pin_dir, running(ingress_hook)?, running(egress_hook)?)?;
-
-        let pins: Vec<(&'static str, PathBuf)> = map_names::ALL
-            .iter()
-            .map(|name| (*name, pin_dir.join(name)))
-            .collect();
         let log_level: u8 = if options.datapath_debug {
             LOG_LEVEL_DEBUG
         } else {
             0
         };
-        let mut loader = EbpfLoader::new();
-        loader.override_global(AYA_LOG_LEVEL, &log_level, false);
-        for (name, path) in &pins {
-            // Reuses the pinned map if there is one, else creates and pins it.
-            loader.map_pin_path(name, path.as_path());
-        }
         let prelude = started.elapsed();
-        let mut ebpf = loader.load(OBJECT)?;
-        let object = started.elapsed();
-        // Before anything is attached: an adopted map of another layout is an error.
-        let maps = Maps::from_ebpf(&mut ebpf)?;
-        let map_pins = pins
-            .iter()
-            .map(|(name, path)| {
-                MapData::from_pin(path)
-                    .map(|data| (*name, data))
-                    .map_err(|source| DataplaneError::Map { map: name, source })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let (mut ebpf, maps, map_pins, object) = load_object(&pin_dir, log_level, started)?;
         let maps_opened = started.elapsed();
-
         // The running programs, if they are this very object's and use these very maps: taken
         // over as they are, without loading and verifying them again (see `adopt_programs`).
         let identity = program_identity(log_level, &variant);
@@ -388,17 +348,7 @@ impl Dataplane {
             Vec::new()
         };
         if adopted.is_empty() {
-            // Pins of programs about to be replaced: gone before the switch, so that none
-            // names a program the links no longer run.
-            remove_program_pins(&pin_dir, &hooks)?;
-            // Both programs are verified before either is switched: the two link updates (or
-            // filter replacements) follow each other without a verifier run between them.
-            // Only the variant's two programs are loaded; the other variant's stay in the
-            // object.
-            for hook in &hooks {
-                let program = classifier(&mut ebpf, hook.program)?;
-                program.load().map_err(program_err(hook.program))?;
-            }
+            load_programs(&pin_dir, &hooks, &mut ebpf)?;
         }
         let verified = started.elapsed();
         if let Some(upgrade) = upgrade.as_mut() {
@@ -410,53 +360,18 @@ impl Dataplane {
             }
             upgrade.mark_switch(&pin_dir, &ids)?;
         }
-
-        let mut attachment = Attachment::Created;
-        let mut links = Vec::with_capacity(hooks.len());
-        if kind == HookKind::Tc && tc::ensure_clsact(interface)? {
-            added_qdisc = true;
+        let added_qdisc = mark_hook(kind, interface, &pin_dir, added_qdisc)?;
+        let switch = Instant::now();
+        let (attachment, links) = Switch {
+            kind,
+            hooks: &hooks,
+            variant: &variant,
+            interface,
+            ifindex,
+            pin_dir: &pin_dir,
+            upgrading: upgrade.is_some(),
         }
-        if added_qdisc {
-            mark(&pin_dir, tc::QDISC_MARKER)?;
-        }
-        if kind == HookKind::Tc {
-            mark(&pin_dir, tc::HOOK_MARKER)?;
-        } else {
-            remove_dir_if_exists(&pin_dir.join(tc::HOOK_MARKER))?;
-        }
-        let switch = std::time::Instant::now();
-        for hook in &hooks {
-            let program = program_of(&mut ebpf, &mut adopted, hook.program)?;
-            let (attached, link) = match kind {
-                HookKind::Tcx => {
-                    let link_path = pin_dir.join(hook.link_pin);
-                    let (attached, link) = attach_or_replace(program, hook, interface, &link_path)?;
-                    (attached, Some(link))
-                }
-                HookKind::Tc => {
-                    let existed = tc::attach_or_replace(
-                        program,
-                        hook.program,
-                        interface,
-                        ifindex,
-                        hook.attach_type,
-                    )?;
-                    let attached = if existed {
-                        Attachment::Replaced
-                    } else {
-                        Attachment::Created
-                    };
-                    (attached, None)
-                }
-            };
-            if hook.program == variant.ingress {
-                attachment = attached;
-            }
-            links.push(link);
-            if upgrade.is_some() {
-                upgrade::failpoint(&format!("upgrade-switched-{}", hook.link_pin));
-            }
-        }
+        .run(&mut ebpf, &mut adopted)?;
         let switch = switch.elapsed();
         let switched = started.elapsed();
         if kind == HookKind::Tcx && adopted.is_empty() {
@@ -470,49 +385,13 @@ impl Dataplane {
                 );
             }
         }
-        // The new programs enforce the full translated state from here on: what is left (late
-        // flows, counter increments, the old pins) is no reason to stop the agent.
-        let upgraded = upgrade.and_then(|upgrade| match upgrade.finish(&pin_dir, switch) {
-            Ok(report) => Some(report),
-            Err(e) => {
-                tracing::error!(
-                    pin_dir = %pin_dir.display(),
-                    error = %crate::error_chain(&e),
-                    "the programs run layout 3 with the translated state, but finishing the \
-                     upgrade failed: flows recorded during the switch may be lost, the old \
-                     pins are removed at the next start"
-                );
-                None
-            }
-        });
-        // Pins of the old layout nothing runs any more, and the tombstone that makes an agent
-        // of the old layout stop before it attaches. A failure here costs no enforcement.
-        if let Err(e) = upgrade::tidy(&pin_dir) {
-            tracing::error!(
-                pin_dir = %pin_dir.display(),
-                error = %crate::error_chain(&e),
-                "could not tidy the pins of layouts 1 and 2 or place the tombstones: an agent \
-                 of an older layout started now could replace the programs"
-            );
-        }
+        let upgraded = upgrade.and_then(|upgrade| finish_upgrade(upgrade, &pin_dir, switch));
+        tidy_old_layouts(&pin_dir);
         // The programs run on the chosen hook now: what the agent left on the other one (a
         // switch of --attach) goes, after, so no packet meets neither.
         remove_other_hook(kind, &pin_dir, interface, ifindex)?;
-        // The quota counts as the tables are now (nothing else reconciles them).
         let mut maps = maps;
-        match maps.recount_flow_quota() {
-            Ok(slots) if slots.is_empty() => {}
-            Ok(slots) => tracing::warn!(
-                interface,
-                ?slots,
-                "the flow quota of these slots did not match their flows: recounted"
-            ),
-            Err(e) => tracing::error!(
-                interface,
-                error = %crate::error_chain(&e),
-                "could not recount the flow quota; it is recounted at the next start"
-            ),
-        }
+        recount_flow_quota(&mut maps, interface);
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         tracing::debug!(
             interface,
@@ -665,7 +544,7 @@ impl Dataplane {
                 let slot = self
                     .links
                     .get_mut(i)
-                    .ok_or(DataplaneError::MissingMap(hook.link_pin))?;
+                    .ok_or(DataplaneError::MissingLink(hook.link_pin))?;
                 if let Some(old) = slot.replace(new) {
                     if moved {
                         // The old device may still exist under another name, its peers still
@@ -682,7 +561,7 @@ impl Dataplane {
             let slot = self
                 .links
                 .get_mut(i)
-                .ok_or(DataplaneError::MissingMap(hook.link_pin))?;
+                .ok_or(DataplaneError::MissingLink(hook.link_pin))?;
             if moved {
                 // The programs run on the device now named `interface` through links held as
                 // retired (it was renamed away and back): they become the pinned ones again.
@@ -709,7 +588,7 @@ impl Dataplane {
                 // open whatever happens, so a failure detaches nothing.
                 let pinned = match slot {
                     Some(link) => link.pin(&link_path),
-                    None => Err(DataplaneError::MissingMap(hook.link_pin)),
+                    None => Err(DataplaneError::MissingLink(hook.link_pin)),
                 };
                 match pinned {
                     Ok(()) => repairs.push(Repair::LinkPin(hook.link_pin)),
@@ -1015,9 +894,9 @@ impl Dataplane {
         Ok(detached)
     }
 
-    /// The pinned link of an interface, if any: (link id, program id).
-    pub fn link_info(bpffs: &Path, interface: &str) -> Result<Option<(u32, u32)>> {
-        Self::pinned_link_info(bpffs, interface, LINK_PIN)
+    /// The pinned ingress link of an interface, if any: (link id, program id).
+    pub fn ingress_link_info(bpffs: &Path, interface: &str) -> Result<Option<(u32, u32)>> {
+        Self::pinned_link_info(bpffs, interface, LINK_PIN_INGRESS)
     }
 
     /// The pinned egress link of an interface, if any: (link id, program id). Without it,
@@ -1115,7 +994,8 @@ impl Dataplane {
     /// for (what an agent loads for it), if the interface is in this network namespace. `None`
     /// when no link is pinned or it runs a program of neither variant.
     pub fn running_variant(bpffs: &Path, interface: &str) -> Result<Option<Variant>> {
-        let Some(running) = upgrade::running(&pin_dir(bpffs, interface).join(LINK_PIN))? else {
+        let Some(running) = upgrade::running(&pin_dir(bpffs, interface).join(LINK_PIN_INGRESS))?
+        else {
             return Ok(None);
         };
         Ok(match running.program {
@@ -1143,6 +1023,204 @@ fn program_err(program: &'static str) -> impl Fn(aya::programs::ProgramError) ->
 }
 
 /// One of the datapath's classifiers (a [`Variant`]'s `ingress` or `egress`).
+/// On the tc hook: an error if a filter that is not the agent's holds its place (priority and
+/// handle) on either direction.
+fn check_tc_places(interface: &str, ifindex: u32, hooks: &[Hook]) -> Result<()> {
+    for hook in hooks {
+        let place = tc::place(ifindex, hook.attach_type, hook.program).map_err(|source| {
+            DataplaneError::Qdisc {
+                interface: interface.to_owned(),
+                source,
+            }
+        })?;
+        if let tc::Place::Foreign(filter) = place {
+            return Err(DataplaneError::ForeignFilter {
+                interface: interface.to_owned(),
+                direction: hook.direction,
+                priority: tc::TC_PRIORITY,
+                handle: tc::TC_HANDLE,
+                found: format!("{filter:?}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Loads the object with every map at its pin under `pin_dir` (the pinned map reused if there
+/// is one, else created and pinned), checks the maps' layout, and opens the pins a second time.
+/// With the time since `started` at which the object was loaded.
+#[allow(clippy::type_complexity)]
+fn load_object(
+    pin_dir: &Path,
+    log_level: u8,
+    started: Instant,
+) -> Result<(Ebpf, Maps, Vec<(&'static str, MapData)>, Duration)> {
+    let pins: Vec<(&'static str, PathBuf)> = map_names::ALL
+        .iter()
+        .map(|name| (*name, pin_dir.join(name)))
+        .collect();
+    let mut loader = EbpfLoader::new();
+    loader.override_global(AYA_LOG_LEVEL, &log_level, false);
+    for (name, path) in &pins {
+        loader.map_pin_path(name, path.as_path());
+    }
+    let mut ebpf = loader.load(OBJECT)?;
+    let object = started.elapsed();
+    // Before anything is attached: an adopted map of another layout is an error.
+    let maps = Maps::from_ebpf(&mut ebpf)?;
+    let map_pins = pins
+        .iter()
+        .map(|(name, path)| {
+            MapData::from_pin(path)
+                .map(|data| (*name, data))
+                .map_err(|source| DataplaneError::Map { map: name, source })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((ebpf, maps, map_pins, object))
+}
+
+/// Loads (verifies) the variant's two programs of the object, after removing the pins of the
+/// programs they replace.
+fn load_programs(pin_dir: &Path, hooks: &[Hook; 2], ebpf: &mut Ebpf) -> Result<()> {
+    // Pins of programs about to be replaced: gone before the switch, so that none names a
+    // program the links no longer run.
+    remove_program_pins(pin_dir, hooks)?;
+    // Both programs are verified before either is switched: the two link updates (or filter
+    // replacements) follow each other without a verifier run between them. Only the variant's
+    // two programs are loaded; the other variant's stay in the object.
+    for hook in hooks {
+        let program = classifier(ebpf, hook.program)?;
+        program.load().map_err(program_err(hook.program))?;
+    }
+    Ok(())
+}
+
+/// Marks the hook in the pin directory (and the clsact qdisc, if the agent added it, which it
+/// does here on the tc hook when there is none); whether the agent added the qdisc.
+fn mark_hook(kind: HookKind, interface: &str, pin_dir: &Path, added_qdisc: bool) -> Result<bool> {
+    let added_qdisc = (kind == HookKind::Tc && tc::ensure_clsact(interface)?) || added_qdisc;
+    if added_qdisc {
+        mark(pin_dir, tc::QDISC_MARKER)?;
+    }
+    if kind == HookKind::Tc {
+        mark(pin_dir, tc::HOOK_MARKER)?;
+    } else {
+        remove_dir_if_exists(&pin_dir.join(tc::HOOK_MARKER))?;
+    }
+    Ok(added_qdisc)
+}
+
+/// The switch: each hook's program attached, or put in place of what runs there.
+struct Switch<'a> {
+    kind: HookKind,
+    hooks: &'a [Hook],
+    variant: &'a Variant,
+    interface: &'a str,
+    ifindex: u32,
+    pin_dir: &'a Path,
+    upgrading: bool,
+}
+
+impl Switch<'_> {
+    /// What happened on the ingress hook, and the links (one per hook; `None` on tc).
+    fn run(
+        &self,
+        ebpf: &mut Ebpf,
+        adopted: &mut [(&'static str, SchedClassifier)],
+    ) -> Result<(Attachment, Vec<Option<HeldLink>>)> {
+        let mut attachment = Attachment::Created;
+        let mut links = Vec::with_capacity(self.hooks.len());
+        for hook in self.hooks {
+            let program = program_of(ebpf, adopted, hook.program)?;
+            let (attached, link) = match self.kind {
+                HookKind::Tcx => {
+                    let link_path = self.pin_dir.join(hook.link_pin);
+                    let (attached, link) =
+                        attach_or_replace(program, hook, self.interface, &link_path)?;
+                    (attached, Some(link))
+                }
+                HookKind::Tc => {
+                    let existed = tc::attach_or_replace(
+                        program,
+                        hook.program,
+                        self.interface,
+                        self.ifindex,
+                        hook.attach_type,
+                    )?;
+                    let attached = if existed {
+                        Attachment::Replaced
+                    } else {
+                        Attachment::Created
+                    };
+                    (attached, None)
+                }
+            };
+            if hook.program == self.variant.ingress {
+                attachment = attached;
+            }
+            links.push(link);
+            if self.upgrading {
+                upgrade::failpoint(&format!("upgrade-switched-{}", hook.link_pin));
+            }
+        }
+        Ok((attachment, links))
+    }
+}
+
+/// Finishes an upgrade whose switch took `switch`. The new programs enforce the full
+/// translated state by now: what is left (late flows, counter increments, the old pins) is
+/// logged, no reason to stop the agent.
+fn finish_upgrade(
+    upgrade: upgrade::Upgrade,
+    pin_dir: &Path,
+    switch: Duration,
+) -> Option<UpgradeReport> {
+    match upgrade.finish(pin_dir, switch) {
+        Ok(report) => Some(report),
+        Err(e) => {
+            tracing::error!(
+                pin_dir = %pin_dir.display(),
+                error = %crate::error_chain(&e),
+                "the programs run layout 3 with the translated state, but finishing the \
+                 upgrade failed: flows recorded during the switch may be lost, the old \
+                 pins are removed at the next start"
+            );
+            None
+        }
+    }
+}
+
+/// Removes the pins of the old layouts nothing runs any more, and places the tombstones that
+/// make an agent of an old layout stop before it attaches. A failure costs no enforcement.
+fn tidy_old_layouts(pin_dir: &Path) {
+    if let Err(e) = upgrade::tidy(pin_dir) {
+        tracing::error!(
+            pin_dir = %pin_dir.display(),
+            error = %crate::error_chain(&e),
+            "could not tidy the pins of layouts 1 and 2 or place the tombstones: an agent \
+             of an older layout started now could replace the programs"
+        );
+    }
+}
+
+/// Recounts the flow quota of every slot from the flows the tables hold (nothing else
+/// reconciles them); a failure is logged, and repaired at the next start.
+fn recount_flow_quota(maps: &mut Maps, interface: &str) {
+    match maps.recount_flow_quota() {
+        Ok(slots) if slots.is_empty() => {}
+        Ok(slots) => tracing::warn!(
+            interface,
+            ?slots,
+            "the flow quota of these slots did not match their flows: recounted"
+        ),
+        Err(e) => tracing::error!(
+            interface,
+            error = %crate::error_chain(&e),
+            "could not recount the flow quota; it is recounted at the next start"
+        ),
+    }
+}
+
 pub(crate) fn classifier<'a>(
     ebpf: &'a mut Ebpf,
     program: &'static str,
@@ -1565,7 +1643,7 @@ fn remove_marked_dir(dir: &Path) -> Result<()> {
 fn remove_other_hook(kind: HookKind, pin_dir: &Path, interface: &str, ifindex: u32) -> Result<()> {
     match kind {
         HookKind::Tc => {
-            for pin in [LINK_PIN, LINK_PIN_EGRESS] {
+            for pin in [LINK_PIN_INGRESS, LINK_PIN_EGRESS] {
                 remove_if_exists(&pin_dir.join(pin))?;
             }
         }
@@ -1604,7 +1682,7 @@ fn unpin_all(dir: &Path) -> Result<Vec<u32>> {
     let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
     let link_index = |p: &PathBuf| {
         let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        [LINK_PIN, LINK_PIN_EGRESS]
+        [LINK_PIN_INGRESS, LINK_PIN_EGRESS]
             .iter()
             .position(|link| *link == name)
     };

@@ -200,7 +200,7 @@ pub(crate) mod v2 {
         pub tcp_timeout_ns: u64,
         pub tcp_closing_timeout_ns: u64,
         pub udp_timeout_ns: u64,
-        pub other_timeout_ns: u64,
+        pub icmp_timeout_ns: u64,
         pub unanswered_timeout_ns: u64,
         pub event_interval_ns: u64,
         pub event_burst_ns: u64,
@@ -499,7 +499,7 @@ fn pin_u32_array(
 /// The layout the datapath pinned in `pin_dir` runs, by its ingress link; `None` when no link
 /// is pinned or its program is not a wgfence one.
 pub(crate) fn running_layout(pin_dir: &Path) -> Result<Option<u32>> {
-    Ok(running(&pin_dir.join(super::LINK_PIN))?.and_then(|r| r.layout))
+    Ok(running(&pin_dir.join(super::LINK_PIN_INGRESS))?.and_then(|r| r.layout))
 }
 
 /// Processes other than this one that hold the hook's BPF link (a tcx link) or its program
@@ -993,7 +993,7 @@ impl Upgrade {
             tcp_timeout_ns: config.tcp_timeout_ns,
             tcp_closing_timeout_ns: config.tcp_closing_timeout_ns,
             udp_timeout_ns: config.udp_timeout_ns,
-            other_timeout_ns: config.other_timeout_ns,
+            icmp_timeout_ns: config.icmp_timeout_ns,
             unanswered_timeout_ns: config.unanswered_timeout_ns,
             event_interval_ns: config.event_interval_ns,
             event_burst_ns: config.event_burst_ns,

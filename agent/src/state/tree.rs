@@ -1,6 +1,6 @@
 //! The value-tree walk over a state file: it reads the file as a JSON value tree and collects
 //! every error, each naming the peer and the field. It decides what is an error and says so;
-//! the typed pass (`fast`) only ever accepts what this walk accepts.
+//! the typed pass (`typed`) only ever accepts what this walk accepts.
 
 use std::{
     collections::{BTreeSet, HashMap},
