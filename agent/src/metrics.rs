@@ -105,25 +105,8 @@ impl Metrics {
     pub fn new(bpffs: PathBuf, interface: String, peer_metrics: bool) -> Self {
         let mut registry = Registry::default();
         let r = &mut registry;
-        // 100 µs .. ~1.6 s
-        let reconcile_duration = Histogram::new(exponential_buckets(0.0001, 2.0, 15));
-        r.register(
-            "wgfence_reconcile_duration_seconds",
-            "Time to plan and apply one state",
-            reconcile_duration.clone(),
-        );
-        let datapath_repairs = Family::<RepairLabels, Counter>::default();
-        for what in Repair::KINDS {
-            // Every kind from the start, at 0: an alert can compare against it.
-            let _ = datapath_repairs.get_or_create(&[("what", what)]);
-        }
-        r.register(
-            "wgfence_datapath_repairs",
-            "Repairs made while enforcing, by what: pin_dir (the pin directory, <bpffs>/wgfence \
-             or bpffs removed, not by wgfence detach), map_pin, link_pin, reattach (the \
-             interface was recreated)",
-            datapath_repairs.clone(),
-        );
+        let reconcile_duration = reconcile_duration(r);
+        let datapath_repairs = datapath_repairs(r);
         let slot_names: SlotNames = Arc::default();
         let rule_names: RuleNames = Arc::default();
         r.register_collector(Box::new(DatapathCollector {
@@ -206,6 +189,34 @@ impl Metrics {
         }
         out
     }
+}
+
+/// The reconcile time histogram, registered: 100 µs .. ~1.6 s.
+fn reconcile_duration(registry: &mut Registry) -> Histogram {
+    let histogram = Histogram::new(exponential_buckets(0.0001, 2.0, 15));
+    registry.register(
+        "wgfence_reconcile_duration_seconds",
+        "Time to plan and apply one state",
+        histogram.clone(),
+    );
+    histogram
+}
+
+/// The repair counters by kind, registered, every kind from the start at 0: an alert can
+/// compare against it.
+fn datapath_repairs(registry: &mut Registry) -> Family<RepairLabels, Counter> {
+    let datapath_repairs = Family::<RepairLabels, Counter>::default();
+    for what in Repair::KINDS {
+        let _ = datapath_repairs.get_or_create(&[("what", what)]);
+    }
+    registry.register(
+        "wgfence_datapath_repairs",
+        "Repairs made while enforcing, by what: pin_dir (the pin directory, <bpffs>/wgfence \
+         or bpffs removed, not by wgfence detach), map_pin, link_pin, reattach (the \
+         interface was recreated)",
+        datapath_repairs.clone(),
+    );
+    datapath_repairs
 }
 
 /// A new metric, registered under `name` with `help`.

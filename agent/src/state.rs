@@ -857,9 +857,18 @@ mod tests {
         assert_error(&state(vec![a, b]), "addressV6: duplicate");
     }
 
+    /// Each rule is refused with an error that contains its text.
+    fn assert_rule_errors(cases: &[(Value, &str)]) {
+        for (rule, wanted) in cases {
+            let mut p = peer("a", 2);
+            p["egress"] = json!([rule]);
+            assert_error(&state(vec![p]), wanted);
+        }
+    }
+
     #[test]
     fn rules_are_validated() {
-        let cases = [
+        assert_rule_errors(&[
             (
                 json!({ "cidr": "10.1.2.3/8" }),
                 "has host bits set (did you mean 10.0.0.0/8?)",
@@ -898,6 +907,12 @@ mod tests {
                 json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "port": [443] }),
                 "egress[0].port: unknown field",
             ),
+        ]);
+    }
+
+    #[test]
+    fn icmp_types_and_excepts_are_validated() {
+        assert_rule_errors(&[
             // ICMP types only on icmp rules; no rule without a protocol takes ports or types.
             (
                 json!({ "cidr": "10.0.0.0/8", "types": [8] }),
@@ -943,12 +958,7 @@ mod tests {
                 json!({ "cidr": "10.0.0.0/8", "except": ["nope"] }),
                 "is not a CIDR prefix",
             ),
-        ];
-        for (rule, wanted) in cases {
-            let mut p = peer("a", 2);
-            p["egress"] = json!([rule]);
-            assert_error(&state(vec![p]), wanted);
-        }
+        ]);
     }
 
     #[test]

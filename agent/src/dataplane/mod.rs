@@ -240,6 +240,18 @@ enum PinDirState {
     Detaching(PathBuf),
 }
 
+/// One hook for [`Dataplane::check`] to repair: its index in [`hooks`], the device's index
+/// now, whether the device is another than the links were made for, and whether the hook's
+/// program is missing from it.
+#[derive(Clone, Copy)]
+struct LinkFix<'a> {
+    i: usize,
+    hook: &'a Hook,
+    ifindex: u32,
+    moved: bool,
+    missing: bool,
+}
+
 /// A link the agent holds on a device that no longer has the interface's name.
 struct Retired {
     ifindex: u32,
@@ -300,14 +312,7 @@ impl Dataplane {
         let variant = iface::variant(interface)?;
         let hooks = hooks(&variant);
         ensure_bpffs(&options.bpffs)?;
-        // Before anything changes: a kernel that cannot run the datapath, a hook it lacks, or
-        // a foreign filter where the agent's must go is an error.
-        hook::check_kernel()?;
-        let ifindex = iface::index(interface)?;
-        let kind = hook::choose(options.hook, ifindex)?;
-        if kind == HookKind::Tc {
-            check_tc_places(interface, ifindex, &hooks)?;
-        }
+        let (ifindex, kind) = choose_hook(interface, options.hook, &hooks)?;
         let pin_dir = pin_dir(&options.bpffs, interface);
         // Before anything in the kernel changes: another agent on this interface is an error.
         let lock = lock_pin_dir(&pin_dir)?;
@@ -318,47 +323,22 @@ impl Dataplane {
             || pin_dir.join(tc::QDISC_MARKER).is_dir();
         // Links that run an older layout's programs: fill the new maps from the old ones
         // before the switch (see `upgrade`). Decided before the loader creates anything.
-        // Each hook's pinned tcx link, else the agent's clsact filter on it.
-        let [egress_hook, ingress_hook] = &hooks;
-        let running = |hook: &Hook| {
-            upgrade::running_on(
-                &pin_dir,
-                hook.link_pin,
-                ifindex,
-                hook.attach_type,
-                hook.program,
-            )
-        };
-        let mut upgrade =
-            upgrade::Upgrade::prepare(&pin_dir, running(ingress_hook)?, running(egress_hook)?)?;
-        let log_level: u8 = if options.datapath_debug {
+        let mut upgrade = prepare_upgrade(&pin_dir, &hooks, ifindex)?;
+        let log_level = if options.datapath_debug {
             LOG_LEVEL_DEBUG
         } else {
             0
         };
         let prelude = started.elapsed();
-        let (mut ebpf, maps, map_pins, object) = load_object(&pin_dir, log_level, started)?;
+        let (mut ebpf, mut maps, map_pins, object) = load_object(&pin_dir, log_level, started)?;
         let maps_opened = started.elapsed();
-        // The running programs, if they are this very object's and use these very maps: taken
-        // over as they are, without loading and verifying them again (see `adopt_programs`).
         let identity = program_identity(log_level, &variant);
-        let mut adopted = if upgrade.is_none() && kind == HookKind::Tcx {
-            adopt_programs(&pin_dir, &hooks, &identity, &map_pins)
-        } else {
-            Vec::new()
-        };
-        if adopted.is_empty() {
-            load_programs(&pin_dir, &hooks, &mut ebpf)?;
-        }
+        let may_adopt = upgrade.is_none() && kind == HookKind::Tcx;
+        let mut adopted =
+            adopt_or_load(&pin_dir, &hooks, &identity, &map_pins, &mut ebpf, may_adopt)?;
         let verified = started.elapsed();
         if let Some(upgrade) = upgrade.as_mut() {
-            upgrade.fill(&pin_dir)?;
-            let mut ids = Vec::with_capacity(hooks.len());
-            for hook in &hooks {
-                let program = program_of(&mut ebpf, &mut adopted, hook.program)?;
-                ids.push(program.info().map_err(program_err(hook.program))?.id());
-            }
-            upgrade.mark_switch(&pin_dir, &ids)?;
+            fill_and_mark(upgrade, &pin_dir, &hooks, &mut ebpf, &mut adopted)?;
         }
         let added_qdisc = mark_hook(kind, interface, &pin_dir, added_qdisc)?;
         let switch = Instant::now();
@@ -375,46 +355,24 @@ impl Dataplane {
         let switch = switch.elapsed();
         let switched = started.elapsed();
         if kind == HookKind::Tcx && adopted.is_empty() {
-            // What the next start may take over instead of loading the object again. A
-            // failure costs that start the verifier's time, no enforcement.
-            if let Err(e) = pin_programs(&pin_dir, &hooks, &identity, &mut ebpf) {
-                tracing::warn!(
-                    pin_dir = %pin_dir.display(),
-                    error = %crate::error_chain(&e),
-                    "could not pin the programs: the next start loads them again"
-                );
-            }
+            keep_programs(&pin_dir, &hooks, &identity, &mut ebpf);
         }
         let upgraded = upgrade.and_then(|upgrade| finish_upgrade(upgrade, &pin_dir, switch));
         tidy_old_layouts(&pin_dir);
         // The programs run on the chosen hook now: what the agent left on the other one (a
         // switch of --attach) goes, after, so no packet meets neither.
         remove_other_hook(kind, &pin_dir, interface, ifindex)?;
-        let mut maps = maps;
         recount_flow_quota(&mut maps, interface);
-        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-        tracing::debug!(
-            interface,
-            prelude_ms = ms(prelude),
-            object_ms = ms(object - prelude),
-            maps_ms = ms(maps_opened - object),
-            verify_ms = ms(verified - maps_opened),
-            switch_ms = ms(switched - verified),
-            programs_adopted = !adopted.is_empty(),
-            after_ms = ms(started.elapsed() - switched),
-            "datapath attach phases"
-        );
-        tracing::info!(
-            interface,
-            pin_dir = %pin_dir.display(),
-            variant = variant.name,
-            hook = %kind,
-            tc_priority = (kind == HookKind::Tc).then_some(tc::TC_PRIORITY),
-            tc_handle = (kind == HookKind::Tc).then(|| format!("{:#x}", tc::TC_HANDLE)),
-            ?attachment,
-            layout = wgfence_common::LAYOUT_VERSION,
-            "datapath attached"
-        );
+        let phases = Phases {
+            prelude,
+            object,
+            maps_opened,
+            verified,
+            switched,
+            total: started.elapsed(),
+        };
+        phases.log(interface, !adopted.is_empty());
+        log_attached(interface, &pin_dir, &variant, kind, attachment);
         Ok(Self {
             upgraded,
             interface: interface.to_owned(),
@@ -449,48 +407,11 @@ impl Dataplane {
             return Ok(Check::Detached);
         }
         let mut repairs = Vec::new();
-        let mut unpinned = None;
-        match self.check_pin_dir() {
-            Ok(PinDirState::Ours) => {}
-            Ok(PinDirState::Restored) => {
-                repairs.push(Repair::PinDir);
-                let marks = [
-                    (self.added_qdisc, tc::QDISC_MARKER),
-                    (self.hook == HookKind::Tc, tc::HOOK_MARKER),
-                ];
-                for (_, name) in marks.iter().filter(|(set, _)| *set) {
-                    if let Err(e) = mark(&self.pin_dir, name) {
-                        unpinned = Some(e);
-                    }
-                }
-            }
-            Ok(PinDirState::Detaching(marker)) => {
-                self.let_go();
-                tracing::warn!(
-                    interface = %self.interface,
-                    marker = %marker.display(),
-                    "wgfence detach took the pin directory: the programs are detached and stay \
-                     so until the agent starts again"
-                );
-                return Ok(Check::Detached);
-            }
-            Err(e) => unpinned = Some(e),
-        }
-        if unpinned.is_none() {
-            for (name, data) in &self.map_pins {
-                let path = self.pin_dir.join(name);
-                if path.exists() {
-                    continue;
-                }
-                match data.pin(&path) {
-                    Ok(()) => repairs.push(Repair::MapPin(name)),
-                    Err(source) => {
-                        unpinned = Some(DataplaneError::Pin { path, source });
-                        break;
-                    }
-                }
-            }
-        }
+        let mut unpinned = match self.restore_pin_dir(&mut repairs) {
+            Ok(PinDirState::Detaching(_)) => return Ok(Check::Detached),
+            Ok(_) => self.restore_map_pins(&mut repairs).err(),
+            Err(e) => Some(e),
+        };
         let ifindex = match iface::index(&self.interface) {
             Ok(index) => index,
             Err(DataplaneError::Interface { source, .. })
@@ -515,85 +436,23 @@ impl Dataplane {
             });
         }
         for (i, hook) in hooks(&self.variant).iter().enumerate() {
-            let link_path = self.pin_dir.join(hook.link_pin);
             let hook_missing = missing.get(i).copied().unwrap_or(true);
             if self.hook == HookKind::Tc {
-                if hook_missing {
-                    // A new device has no qdisc and no filters: both again.
-                    if tc::ensure_clsact(&self.interface)? {
-                        self.added_qdisc = true;
-                        mark(&self.pin_dir, tc::QDISC_MARKER)?;
-                    }
-                    let program = program_of(&mut self.ebpf, &mut self.adopted, hook.program)?;
-                    tc::attach_or_replace(
-                        program,
-                        hook.program,
-                        &self.interface,
-                        ifindex,
-                        hook.attach_type,
-                    )?;
-                }
                 // A filter has no pin to repair.
-                continue;
-            }
-            if hook_missing {
-                // The new link first (pinned over the old pin), then the old one goes: no
-                // instant without a link on any device that still runs the program.
-                let program = program_of(&mut self.ebpf, &mut self.adopted, hook.program)?;
-                let new = attach_new(program, hook, &self.interface, &link_path)?;
-                let slot = self
-                    .links
-                    .get_mut(i)
-                    .ok_or(DataplaneError::MissingLink(hook.link_pin))?;
-                if let Some(old) = slot.replace(new) {
-                    if moved {
-                        // The old device may still exist under another name, its peers still
-                        // connected: it keeps its link until it goes (see `prune_retired`).
-                        self.retired.push(Retired {
-                            ifindex: self.ifindex,
-                            hook: i,
-                            _link: old,
-                        });
-                    }
+                if hook_missing {
+                    self.refilter(hook, ifindex)?;
                 }
                 continue;
             }
-            let slot = self
-                .links
-                .get_mut(i)
-                .ok_or(DataplaneError::MissingLink(hook.link_pin))?;
-            if moved {
-                // The programs run on the device now named `interface` through links held as
-                // retired (it was renamed away and back): they become the pinned ones again.
-                if let Some(at) = self
-                    .retired
-                    .iter()
-                    .position(|r| r.ifindex == ifindex && r.hook == i)
-                {
-                    let back = self.retired.swap_remove(at)._link;
-                    pin_over(&back, &link_path)?;
-                    if let Some(old) = slot.replace(back) {
-                        self.retired.push(Retired {
-                            ifindex: self.ifindex,
-                            hook: i,
-                            _link: old,
-                        });
-                    }
-                    repairs.push(Repair::LinkPin(hook.link_pin));
-                    continue;
-                }
-            }
-            if unpinned.is_none() && !link_path.exists() {
-                // The link is alive (this agent holds it): pin it again. The descriptor stays
-                // open whatever happens, so a failure detaches nothing.
-                let pinned = match slot {
-                    Some(link) => link.pin(&link_path),
-                    None => Err(DataplaneError::MissingLink(hook.link_pin)),
-                };
-                match pinned {
-                    Ok(()) => repairs.push(Repair::LinkPin(hook.link_pin)),
-                    Err(e) => unpinned = Some(e),
-                }
+            let fix = LinkFix {
+                i,
+                hook,
+                ifindex,
+                moved,
+                missing: hook_missing,
+            };
+            if let Err(e) = self.repair_link(&fix, unpinned.is_none(), &mut repairs)? {
+                unpinned = Some(e);
             }
         }
         if reattached || moved {
@@ -603,11 +462,167 @@ impl Dataplane {
             repairs.push(Repair::Reattached { ifindex });
         }
         self.prune_retired();
+        Ok(self.checked(repairs, reattached, unpinned))
+    }
+
+    /// The pin directory: in place, created and locked again (with its markers) if it was
+    /// removed, or taken by `wgfence detach` (then the links are let go).
+    fn restore_pin_dir(&mut self, repairs: &mut Vec<Repair>) -> Result<PinDirState> {
+        let state = self.check_pin_dir()?;
+        match &state {
+            PinDirState::Ours => {}
+            PinDirState::Restored => {
+                repairs.push(Repair::PinDir);
+                let marks = [
+                    (self.added_qdisc, tc::QDISC_MARKER),
+                    (self.hook == HookKind::Tc, tc::HOOK_MARKER),
+                ];
+                let mut failed = None;
+                for (_, name) in marks.iter().filter(|(set, _)| *set) {
+                    if let Err(e) = mark(&self.pin_dir, name) {
+                        failed = Some(e);
+                    }
+                }
+                if let Some(e) = failed {
+                    return Err(e);
+                }
+            }
+            PinDirState::Detaching(marker) => {
+                self.let_go();
+                tracing::warn!(
+                    interface = %self.interface,
+                    marker = %marker.display(),
+                    "wgfence detach took the pin directory: the programs are detached and stay \
+                     so until the agent starts again"
+                );
+            }
+        }
+        Ok(state)
+    }
+
+    /// Pins again every map whose pin is missing, from the agent's own descriptors.
+    fn restore_map_pins(&self, repairs: &mut Vec<Repair>) -> Result<()> {
+        for (name, data) in &self.map_pins {
+            let path = self.pin_dir.join(name);
+            if path.exists() {
+                continue;
+            }
+            data.pin(&path)
+                .map_err(|source| DataplaneError::Pin { path, source })?;
+            repairs.push(Repair::MapPin(name));
+        }
+        Ok(())
+    }
+
+    /// On the tc hook: a new device has no qdisc and no filters: both again.
+    fn refilter(&mut self, hook: &Hook, ifindex: u32) -> Result<()> {
+        if tc::ensure_clsact(&self.interface)? {
+            self.added_qdisc = true;
+            mark(&self.pin_dir, tc::QDISC_MARKER)?;
+        }
+        let program = program_of(&mut self.ebpf, &mut self.adopted, hook.program)?;
+        tc::attach_or_replace(
+            program,
+            hook.program,
+            &self.interface,
+            ifindex,
+            hook.attach_type,
+        )?;
+        Ok(())
+    }
+
+    /// One tcx hook: a new link if its program is missing from the device, the links of a
+    /// device renamed away and back taken back, or the link pinned again if its pin is gone
+    /// (when `pin` is set: the pin directory is in place). The outer error stops the check;
+    /// the inner one is a pin that could not be restored.
+    fn repair_link(
+        &mut self,
+        fix: &LinkFix<'_>,
+        pin: bool,
+        repairs: &mut Vec<Repair>,
+    ) -> Result<std::result::Result<(), DataplaneError>> {
+        let LinkFix {
+            i,
+            hook,
+            ifindex,
+            moved,
+            missing,
+        } = *fix;
+        let link_path = self.pin_dir.join(hook.link_pin);
+        if missing {
+            // The new link first (pinned over the old pin), then the old one goes: no
+            // instant without a link on any device that still runs the program.
+            let program = program_of(&mut self.ebpf, &mut self.adopted, hook.program)?;
+            let new = attach_new(program, hook, &self.interface, &link_path)?;
+            let slot = self
+                .links
+                .get_mut(i)
+                .ok_or(DataplaneError::MissingLink(hook.link_pin))?;
+            if let Some(old) = slot.replace(new) {
+                if moved {
+                    // The old device may still exist under another name, its peers still
+                    // connected: it keeps its link until it goes (see `prune_retired`).
+                    self.retired.push(Retired {
+                        ifindex: self.ifindex,
+                        hook: i,
+                        _link: old,
+                    });
+                }
+            }
+            return Ok(Ok(()));
+        }
+        let slot = self
+            .links
+            .get_mut(i)
+            .ok_or(DataplaneError::MissingLink(hook.link_pin))?;
+        if moved {
+            // The programs run on the device now named `interface` through links held as
+            // retired (it was renamed away and back): they become the pinned ones again.
+            if let Some(at) = self
+                .retired
+                .iter()
+                .position(|r| r.ifindex == ifindex && r.hook == i)
+            {
+                let back = self.retired.swap_remove(at)._link;
+                pin_over(&back, &link_path)?;
+                if let Some(old) = slot.replace(back) {
+                    self.retired.push(Retired {
+                        ifindex: self.ifindex,
+                        hook: i,
+                        _link: old,
+                    });
+                }
+                repairs.push(Repair::LinkPin(hook.link_pin));
+                return Ok(Ok(()));
+            }
+        }
+        if pin && !link_path.exists() {
+            // The link is alive (this agent holds it): pin it again. The descriptor stays
+            // open whatever happens, so a failure detaches nothing.
+            let pinned = match slot {
+                Some(link) => link.pin(&link_path),
+                None => Err(DataplaneError::MissingLink(hook.link_pin)),
+            };
+            match pinned {
+                Ok(()) => repairs.push(Repair::LinkPin(hook.link_pin)),
+                Err(e) => return Ok(Err(e)),
+            }
+        }
+        Ok(Ok(()))
+    }
+
+    /// What a check found, logged: `repairs` made, and the pin that could not be restored.
+    fn checked(
+        &mut self,
+        repairs: Vec<Repair>,
+        reattached: bool,
+        unpinned: Option<DataplaneError>,
+    ) -> Check {
         let described = || repairs.iter().map(ToString::to_string).collect::<Vec<_>>();
         if let Some(error) = unpinned {
             let error = crate::error_chain(&error);
             if self.unpinned.as_ref() == Some(&error) && repairs.is_empty() {
-                return Ok(Check::Unpinned { repairs, error });
+                return Check::Unpinned { repairs, error };
             }
             self.unpinned = Some(error.clone());
             tracing::error!(
@@ -618,13 +633,13 @@ impl Dataplane {
                 "pins are missing and could not be restored; the programs stay attached and \
                  enforcing from the agent's own descriptors, but a restart would not adopt them"
             );
-            return Ok(Check::Unpinned { repairs, error });
+            return Check::Unpinned { repairs, error };
         }
         if self.unpinned.take().is_some() {
             tracing::warn!(interface = %self.interface, "the pins are in place again");
         }
         if repairs.is_empty() {
-            return Ok(Check::Intact);
+            return Check::Intact;
         }
         if repairs.contains(&Repair::PinDir) {
             tracing::error!(
@@ -638,10 +653,10 @@ impl Dataplane {
         } else {
             tracing::warn!(interface = %self.interface, repairs = ?described(), "datapath repaired");
         }
-        Ok(Check::Repaired {
+        Check::Repaired {
             repairs,
             reattached,
-        })
+        }
     }
 
     /// Where the pin directory this agent locked is now. Missing or replaced, and not under a
@@ -804,82 +819,8 @@ impl Dataplane {
         for marker in &markers {
             links.extend(unpin_all(marker)?);
         }
-        let deadline = Instant::now() + timeout;
-        // Whether this process may look links up by id (CAP_SYS_ADMIN). Without it (the
-        // DaemonSet's capabilities), only the agent's lock tells that it let go: it closes its
-        // links before its lock, so they are gone by then unless something else holds them.
-        let mut see_links = true;
-        loop {
-            let mut held = Vec::new();
-            for id in links.iter().filter(|_| see_links) {
-                match sys::link_exists(*id) {
-                    Ok(true) => held.push(*id),
-                    Ok(false) => {}
-                    Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-                        tracing::debug!("no CAP_SYS_ADMIN: waiting for the agent's lock only");
-                        see_links = false;
-                        held.clear();
-                        break;
-                    }
-                    Err(source) => {
-                        return Err(DataplaneError::Io {
-                            path: own.clone(),
-                            source,
-                        })
-                    }
-                }
-            }
-            let mut locked = None;
-            for marker in &markers {
-                if lock::is_locked(marker)? {
-                    locked = Some(marker);
-                    break;
-                }
-            }
-            if held.is_empty() && locked.is_none() {
-                break;
-            }
-            if Instant::now() >= deadline {
-                return Err(DataplaneError::DetachTimeout {
-                    interface: interface.to_owned(),
-                    waited: timeout,
-                    links: held,
-                    holder: locked.map(|marker| lock::describe_holder(lock::holder_of(marker))),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        // The agent let go (its lock is free) and never attaches again: the filters of the tc
-        // hook (which no descriptor holds) are deleted here, the agent's own only, and the
-        // clsact qdisc if the agent added it and nothing else is on it.
-        let added_qdisc = markers
-            .iter()
-            .any(|marker| marker.join(tc::QDISC_MARKER).is_dir());
-        let mut removed_filters = false;
-        match iface::index(interface) {
-            Ok(ifindex) => {
-                removed_filters = remove_tc_filters(interface, ifindex)?;
-                if added_qdisc && tc::remove_clsact_if_empty(interface, ifindex)? {
-                    tracing::info!(interface, "removed the clsact qdisc wgfence had added");
-                }
-            }
-            // Gone with the interface, or in another network namespace.
-            Err(DataplaneError::Interface { source, .. })
-                if source.raw_os_error() == Some(libc::ENODEV) =>
-            {
-                if markers.iter().any(|m| m.join(tc::HOOK_MARKER).is_dir()) {
-                    tracing::warn!(
-                        interface,
-                        "the programs ran on the tc hook and there is no {interface} in this \
-                         network namespace: if it exists in another one, its filters still \
-                         run there (with the last state); run `wgfence detach` in that \
-                         namespace, or delete them with `tc filter del dev {interface} \
-                         ingress prio 1` (and egress)"
-                    );
-                }
-            }
-            Err(e) => return Err(e),
-        }
+        wait_let_go(interface, &own, &markers, &links, timeout)?;
+        let removed_filters = remove_tc_hook(interface, &markers)?;
         for marker in &markers {
             remove_marked_dir(marker)?;
         }
@@ -1023,6 +964,207 @@ fn program_err(program: &'static str) -> impl Fn(aya::programs::ProgramError) ->
 }
 
 /// One of the datapath's classifiers (a [`Variant`]'s `ingress` or `egress`).
+/// Waits until no process holds `links` (the programs are off the interface) and no agent
+/// holds the lock of one of `markers`; past `timeout`, an error naming the holder.
+fn wait_let_go(
+    interface: &str,
+    own: &Path,
+    markers: &[PathBuf],
+    links: &[u32],
+    timeout: Duration,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    // Whether this process may look links up by id (CAP_SYS_ADMIN). Without it (the
+    // DaemonSet's capabilities), only the agent's lock tells that it let go: it closes its
+    // links before its lock, so they are gone by then unless something else holds them.
+    let mut see_links = true;
+    loop {
+        let mut held = Vec::new();
+        for id in links.iter().filter(|_| see_links) {
+            match sys::link_exists(*id) {
+                Ok(true) => held.push(*id),
+                Ok(false) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                    tracing::debug!("no CAP_SYS_ADMIN: waiting for the agent's lock only");
+                    see_links = false;
+                    held.clear();
+                    break;
+                }
+                Err(source) => {
+                    return Err(DataplaneError::Io {
+                        path: own.to_owned(),
+                        source,
+                    })
+                }
+            }
+        }
+        let mut locked = None;
+        for marker in markers {
+            if lock::is_locked(marker)? {
+                locked = Some(marker);
+                break;
+            }
+        }
+        if held.is_empty() && locked.is_none() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            return Err(DataplaneError::DetachTimeout {
+                interface: interface.to_owned(),
+                waited: timeout,
+                links: held,
+                holder: locked.map(|marker| lock::describe_holder(lock::holder_of(marker))),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+/// The agent let go (its lock is free) and never attaches again: the filters of the tc hook
+/// (which no descriptor holds) are deleted here, the agent's own only, and the clsact qdisc if
+/// the agent added it and nothing else is on it. Whether filters were removed.
+fn remove_tc_hook(interface: &str, markers: &[PathBuf]) -> Result<bool> {
+    let added_qdisc = markers
+        .iter()
+        .any(|marker| marker.join(tc::QDISC_MARKER).is_dir());
+    let mut removed_filters = false;
+    match iface::index(interface) {
+        Ok(ifindex) => {
+            removed_filters = remove_tc_filters(interface, ifindex)?;
+            if added_qdisc && tc::remove_clsact_if_empty(interface, ifindex)? {
+                tracing::info!(interface, "removed the clsact qdisc wgfence had added");
+            }
+        }
+        // Gone with the interface, or in another network namespace.
+        Err(DataplaneError::Interface { source, .. })
+            if source.raw_os_error() == Some(libc::ENODEV) =>
+        {
+            if markers.iter().any(|m| m.join(tc::HOOK_MARKER).is_dir()) {
+                tracing::warn!(
+                    interface,
+                    "the programs ran on the tc hook and there is no {interface} in this \
+                     network namespace: if it exists in another one, its filters still \
+                     run there (with the last state); run `wgfence detach` in that \
+                     namespace, or delete them with `tc filter del dev {interface} \
+                     ingress prio 1` (and egress)"
+                );
+            }
+        }
+        Err(e) => return Err(e),
+    }
+    Ok(removed_filters)
+}
+
+/// The upgrade of an older layout's datapath, if a hook runs one: each hook's pinned tcx link,
+/// else the agent's clsact filter on it.
+fn prepare_upgrade(
+    pin_dir: &Path,
+    hooks: &[Hook; 2],
+    ifindex: u32,
+) -> Result<Option<upgrade::Upgrade>> {
+    let [egress_hook, ingress_hook] = hooks;
+    let running = |hook: &Hook| {
+        upgrade::running_on(
+            pin_dir,
+            hook.link_pin,
+            ifindex,
+            hook.attach_type,
+            hook.program,
+        )
+    };
+    upgrade::Upgrade::prepare(pin_dir, running(ingress_hook)?, running(egress_hook)?)
+}
+
+/// Fills the new maps from the old layout's, and marks the switch to the new programs.
+fn fill_and_mark(
+    upgrade: &mut upgrade::Upgrade,
+    pin_dir: &Path,
+    hooks: &[Hook; 2],
+    ebpf: &mut Ebpf,
+    adopted: &mut [(&'static str, SchedClassifier)],
+) -> Result<()> {
+    upgrade.fill(pin_dir)?;
+    let mut ids = Vec::with_capacity(hooks.len());
+    for hook in hooks {
+        let program = program_of(ebpf, adopted, hook.program)?;
+        ids.push(program.info().map_err(program_err(hook.program))?.id());
+    }
+    upgrade.mark_switch(pin_dir, &ids)
+}
+
+/// Pins the programs: what the next start may take over instead of loading the object again.
+/// A failure costs that start the verifier's time, no enforcement.
+fn keep_programs(pin_dir: &Path, hooks: &[Hook; 2], identity: &str, ebpf: &mut Ebpf) {
+    if let Err(e) = pin_programs(pin_dir, hooks, identity, ebpf) {
+        tracing::warn!(
+            pin_dir = %pin_dir.display(),
+            error = %crate::error_chain(&e),
+            "could not pin the programs: the next start loads them again"
+        );
+    }
+}
+
+/// When each phase of an attach ended, from its start.
+struct Phases {
+    prelude: Duration,
+    object: Duration,
+    maps_opened: Duration,
+    verified: Duration,
+    switched: Duration,
+    total: Duration,
+}
+
+impl Phases {
+    fn log(&self, interface: &str, programs_adopted: bool) {
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        tracing::debug!(
+            interface,
+            prelude_ms = ms(self.prelude),
+            object_ms = ms(self.object - self.prelude),
+            maps_ms = ms(self.maps_opened - self.object),
+            verify_ms = ms(self.verified - self.maps_opened),
+            switch_ms = ms(self.switched - self.verified),
+            programs_adopted,
+            after_ms = ms(self.total - self.switched),
+            "datapath attach phases"
+        );
+    }
+}
+
+/// The interface's index and the hook to attach to. Before anything changes: a kernel that
+/// cannot run the datapath, a hook it lacks, or a foreign filter where the agent's must go is
+/// an error.
+fn choose_hook(interface: &str, mode: HookMode, hooks: &[Hook]) -> Result<(u32, HookKind)> {
+    hook::check_kernel()?;
+    let ifindex = iface::index(interface)?;
+    let kind = hook::choose(mode, ifindex)?;
+    if kind == HookKind::Tc {
+        check_tc_places(interface, ifindex, hooks)?;
+    }
+    Ok((ifindex, kind))
+}
+
+fn log_attached(
+    interface: &str,
+    pin_dir: &Path,
+    variant: &Variant,
+    kind: HookKind,
+    attachment: Attachment,
+) {
+    tracing::info!(
+        interface,
+        pin_dir = %pin_dir.display(),
+        variant = variant.name,
+        hook = %kind,
+        tc_priority = (kind == HookKind::Tc).then_some(tc::TC_PRIORITY),
+        tc_handle = (kind == HookKind::Tc).then(|| format!("{:#x}", tc::TC_HANDLE)),
+        ?attachment,
+        layout = wgfence_common::LAYOUT_VERSION,
+        "datapath attached"
+    );
+}
+
 /// On the tc hook: an error if a filter that is not the agent's holds its place (priority and
 /// handle) on either direction.
 fn check_tc_places(interface: &str, ifindex: u32, hooks: &[Hook]) -> Result<()> {
@@ -1077,6 +1219,28 @@ fn load_object(
         })
         .collect::<Result<Vec<_>>>()?;
     Ok((ebpf, maps, map_pins, object))
+}
+
+/// The running programs, if `may_adopt` and they are this very object's and use these very
+/// maps: taken over as they are, without loading and verifying them again (see
+/// [`adopt_programs`]); else none, and the object's are loaded.
+fn adopt_or_load(
+    pin_dir: &Path,
+    hooks: &[Hook; 2],
+    identity: &str,
+    map_pins: &[(&'static str, MapData)],
+    ebpf: &mut Ebpf,
+    may_adopt: bool,
+) -> Result<Vec<(&'static str, SchedClassifier)>> {
+    let adopted = if may_adopt {
+        adopt_programs(pin_dir, hooks, identity, map_pins)
+    } else {
+        Vec::new()
+    };
+    if adopted.is_empty() {
+        load_programs(pin_dir, hooks, ebpf)?;
+    }
+    Ok(adopted)
 }
 
 /// Loads (verifies) the variant's two programs of the object, after removing the pins of the
