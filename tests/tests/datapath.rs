@@ -28,7 +28,7 @@ fn enforces_unknown_unrestricted_and_restricted_peers() {
     // Peer 0: restricted. Peer 1: unrestricted. Peer 2: known to WireGuard, not to the maps.
     let gw = Gateway::new(3);
     let mut dp = gw.attach();
-    assert_eq!(dp.attachment(), Attachment::Created);
+    assert_eq!(dp.ingress_attachment(), Attachment::Created);
     let maps = dp.maps_mut();
     install_policy(
         maps,
@@ -211,7 +211,7 @@ fn adopting_pinned_objects_keeps_traffic_flowing() {
     for _ in 0..3 {
         thread::sleep(Duration::from_millis(700));
         let dp = gw.attach();
-        assert_eq!(dp.attachment(), Attachment::Replaced);
+        assert_eq!(dp.ingress_attachment(), Attachment::Replaced);
         assert_eq!(dp.maps().peers().unwrap_or_else(|e| panic!("{e}")), before);
     }
     let out = ping

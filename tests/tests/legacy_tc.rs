@@ -240,7 +240,7 @@ fn on_the_tc_hook_the_datapath_enforces_like_on_tcx() {
         .enter(|| Dataplane::attach(&options))
         .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
     assert_eq!(dp.hook(), HookKind::Tc);
-    assert_eq!(dp.attachment(), Attachment::Created);
+    assert_eq!(dp.ingress_attachment(), Attachment::Created);
     assert_our_filters_first(&gw, "attached");
     // Nothing on the tcx hook: the tc filters do the work.
     assert_eq!(

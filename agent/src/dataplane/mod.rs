@@ -265,7 +265,8 @@ pub struct Dataplane {
     bpffs: PathBuf,
     pin_dir: PathBuf,
     maps: Maps,
-    attachment: Attachment,
+    /// What the attach did on the ingress hook.
+    ingress_attachment: Attachment,
     /// The loaded object; kept so the datapath's log ring buffer stays readable and the
     /// programs can be attached again.
     ebpf: Ebpf,
@@ -342,7 +343,7 @@ impl Dataplane {
         }
         let added_qdisc = mark_hook(kind, interface, &pin_dir, added_qdisc)?;
         let switch = Instant::now();
-        let (attachment, links) = Switch {
+        let (ingress_attachment, links) = Switch {
             kind,
             hooks: &hooks,
             variant: &variant,
@@ -372,14 +373,14 @@ impl Dataplane {
             total: started.elapsed(),
         };
         phases.log(interface, !adopted.is_empty());
-        log_attached(interface, &pin_dir, &variant, kind, attachment);
+        log_attached(interface, &pin_dir, &variant, kind, ingress_attachment);
         Ok(Self {
             upgraded,
             interface: interface.to_owned(),
             bpffs: options.bpffs.clone(),
             pin_dir,
             maps,
-            attachment,
+            ingress_attachment,
             ebpf,
             adopted,
             links,
@@ -904,8 +905,9 @@ impl Dataplane {
         &self.pin_dir
     }
 
-    pub fn attachment(&self) -> Attachment {
-        self.attachment
+    /// What the attach did on the ingress hook.
+    pub fn ingress_attachment(&self) -> Attachment {
+        self.ingress_attachment
     }
 
     /// The hook the programs run on.
