@@ -30,7 +30,10 @@ use crate::{
     reconcile::{ReconcileError, Reconciler},
     source::{ReadError, SourceError, StateFile, StateSource},
     state::{Changes, Pipeline, Rejection},
-    status::{LastReconcile, StatusFile},
+    status::{
+        rules::rule_rows,
+        snapshot::{LastReconcile, StatusFile, Summary},
+    },
     sweeper::{Sweeper, FLOW_SWEEP},
     trust::{self, TrustError},
     wg::{WgError, WireGuard},
@@ -131,21 +134,12 @@ struct Core {
     dataplane_fault: bool,
 }
 
-/// Counts of the accepted state, for logs, metrics and the status snapshot (kept by the
-/// pipeline: no pass over the peers).
-pub(crate) struct Summary {
-    pub peers: usize,
-    pub restricted: usize,
-    pub policies: usize,
-}
-
-impl Summary {
-    fn of(pipeline: &Pipeline) -> Self {
-        Self {
-            peers: pipeline.state().peers.len(),
-            restricted: pipeline.restricted_peers(),
-            policies: pipeline.distinct_policies(),
-        }
+/// Counts of the accepted state, kept by the pipeline: no pass over the peers.
+fn summary(pipeline: &Pipeline) -> Summary {
+    Summary {
+        peers: pipeline.state().peers.len(),
+        restricted_peers: pipeline.restricted_peers(),
+        rule_sets: pipeline.rule_sets(),
     }
 }
 
@@ -167,29 +161,9 @@ impl Core {
             tracing::debug!("datapath fault: the state is applied once the datapath is back");
             return Next::Idle;
         }
-        let bytes = match self.state_file.read() {
+        let bytes = match self.read_state_file() {
             Ok(bytes) => bytes,
-            Err(e @ ReadError::Replaced(_)) => {
-                tracing::warn!(error = %e, "reading the state file again");
-                return Next::Retry;
-            }
-            Err(e @ ReadError::Untrusted(_)) => {
-                let why = crate::error_chain(&e);
-                tracing::error!("{why}; keeping what is enforced");
-                self.not_ready(&why);
-                self.applied = None;
-                return Next::Idle;
-            }
-            Err(e) => {
-                let why = e.to_string();
-                tracing::warn!(
-                    path = %self.state_file.path().display(),
-                    "{why}; keeping what is enforced"
-                );
-                self.not_ready(&why);
-                self.applied = None;
-                return Next::Idle;
-            }
+            Err(next) => return next,
         };
         let hash = self.pipeline.hash(&bytes);
         if !force && (self.applied == Some(hash) || self.rejected == Some(hash)) {
@@ -217,23 +191,7 @@ impl Core {
         let changes = match updated {
             Ok(changes) => changes,
             Err(errors) => {
-                tracing::error!(
-                    path = %self.state_file.path().display(),
-                    "{errors}\nthe last good state stays applied"
-                );
-                self.metrics.state_rejected.inc();
-                if failed_tests.is_empty() {
-                    self.not_ready("state file rejected by validation (see the agent's log)");
-                } else {
-                    self.not_ready(&format!(
-                        "state file rejected: policy test failed: {}",
-                        failed_tests.join("; ")
-                    ));
-                }
-                self.rejected = Some(hash);
-                self.applied = None;
-                // Rejecting walks the whole file as a value tree: hand the freed memory back.
-                trim_heap();
+                self.reject(&errors, &failed_tests, hash);
                 return Next::Idle;
             }
         };
@@ -248,8 +206,59 @@ impl Core {
         next
     }
 
+    /// The state file's bytes; if it cannot be read, what the loop does next (the reason is
+    /// logged and, unless the file is being replaced, said by the readiness).
+    fn read_state_file(&mut self) -> Result<Vec<u8>, Next> {
+        match self.state_file.read() {
+            Ok(bytes) => Ok(bytes),
+            Err(e @ ReadError::Replaced(_)) => {
+                tracing::warn!(error = %e, "reading the state file again");
+                Err(Next::Retry)
+            }
+            Err(e @ ReadError::Untrusted(_)) => {
+                let why = crate::error_chain(&e);
+                tracing::error!("{why}; keeping what is enforced");
+                self.not_ready(&why);
+                self.applied = None;
+                Err(Next::Idle)
+            }
+            Err(e) => {
+                let why = e.to_string();
+                tracing::warn!(
+                    path = %self.state_file.path().display(),
+                    "{why}; keeping what is enforced"
+                );
+                self.not_ready(&why);
+                self.applied = None;
+                Err(Next::Idle)
+            }
+        }
+    }
+
+    /// The state file (its bytes hash to `hash`) was rejected with `errors`, naming the
+    /// policy tests that failed: the last good state stays applied.
+    fn reject(&mut self, errors: &str, failed_tests: &[String], hash: u128) {
+        tracing::error!(
+            path = %self.state_file.path().display(),
+            "{errors}\nthe last good state stays applied"
+        );
+        self.metrics.state_rejected.inc();
+        if failed_tests.is_empty() {
+            self.not_ready("state file rejected by validation (see the agent's log)");
+        } else {
+            self.not_ready(&format!(
+                "state file rejected: policy test failed: {}",
+                failed_tests.join("; ")
+            ));
+        }
+        self.rejected = Some(hash);
+        self.applied = None;
+        // Rejecting walks the whole file as a value tree: hand the freed memory back.
+        trim_heap();
+    }
+
     fn apply(&mut self, changes: &Changes, hash: u128) -> Next {
-        let summary = Summary::of(&self.pipeline);
+        let summary = summary(&self.pipeline);
         match self
             .reconciler
             .reconcile_changes(self.pipeline.state(), changes)
@@ -257,7 +266,7 @@ impl Core {
             Ok(outcome) => {
                 self.account(Some(outcome.duration));
                 self.metrics.peers.set(summary.peers as i64);
-                self.metrics.policies.set(summary.policies as i64);
+                self.metrics.rule_sets.set(summary.rule_sets as i64);
                 self.metrics.ready.set(1);
                 self.health.set_ready();
                 self.applied = Some(hash);
@@ -267,8 +276,8 @@ impl Core {
                 if outcome.ops > 0 {
                     tracing::info!(
                         peers = summary.peers,
-                        restricted = summary.restricted,
-                        policies = summary.policies,
+                        restricted = summary.restricted_peers,
+                        rule_sets = summary.rule_sets,
                         ops = outcome.ops,
                         map_writes = outcome.map_writes,
                         wireguard_peer_updates = outcome.wg_peer_updates,
@@ -282,7 +291,13 @@ impl Core {
                         "state unchanged"
                     );
                 }
-                self.status.applied(LastReconcile::ok(&outcome), &summary);
+                let last = LastReconcile::ok(
+                    outcome.ops,
+                    outcome.map_writes,
+                    outcome.wg_peer_updates,
+                    outcome.duration,
+                );
+                self.status.applied(last, &summary);
                 Next::Idle
             }
             Err(ReconcileError::Closed) => Next::Idle,
@@ -345,7 +360,7 @@ impl Core {
         if let Ok(mut slots) = self.metrics.slot_names.write() {
             *slots = names;
         }
-        let rules = crate::status::rule_rows(desired, |a| peers.get(&a).copied());
+        let rules = rule_rows(desired, |a| peers.get(&a).copied());
         if let Ok(mut rows) = self.metrics.rule_names.write() {
             *rows = rules;
         }
@@ -435,7 +450,7 @@ impl Core {
         }
         let desired = self.pipeline.state();
         let peers = &self.reconciler.actual().maps().peers;
-        let rows = crate::status::rule_rows(desired, |a| peers.get(&a).copied());
+        let rows = rule_rows(desired, |a| peers.get(&a).copied());
         let now = crate::clock::now_ns(libc::CLOCK_BOOTTIME);
         let maps = self.reconciler.dataplane_mut().maps_mut();
         if let Err(e) = maps.observe_rule_hits(rows.iter().map(|r| r.counter), now) {
@@ -491,6 +506,53 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     health.set_not_ready("no valid state loaded yet");
     // Bind before touching the kernel: a second agent started by mistake on the same node
     // fails here, before it could replace the running one's program.
+    let listeners = bind(&options).await?;
+    let reconciler = adopt(&options, &metrics)?;
+    let closed = reconciler.shutdown_handle();
+    for (listener, endpoints) in listeners {
+        // Each on its own thread: nothing a client of one endpoint does can delay this loop
+        // or the other endpoint.
+        metrics::spawn(
+            listener,
+            endpoints,
+            Arc::clone(&metrics),
+            Arc::clone(&health),
+        )
+        .map_err(DaemonError::MetricsServer)?;
+    }
+    let source = StateSource::watch(&options.state)?;
+    let shutdown = shutdown_on_signal(Arc::clone(&closed))?;
+    let core = Core {
+        reconciler,
+        state_file: StateFile::new(&options.state, !options.allow_insecure_state),
+        pipeline: Pipeline::new(),
+        applied: None,
+        rejected: None,
+        metrics,
+        health,
+        peer_metrics: options.peer_metrics,
+        status: StatusFile::new(&options.interface, &options.state),
+        map_writes_seen: 0,
+        flows_freed_seen: 0,
+        wg_updates_seen: 0,
+        dataplane_fault: false,
+    };
+    let mut core = Some(core);
+    follow(&mut core, source, shutdown, &closed, options.resync).await?;
+    if let Some(core) = core.as_mut() {
+        core.not_ready("agent stopped (the datapath stays attached and enforcing)");
+    }
+    tracing::info!(
+        "stopping; the datapath stays attached and keeps enforcing the last applied state \
+         (`wgfence detach` removes it)"
+    );
+    Ok(())
+}
+
+/// Binds the metrics and health listeners asked for.
+async fn bind(
+    options: &RunOptions,
+) -> Result<Vec<(std::net::TcpListener, Endpoints)>, DaemonError> {
     let mut listeners = Vec::new();
     for (addr, endpoints) in [
         (options.metrics_addr, Endpoints::All),
@@ -506,7 +568,12 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
             listeners.push((listener, endpoints));
         }
     }
+    Ok(listeners)
+}
 
+/// Attaches the datapath (adopting what is pinned) and reads the kernel into a reconciler,
+/// with the flow sweeper running.
+fn adopt(options: &RunOptions, metrics: &Metrics) -> Result<Reconciler, DaemonError> {
     let attach = AttachOptions {
         interface: options.interface.clone(),
         bpffs: options.bpffs.clone(),
@@ -564,43 +631,23 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         wireguard_peers = adopted.wg().peers.len(),
         "kernel state read; nothing is removed before a valid state is loaded"
     );
-    let closed = reconciler.shutdown_handle();
-    for (listener, endpoints) in listeners {
-        // Each on its own thread: nothing a client of one endpoint does can delay this loop
-        // or the other endpoint.
-        metrics::spawn(
-            listener,
-            endpoints,
-            Arc::clone(&metrics),
-            Arc::clone(&health),
-        )
-        .map_err(DaemonError::MetricsServer)?;
-    }
+    Ok(reconciler)
+}
 
-    let mut source = StateSource::watch(&options.state)?;
-    let shutdown = shutdown_on_signal(Arc::clone(&closed))?;
-    let mut core = Some(Core {
-        reconciler,
-        state_file: StateFile::new(&options.state, !options.allow_insecure_state),
-        pipeline: Pipeline::new(),
-        applied: None,
-        rejected: None,
-        metrics,
-        health,
-        peer_metrics: options.peer_metrics,
-        status: StatusFile::new(&options.interface, &options.state),
-        map_writes_seen: 0,
-        flows_freed_seen: 0,
-        wg_updates_seen: 0,
-        dataplane_fault: false,
-    });
-
-    let mut next = step(&mut core, |c| c.load(false)).await?;
+/// The loop: loads on every change of the state file, resyncs every `resync`, checks the
+/// datapath every [`DATAPLANE_CHECK`], retries with backoff, until `shutdown` or `closed`.
+async fn follow(
+    core: &mut Option<Core>,
+    mut source: StateSource,
+    mut stop: watch::Receiver<bool>,
+    closed: &AtomicBool,
+    resync: Duration,
+) -> Result<(), DaemonError> {
+    let mut next = step(core, |c| c.load(false)).await?;
     let mut retry_delay = Duration::from_secs(1);
-    let mut resync = tokio::time::interval_at(Instant::now() + options.resync, options.resync);
+    let mut resync = tokio::time::interval_at(Instant::now() + resync, resync);
     let mut check = tokio::time::interval_at(Instant::now() + DATAPLANE_CHECK, DATAPLANE_CHECK);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut stop = shutdown.clone();
     // When the pending retry is due: set once, when a load asks for it, and kept until it runs,
     // so that other events (the datapath check every second) never push it back.
     let mut retry_at: Option<Instant> = None;
@@ -612,13 +659,13 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         tokio::select! {
             _ = stop.changed() => break,
             () = source.changed() => {
-                next = step(&mut core, |c| c.load(false)).await?;
+                next = step(core, |c| c.load(false)).await?;
             }
             _ = resync.tick() => {
-                next = step(&mut core, Core::resync).await?;
+                next = step(core, Core::resync).await?;
             }
             _ = check.tick() => {
-                let checked = step(&mut core, Core::check_dataplane).await?;
+                let checked = step(core, Core::check_dataplane).await?;
                 // A pending retry stays pending.
                 if checked == Next::Retry {
                     next = Next::Retry;
@@ -626,7 +673,7 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
             }
             () = sleep_until(retry_at) => {
                 retry_at = None;
-                next = step(&mut core, |c| c.load(true)).await?;
+                next = step(core, |c| c.load(true)).await?;
                 retry_delay = (retry_delay * 2).min(MAX_RETRY);
             }
         }
@@ -637,13 +684,6 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
             break;
         }
     }
-    if let Some(core) = core.as_mut() {
-        core.not_ready("agent stopped (the datapath stays attached and enforcing)");
-    }
-    tracing::info!(
-        "stopping; the datapath stays attached and keeps enforcing the last applied state \
-         (`wgfence detach` removes it)"
-    );
     Ok(())
 }
 

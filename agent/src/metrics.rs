@@ -35,7 +35,10 @@ use prometheus_client::{
 use tokio::{net::TcpListener, sync::Semaphore};
 use wgfence_common::Counter as DatapathCounter;
 
-use crate::dataplane::{Dataplane, Repair};
+use crate::{
+    dataplane::{Counters, Dataplane, Maps, Repair},
+    status::rules::RuleRow,
+};
 
 /// The label set of `wgfence_datapath_repairs_total`: `what` was repaired.
 pub type RepairLabels = [(&'static str, &'static str); 1];
@@ -75,14 +78,14 @@ impl Health {
 pub type SlotNames = Arc<RwLock<Vec<(u32, String)>>>;
 
 /// The counted rules, for per-rule series (with `--peer-metrics`).
-pub type RuleNames = Arc<RwLock<Vec<crate::status::RuleRow>>>;
+pub type RuleNames = Arc<RwLock<Vec<RuleRow>>>;
 
 /// The agent's metrics.
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
     pub peers: Gauge,
-    pub policies: Gauge,
+    pub rule_sets: Gauge,
     pub ready: Gauge,
     pub drift_entries: Gauge,
     pub state_rejected: Counter,
@@ -101,107 +104,71 @@ impl Metrics {
     /// `peer_metrics`: also export per-peer series.
     pub fn new(bpffs: PathBuf, interface: String, peer_metrics: bool) -> Self {
         let mut registry = Registry::default();
-        let peers = Gauge::default();
-        let policies = Gauge::default();
-        let ready = Gauge::default();
-        let drift_entries = Gauge::default();
-        let state_rejected = Counter::default();
-        let bpf_map_writes = Counter::default();
-        let wireguard_peer_updates = Counter::default();
-        let reconcile_errors = Counter::default();
-        let reply_flows_freed = Counter::default();
-        // 100 µs .. ~1.6 s
-        let reconcile_duration = Histogram::new(exponential_buckets(0.0001, 2.0, 15));
-        registry.register("wgfence_peers", "Peers in the applied state", peers.clone());
-        registry.register(
-            "wgfence_policies",
-            "Distinct policies (rule sets) in the applied state",
-            policies.clone(),
-        );
-        registry.register(
-            "wgfence_ready",
-            "1 when the current state file is valid and applied",
-            ready.clone(),
-        );
-        registry.register(
-            "wgfence_drift_entries",
-            "Map entries and WireGuard peers that differed from the applied state at the last \
-             resync's read, before it repaired them (what `wgfence verify` names)",
-            drift_entries.clone(),
-        );
-        registry.register(
-            "wgfence_state_rejected",
-            "State files rejected by validation (the last good state stays applied)",
-            state_rejected.clone(),
-        );
-        registry.register(
-            "wgfence_bpf_map_writes",
-            "BPF map updates and deletes issued by the agent",
-            bpf_map_writes.clone(),
-        );
-        registry.register(
-            "wgfence_wireguard_peer_updates",
-            "Per-peer WireGuard changes (create, update, remove) applied",
-            wireguard_peer_updates.clone(),
-        );
-        registry.register(
-            "wgfence_reconcile_errors",
-            "Reconciles that failed in the kernel (retried)",
-            reconcile_errors.clone(),
-        );
-        registry.register(
-            "wgfence_reply_flows_freed",
-            "Reply flows the agent deleted: expired, or their address got a new holder",
-            reply_flows_freed.clone(),
-        );
-        registry.register(
-            "wgfence_reconcile_duration_seconds",
-            "Time to plan and apply one state",
-            reconcile_duration.clone(),
-        );
-        let datapath_repairs = Family::<RepairLabels, Counter>::default();
-        for what in Repair::KINDS {
-            // Every kind from the start, at 0: an alert can compare against it.
-            let _ = datapath_repairs.get_or_create(&[("what", what)]);
-        }
-        registry.register(
-            "wgfence_datapath_repairs",
-            "Repairs made while enforcing, by what: pin_dir (the pin directory, <bpffs>/wgfence \
-             or bpffs removed, not by wgfence detach), map_pin, link_pin, reattach (the \
-             interface was recreated)",
-            datapath_repairs.clone(),
-        );
-        let datapath_repair_failures = Counter::default();
-        registry.register(
-            "wgfence_datapath_repair_failures",
-            "Checks that found pins missing and could not restore them (the programs kept \
-             enforcing from the agent's own descriptors)",
-            datapath_repair_failures.clone(),
-        );
+        let r = &mut registry;
+        let reconcile_duration = reconcile_duration(r);
+        let datapath_repairs = datapath_repairs(r);
         let slot_names: SlotNames = Arc::default();
         let rule_names: RuleNames = Arc::default();
-        registry.register_collector(Box::new(DatapathCollector {
+        r.register_collector(Box::new(DatapathCollector {
             bpffs,
             interface,
             slot_names: peer_metrics.then(|| Arc::clone(&slot_names)),
             rule_names: peer_metrics.then(|| Arc::clone(&rule_names)),
         }));
         Self {
-            registry,
-            peers,
-            policies,
-            ready,
-            drift_entries,
-            state_rejected,
-            bpf_map_writes,
-            wireguard_peer_updates,
-            reconcile_errors,
-            reply_flows_freed,
+            peers: registered(r, "wgfence_peers", "Peers in the applied state"),
+            rule_sets: registered(
+                r,
+                "wgfence_rule_sets",
+                "Distinct rule sets (egress lists) in the applied state",
+            ),
+            ready: registered(
+                r,
+                "wgfence_ready",
+                "1 when the current state file is valid and applied",
+            ),
+            drift_entries: registered(
+                r,
+                "wgfence_drift_entries",
+                "Map entries and WireGuard peers that differed from the applied state at the \
+                 last resync's read, before it repaired them (what `wgfence verify` names)",
+            ),
+            state_rejected: registered(
+                r,
+                "wgfence_state_rejected",
+                "State files rejected by validation (the last good state stays applied)",
+            ),
+            bpf_map_writes: registered(
+                r,
+                "wgfence_bpf_map_writes",
+                "BPF map updates and deletes issued by the agent",
+            ),
+            wireguard_peer_updates: registered(
+                r,
+                "wgfence_wireguard_peer_updates",
+                "Per-peer WireGuard changes (create, update, remove) applied",
+            ),
+            reconcile_errors: registered(
+                r,
+                "wgfence_reconcile_errors",
+                "Reconciles that failed in the kernel (retried)",
+            ),
+            reply_flows_freed: registered(
+                r,
+                "wgfence_reply_flows_freed",
+                "Reply flows the agent deleted: expired, or their address got a new holder",
+            ),
             reconcile_duration,
             datapath_repairs,
-            datapath_repair_failures,
+            datapath_repair_failures: registered(
+                r,
+                "wgfence_datapath_repair_failures",
+                "Checks that found pins missing and could not restore them (the programs kept \
+                 enforcing from the agent's own descriptors)",
+            ),
             slot_names,
             rule_names,
+            registry,
         }
     }
 
@@ -222,6 +189,44 @@ impl Metrics {
         }
         out
     }
+}
+
+/// The reconcile time histogram, registered: 100 µs .. ~1.6 s.
+fn reconcile_duration(registry: &mut Registry) -> Histogram {
+    let histogram = Histogram::new(exponential_buckets(0.0001, 2.0, 15));
+    registry.register(
+        "wgfence_reconcile_duration_seconds",
+        "Time to plan and apply one state",
+        histogram.clone(),
+    );
+    histogram
+}
+
+/// The repair counters by kind, registered, every kind from the start at 0: an alert can
+/// compare against it.
+fn datapath_repairs(registry: &mut Registry) -> Family<RepairLabels, Counter> {
+    let datapath_repairs = Family::<RepairLabels, Counter>::default();
+    for what in Repair::KINDS {
+        let _ = datapath_repairs.get_or_create(&[("what", what)]);
+    }
+    registry.register(
+        "wgfence_datapath_repairs",
+        "Repairs made while enforcing, by what: pin_dir (the pin directory, <bpffs>/wgfence \
+         or bpffs removed, not by wgfence detach), map_pin, link_pin, reattach (the \
+         interface was recreated)",
+        datapath_repairs.clone(),
+    );
+    datapath_repairs
+}
+
+/// A new metric, registered under `name` with `help`.
+fn registered<M>(registry: &mut Registry, name: &str, help: &str) -> M
+where
+    M: prometheus_client::registry::Metric + Clone + Default,
+{
+    let metric = M::default();
+    registry.register(name, help, metric.clone());
+    metric
 }
 
 /// Reads the datapath's counters from the pinned maps at scrape time.
@@ -245,33 +250,49 @@ impl Collector for DatapathCollector {
         let Ok(counters) = maps.counters() else {
             return Ok(());
         };
-        let verdicts = [("pass", counters.passed()), ("drop", counters.dropped())];
-        counter_family(
-            &mut encoder,
-            "wgfence_packets",
-            "Packets from peers, by verdict",
-            verdicts.iter().map(|(v, n)| ([("verdict", *v)], *n)),
-        )?;
-        let by_reason = |pass: bool| {
-            DatapathCounter::ALL
-                .iter()
-                .filter(move |c| c.is_pass() == pass)
-                .map(|c| ([("reason", c.name())], counters.get(*c)))
-        };
-        counter_family(
-            &mut encoder,
-            "wgfence_dropped_packets",
-            "Packets from peers dropped, by reason",
-            by_reason(false),
-        )?;
-        counter_family(
-            &mut encoder,
-            "wgfence_passed_packets",
-            "Packets from peers passed, by reason",
-            by_reason(true),
-        )?;
-        counter_family(
-            &mut encoder,
+        encode_packets(&mut encoder, &counters)?;
+        if let Some(rules) = self.rule_names.as_ref().and_then(|r| r.read().ok()) {
+            encode_rule_hits(&mut encoder, &maps, &rules)?;
+        }
+        if let Some(names) = self.slot_names.as_ref().and_then(|n| n.read().ok()) {
+            encode_peers(&mut encoder, &maps, &names)?;
+        }
+        Ok(())
+    }
+}
+
+/// The packet counters: by verdict, by reason, drop events and reply flows.
+fn encode_packets(
+    encoder: &mut DescriptorEncoder,
+    counters: &Counters,
+) -> Result<(), std::fmt::Error> {
+    let verdicts = [("pass", counters.passed()), ("drop", counters.dropped())];
+    counter_family(
+        encoder,
+        "wgfence_packets",
+        "Packets from peers, by verdict",
+        verdicts.iter().map(|(v, n)| ([("verdict", *v)], *n)),
+    )?;
+    let by_reason = |pass: bool| {
+        DatapathCounter::ALL
+            .iter()
+            .filter(move |c| c.is_pass() == pass)
+            .map(|c| ([("reason", c.name())], counters.get(*c)))
+    };
+    counter_family(
+        encoder,
+        "wgfence_dropped_packets",
+        "Packets from peers dropped, by reason",
+        by_reason(false),
+    )?;
+    counter_family(
+        encoder,
+        "wgfence_passed_packets",
+        "Packets from peers passed, by reason",
+        by_reason(true),
+    )?;
+    counter_family(
+            encoder,
             "wgfence_drop_events",
             "Drop events for `wgfence monitor`, by outcome (rate_limited and ring_full were not written)",
             [
@@ -282,17 +303,17 @@ impl Collector for DatapathCollector {
             .into_iter()
             .map(|c| ([("outcome", c.name())], counters.get(c))),
         )?;
-        counter_family(
-            &mut encoder,
-            "wgfence_reply_flows_recorded",
-            "Flows the network started toward restricted peers, recorded so replies pass",
-            std::iter::once((
-                Vec::<(&str, &str)>::new(),
-                counters.get(DatapathCounter::FlowRecorded),
-            )),
-        )?;
-        counter_family(
-            &mut encoder,
+    counter_family(
+        encoder,
+        "wgfence_reply_flows_recorded",
+        "Flows the network started toward restricted peers, recorded so replies pass",
+        std::iter::once((
+            Vec::<(&str, &str)>::new(),
+            counters.get(DatapathCounter::FlowRecorded),
+        )),
+    )?;
+    counter_family(
+            encoder,
             "wgfence_reply_flows_refused",
             "Flows toward restricted peers not recorded: the peer's quota (--flows-per-peer) or the flow table was full",
             std::iter::once((
@@ -300,67 +321,75 @@ impl Collector for DatapathCollector {
                 counters.get(DatapathCounter::FlowRefused),
             )),
         )?;
+    Ok(())
+}
 
-        if let Some(rules) = self.rule_names.as_ref().and_then(|r| r.read().ok()) {
-            let mut hits = Vec::with_capacity(rules.len());
-            let mut bytes = Vec::with_capacity(rules.len());
-            for row in rules.iter() {
-                if let Ok(c) = maps.rule_counters(row.counter) {
-                    let policy = row.policy.to_string();
-                    hits.push((
-                        [("policy", policy.clone()), ("rule", row.rule.clone())],
-                        c.packets,
-                    ));
-                    bytes.push(([("policy", policy), ("rule", row.rule.clone())], c.bytes));
-                }
-            }
-            counter_family(
-                &mut encoder,
-                "wgfence_rule_hits",
-                "Packets a policy passed, per rule (the first rule in canonical order that allows the packet)",
-                hits.into_iter(),
-            )?;
-            counter_family(
-                &mut encoder,
-                "wgfence_rule_hit_bytes",
-                "Bytes a policy passed, per rule",
-                bytes.into_iter(),
-            )?;
+/// Per rule of the applied policies: packets and bytes it passed.
+fn encode_rule_hits(
+    encoder: &mut DescriptorEncoder,
+    maps: &Maps,
+    rules: &[RuleRow],
+) -> Result<(), std::fmt::Error> {
+    let mut hits = Vec::with_capacity(rules.len());
+    let mut bytes = Vec::with_capacity(rules.len());
+    for row in rules.iter() {
+        if let Ok(c) = maps.rule_counters(row.counter) {
+            let policy = row.policy.to_string();
+            hits.push((
+                [("policy", policy.clone()), ("rule", row.rule.clone())],
+                c.packets,
+            ));
+            bytes.push(([("policy", policy), ("rule", row.rule.clone())], c.bytes));
         }
-        let Some(names) = &self.slot_names else {
-            return Ok(());
-        };
-        let Ok(names) = names.read() else {
-            return Ok(());
-        };
-        let mut family = encoder.encode_descriptor(
-            "wgfence_peer_packets",
-            "Packets per peer, by verdict",
-            None,
-            MetricType::Counter,
-        )?;
-        let mut would_drop = Vec::new();
-        for (slot, name) in names.iter() {
-            if let Ok(c) = maps.peer_counters(*slot) {
-                for (verdict, value) in [("pass", c.pass_packets), ("drop", c.drop_packets)] {
-                    let labels = [("peer", name.as_str()), ("verdict", verdict)];
-                    ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
-                }
-                would_drop.push((name.as_str(), c.audit_packets));
-            }
-        }
-        // Audit mode: the packets each peer's policy denied and let pass (0 for an enforced
-        // peer, whose denials are drops).
-        counter_family(
-            &mut encoder,
-            "wgfence_peer_would_drop_packets",
-            "Packets per peer that its policy denies and audit mode let pass",
-            would_drop
-                .into_iter()
-                .map(|(peer, n)| ([("peer", peer)], n)),
-        )?;
-        Ok(())
     }
+    counter_family(
+            encoder,
+            "wgfence_rule_hits",
+            "Packets a policy passed, per rule (the first rule in canonical order that allows the packet)",
+            hits.into_iter(),
+        )?;
+    counter_family(
+        encoder,
+        "wgfence_rule_hit_bytes",
+        "Bytes a policy passed, per rule",
+        bytes.into_iter(),
+    )?;
+    Ok(())
+}
+
+/// Per peer (`--peer-metrics`): packets by verdict, and would-drops.
+fn encode_peers(
+    encoder: &mut DescriptorEncoder,
+    maps: &Maps,
+    names: &[(u32, String)],
+) -> Result<(), std::fmt::Error> {
+    let mut family = encoder.encode_descriptor(
+        "wgfence_peer_packets",
+        "Packets per peer, by verdict",
+        None,
+        MetricType::Counter,
+    )?;
+    let mut would_drop = Vec::new();
+    for (slot, name) in names.iter() {
+        if let Ok(c) = maps.peer_counters(*slot) {
+            for (verdict, value) in [("pass", c.pass_packets), ("drop", c.drop_packets)] {
+                let labels = [("peer", name.as_str()), ("verdict", verdict)];
+                ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+            }
+            would_drop.push((name.as_str(), c.audit_packets));
+        }
+    }
+    // Audit mode: the packets each peer's policy denied and let pass (0 for an enforced
+    // peer, whose denials are drops).
+    counter_family(
+        encoder,
+        "wgfence_peer_would_drop_packets",
+        "Packets per peer that its policy denies and audit mode let pass",
+        would_drop
+            .into_iter()
+            .map(|(peer, n)| ([("peer", peer)], n)),
+    )?;
+    Ok(())
 }
 
 /// One counter family: a descriptor, then one value per label set.

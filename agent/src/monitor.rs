@@ -13,7 +13,7 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     os::fd::AsRawFd as _,
     path::{Path, PathBuf},
-    time::{Duration, SystemTime},
+    time::{Duration, Instant, SystemTime},
 };
 
 use aya::maps::{Map, MapData, MapError, RingBuf};
@@ -23,7 +23,10 @@ use wgfence_common::{
     PROTO_UDP,
 };
 
-use crate::dataplane::pin_dir;
+use crate::{
+    dataplane::{pin_dir, Dataplane, Maps},
+    status::{report::peer_names, AgentStatus},
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MonitorError {
@@ -40,6 +43,10 @@ pub enum MonitorError {
     },
     #[error("waiting for drop events")]
     Poll(#[source] io::Error),
+    #[error(
+        "no peer named {0:?} in the state file (pass --state if the agent is not running here)"
+    )]
+    UnknownPeer(String),
 }
 
 /// The pinned drop event ring buffer of one interface.
@@ -101,6 +108,87 @@ impl Monitor {
     }
 }
 
+/// How often a [`Watch`] reads the state file again for peer names.
+pub const NAMES_REFRESH: Duration = Duration::from_secs(2);
+
+/// The drop events of an interface as `wgfence monitor` shows them: peers named by the state
+/// file (read again every [`NAMES_REFRESH`]), audit events with the policy id of their peer's
+/// entry, those of one peer only if asked.
+pub struct Watch {
+    monitor: Monitor,
+    /// The pinned maps, for an audit event's policy id (none: not named).
+    maps: Option<Maps>,
+    interface: String,
+    state: Option<PathBuf>,
+    names: BTreeMap<IpAddr, String>,
+    names_at: Instant,
+    peer: Option<String>,
+    events: Vec<DropEvent>,
+}
+
+impl Watch {
+    /// Opens the ring buffer of `interface`. `state` (else the running agent's state file)
+    /// names the peers; `peer`: only this peer's events, which must be in it.
+    pub fn open(
+        bpffs: &Path,
+        interface: &str,
+        state: Option<&Path>,
+        peer: Option<&str>,
+    ) -> Result<Self, MonitorError> {
+        let monitor = Monitor::open(bpffs, interface)?;
+        let mut watch = Self {
+            monitor,
+            maps: Dataplane::open_maps(bpffs, interface).ok(),
+            interface: interface.to_owned(),
+            state: state.map(Path::to_path_buf),
+            names: BTreeMap::new(),
+            names_at: Instant::now(),
+            peer: peer.map(str::to_owned),
+            events: Vec::new(),
+        };
+        watch.load_names();
+        if let Some(peer) = peer {
+            if !watch.names.values().any(|n| n == peer) {
+                return Err(MonitorError::UnknownPeer(peer.to_owned()));
+            }
+        }
+        Ok(watch)
+    }
+
+    fn load_names(&mut self) {
+        let agent = AgentStatus::read(&self.interface).ok();
+        self.names = peer_names(self.state.as_deref(), agent.as_ref());
+        self.names_at = Instant::now();
+    }
+
+    /// Waits up to `timeout` for events; the views of those asked for, in order.
+    pub fn next(&mut self, timeout: Duration) -> Result<Vec<EventView>, MonitorError> {
+        self.events.clear();
+        self.monitor.wait(timeout, &mut self.events)?;
+        if self.names_at.elapsed() >= NAMES_REFRESH {
+            self.load_names();
+        }
+        let clock = Clock::now();
+        let mut views = Vec::with_capacity(self.events.len());
+        for event in &self.events {
+            let mut view = EventView::new(event, &self.names, &clock);
+            if view.kind == "audit" {
+                let policy = self
+                    .maps
+                    .as_ref()
+                    .zip(view.src)
+                    .and_then(|(maps, src)| maps.peer(src).ok().flatten())
+                    .map(|e| e.policy);
+                view = view.with_policy(policy);
+            }
+            if self.peer.is_none() || view.peer == self.peer {
+                views.push(view);
+            }
+        }
+        Ok(views)
+    }
+}
+
 /// A drop event as `wgfence monitor` prints it (`--json`: one object per line).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -128,7 +216,7 @@ pub struct EventView {
     /// `"drop"`, or `"audit"`: an audited peer's packet its policy denies, which passed (a
     /// would-drop).
     pub kind: &'static str,
-    /// An audit event's rule set: the policy id the peer's entry points at (`wgfence status`
+    /// An audit event's policy: the policy id the peer's entry points at (`wgfence status`
     /// lists it per peer).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub policy: Option<u32>,
@@ -218,7 +306,7 @@ impl EventView {
         }
     }
 
-    /// The same, naming the rule set (policy id) an audit event's peer is audited against.
+    /// The same, naming the policy (its id) an audit event's peer is audited against.
     pub fn with_policy(mut self, policy: Option<u32>) -> Self {
         self.policy = policy;
         self

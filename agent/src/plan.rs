@@ -601,7 +601,7 @@ impl fmt::Display for Op {
                     config.tcp_timeout_ns / 1_000_000_000,
                     config.tcp_closing_timeout_ns / 1_000_000_000,
                     config.udp_timeout_ns / 1_000_000_000,
-                    config.other_timeout_ns / 1_000_000_000,
+                    config.icmp_timeout_ns / 1_000_000_000,
                     config.unanswered_timeout_ns / 1_000_000_000,
                     config.flows_per_peer
                 )

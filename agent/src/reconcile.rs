@@ -28,6 +28,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+mod preview;
+
 pub use crate::drop_later;
 use crate::{
     dataplane::{Dataplane, DataplaneError, Flow, Maps},
@@ -41,6 +43,7 @@ use crate::{
     sweeper::{Pause, Sweeper},
     wg::{WgError, WireGuard},
 };
+pub use preview::{preview, read_pinned, Preview};
 use wgfence_common::Config;
 
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +70,17 @@ pub struct Outcome {
     pub plan_duration: Duration,
     /// Of that, the WireGuard device updates.
     pub wg_duration: Duration,
+}
+
+/// The settings entry's operations: `settings` for a state with `replies`, against the
+/// kernel's entry (`None`: none yet).
+fn settings_ops(
+    settings: &DatapathSettings,
+    replies: bool,
+    cpus: u32,
+    kernel: Option<&Config>,
+) -> Vec<Op> {
+    plan_settings(&settings.config(replies, cpus), kernel)
 }
 
 /// Reads the maps into the planner's form (O(entries)).
@@ -316,8 +330,12 @@ impl Reconciler {
             (None, Some(previous)) => plan_update(previous, desired, &self.actual),
             _ => plan(desired, &self.actual),
         };
-        let want = self.settings.config(desired.replies, self.cpus);
-        let settings = plan_settings(&want, self.kernel_config.as_ref());
+        let settings = settings_ops(
+            &self.settings,
+            desired.replies,
+            self.cpus,
+            self.kernel_config.as_ref(),
+        );
         Ok(planned.map(|plan| plan.with_settings(settings)))
     }
 

@@ -72,7 +72,7 @@ impl DatapathSettings {
             tcp_timeout_ns: nanos(self.tcp_timeout),
             tcp_closing_timeout_ns: nanos(self.tcp_closing_timeout),
             udp_timeout_ns: nanos(self.udp_timeout),
-            other_timeout_ns: nanos(self.icmp_timeout),
+            icmp_timeout_ns: nanos(self.icmp_timeout),
             unanswered_timeout_ns: nanos(self.unanswered_timeout),
             event_interval_ns,
             event_burst_ns,
@@ -102,7 +102,7 @@ mod tests {
         assert_eq!(on.tcp_timeout_ns, 6 * 3600 * NANOS_PER_SECOND);
         assert_eq!(on.tcp_closing_timeout_ns, 10 * NANOS_PER_SECOND);
         assert_eq!(on.udp_timeout_ns, 60 * NANOS_PER_SECOND);
-        assert_eq!(on.other_timeout_ns, 30 * NANOS_PER_SECOND);
+        assert_eq!(on.icmp_timeout_ns, 30 * NANOS_PER_SECOND);
         assert_eq!(on.unanswered_timeout_ns, 60 * NANOS_PER_SECOND);
         assert_eq!(on.flows_per_peer, 1024);
     }

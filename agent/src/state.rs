@@ -6,9 +6,9 @@
 
 #[cfg(any(test, feature = "testing"))]
 pub mod edits;
-mod fast;
 mod pipeline;
 mod tree;
+mod typed;
 mod unique_keys;
 
 pub use pipeline::{Changes, Pipeline, Rejection};
@@ -418,7 +418,7 @@ pub fn parse(text: &str) -> Result<DesiredState, StateError> {
 /// [`parse`] without running the state's policy tests (`wgfence explain` reads a state whose
 /// tests fail, to say why).
 pub fn parse_unchecked(text: &str) -> Result<DesiredState, StateError> {
-    match fast::parse(text) {
+    match typed::parse(text) {
         Some(state) => Ok(state),
         None => parse_value_tree(text),
     }
@@ -588,7 +588,7 @@ mod tests {
     /// Both passes accept `text` alike.
     fn both(text: &str) -> DesiredState {
         let tree = tree::parse_value_tree(text).unwrap();
-        let fast = fast::parse(text).unwrap_or_else(|| panic!("the typed pass refused {text}"));
+        let fast = typed::parse(text).unwrap_or_else(|| panic!("the typed pass refused {text}"));
         assert_eq!(tree, fast);
         tree
     }
@@ -693,7 +693,7 @@ mod tests {
             state(vec![empty.clone()]).replace(" ", ""),
         ] {
             for (how, parsed) in [
-                ("typed", fast::parse(&text).ok_or(())),
+                ("typed", typed::parse(&text).ok_or(())),
                 ("walk", parse_value_tree(&text).map_err(drop)),
             ] {
                 let s = parsed.unwrap_or_else(|()| panic!("{how}: rejected {text}"));
@@ -727,7 +727,7 @@ mod tests {
             };
             let text = state(vec![p]);
             assert_error(&text, &format!("{location}, field {field}: null"));
-            assert_eq!(fast::parse(&text), None, "the typed pass took {text}");
+            assert_eq!(typed::parse(&text), None, "the typed pass took {text}");
         }
         for field in RULE_FIELDS {
             let mut rule = json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] });
@@ -739,7 +739,7 @@ mod tests {
                 &text,
                 &format!("peer \"a\" (peers[0]), field egress[0].{field}: null"),
             );
-            assert_eq!(fast::parse(&text), None, "the typed pass took {text}");
+            assert_eq!(typed::parse(&text), None, "the typed pass took {text}");
         }
         let mut p = peer("a", 2);
         p["egress"] = json!([null]);
@@ -753,7 +753,7 @@ mod tests {
             ("peers", r#"{"version":1,"peers":null}"#),
         ] {
             assert_error(text, &format!("{field}: null"));
-            assert_eq!(fast::parse(text), None, "the typed pass took {text}");
+            assert_eq!(typed::parse(text), None, "the typed pass took {text}");
         }
         assert_error(&state(vec![Value::Null]), "peers[0], field (peer): null");
     }
@@ -862,9 +862,18 @@ mod tests {
         assert_error(&state(vec![a, b]), "addressV6: duplicate");
     }
 
+    /// Each rule is refused with an error that contains its text.
+    fn assert_rule_errors(cases: &[(Value, &str)]) {
+        for (rule, wanted) in cases {
+            let mut p = peer("a", 2);
+            p["egress"] = json!([rule]);
+            assert_error(&state(vec![p]), wanted);
+        }
+    }
+
     #[test]
     fn rules_are_validated() {
-        let cases = [
+        assert_rule_errors(&[
             (
                 json!({ "cidr": "10.1.2.3/8" }),
                 "has host bits set (did you mean 10.0.0.0/8?)",
@@ -903,6 +912,12 @@ mod tests {
                 json!({ "cidr": "10.0.0.0/8", "protocol": "tcp", "port": [443] }),
                 "egress[0].port: unknown field",
             ),
+        ]);
+    }
+
+    #[test]
+    fn icmp_types_and_excepts_are_validated() {
+        assert_rule_errors(&[
             // ICMP types only on icmp rules; no rule without a protocol takes ports or types.
             (
                 json!({ "cidr": "10.0.0.0/8", "types": [8] }),
@@ -948,12 +963,7 @@ mod tests {
                 json!({ "cidr": "10.0.0.0/8", "except": ["nope"] }),
                 "is not a CIDR prefix",
             ),
-        ];
-        for (rule, wanted) in cases {
-            let mut p = peer("a", 2);
-            p["egress"] = json!([rule]);
-            assert_error(&state(vec![p]), wanted);
-        }
+        ]);
     }
 
     #[test]
@@ -1061,7 +1071,7 @@ mod tests {
             r#"{"version":1,"peers":[{"name":"cA","publicKey":"AQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQE=","address":"10.8.0.9","egress":[{"cidr":"10.0.0.0\/8","protocol":"tcp","ports":["1-9"]}]}]}"#.to_owned(),
         ];
         for text in texts {
-            let typed = fast::parse(&text);
+            let typed = typed::parse(&text);
             assert!(typed.is_some(), "the typed pass handed over {text}");
             assert_eq!(typed.map(Ok), Some(parse_value_tree(&text)), "{text}");
         }
@@ -1088,7 +1098,7 @@ mod tests {
             ),
         ];
         for text in texts {
-            assert!(fast::parse(&text).is_none(), "{text}");
+            assert!(typed::parse(&text).is_none(), "{text}");
         }
         // The walk names them: a state, a peer and a rule must be objects.
         assert_error("[1,null,[]]", "must be a JSON object");

@@ -10,6 +10,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
     net::IpAddr,
+    path::Path,
 };
 
 use ipnet::IpNet;
@@ -18,7 +19,7 @@ use wgfence_common::{Allow, UNRESTRICTED};
 
 use crate::{
     explain::AllowText,
-    plan::Actual,
+    plan::{Actual, ActualMaps},
     policy::{CompiledPolicy, NOTHING},
     state::{DesiredState, PeerSpec},
 };
@@ -51,14 +52,20 @@ fn drift(entry: String, what: String) -> Drift {
 /// Every entry of `actual` that differs from what `desired` compiles to, sorted.
 pub fn drift_of(desired: &DesiredState, actual: &Actual) -> Vec<Drift> {
     let mut out = Vec::new();
-    let maps = actual.maps();
+    peer_entry_drift(desired, actual.maps(), &mut out);
+    orphan_policy_drift(actual.maps(), &mut out);
+    wireguard_drift(desired, actual, &mut out);
+    out.sort();
+    out
+}
+
+/// The peer entries, and the policy each restricted one points at (compared once per id).
+fn peer_entry_drift(desired: &DesiredState, maps: &ActualMaps, out: &mut Vec<Drift>) {
     let wanted: BTreeMap<IpAddr, &PeerSpec> = desired
         .peers
         .iter()
         .flat_map(|p| p.addrs().map(move |a| (a, p)))
         .collect();
-
-    // Peer entries, and the policy each restricted one points at (compared once per id).
     let mut checked: BTreeSet<u32> = BTreeSet::new();
     for (addr, peer) in &wanted {
         let entry = format!("peer entry {addr}");
@@ -85,7 +92,7 @@ pub fn drift_of(desired: &DesiredState, actual: &Actual) -> Vec<Drift> {
             (Some(want), id) => {
                 if checked.insert(id) {
                     let have = maps.policies.get(&id).unwrap_or(&NOTHING);
-                    policy_drift(id, &peer.name, have, want, &mut out);
+                    policy_drift(id, &peer.name, have, want, out);
                 }
             }
         }
@@ -105,7 +112,10 @@ pub fn drift_of(desired: &DesiredState, actual: &Actual) -> Vec<Drift> {
             ));
         }
     }
-    // Trie entries under ids no peer entry points at.
+}
+
+/// The trie entries under ids no peer entry points at.
+fn orphan_policy_drift(maps: &ActualMaps, out: &mut Vec<Drift>) {
     let referenced: BTreeSet<u32> = maps.peers.values().map(|e| e.policy).collect();
     for (id, policy) in &maps.policies {
         if referenced.contains(id) {
@@ -121,8 +131,10 @@ pub fn drift_of(desired: &DesiredState, actual: &Actual) -> Vec<Drift> {
             ));
         }
     }
+}
 
-    // WireGuard peers: present, and routed exactly the peer's addresses.
+/// The WireGuard peers: present, and routed exactly the peer's addresses.
+fn wireguard_drift(desired: &DesiredState, actual: &Actual, out: &mut Vec<Drift>) {
     let mut keys = BTreeSet::new();
     for peer in &desired.peers {
         keys.insert(peer.public_key);
@@ -161,8 +173,6 @@ pub fn drift_of(desired: &DesiredState, actual: &Actual) -> Vec<Drift> {
             ));
         }
     }
-    out.sort();
-    out
 }
 
 /// The trie entries of live policy `id` (peer `name`'s) against what its rules compile to.
@@ -200,6 +210,61 @@ fn policy_drift(
             )),
             _ => {}
         }
+    }
+}
+
+/// `wgfence verify`'s answer: the drift of the kernel (the pinned maps and the WireGuard
+/// device) from a state, with the sizes compared.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verification {
+    /// The state file compared with, as it is to be named.
+    pub state_file: String,
+    pub drift: Vec<Drift>,
+    pub peer_entries: usize,
+    pub trie_entries: usize,
+    pub wireguard_peers: usize,
+}
+
+impl Verification {
+    /// The drift of `actual` from `desired` (read from `state_file`). A peer whose window is
+    /// over is revoked: its absence is no drift.
+    pub fn of(desired: &DesiredState, actual: &Actual, state_file: &Path) -> Self {
+        let desired = desired.unexpired(crate::clock::unix_secs());
+        Self {
+            state_file: state_file.display().to_string(),
+            drift: drift_of(&desired, actual),
+            peer_entries: actual.maps().peers.len(),
+            trie_entries: actual.maps().policies.values().map(|p| p.len()).sum(),
+            wireguard_peers: actual.wg().peers.len(),
+        }
+    }
+}
+
+impl fmt::Display for Verification {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.drift.is_empty() {
+            return writeln!(
+                f,
+                "no drift: the {} peer entries, {} trie entries and {} WireGuard peers are what \
+                 {} compiles to",
+                self.peer_entries, self.trie_entries, self.wireguard_peers, self.state_file
+            );
+        }
+        writeln!(
+            f,
+            "DRIFT: {} {} from {}:",
+            self.drift.len(),
+            if self.drift.len() == 1 {
+                "entry differs"
+            } else {
+                "entries differ"
+            },
+            self.state_file
+        )?;
+        for d in &self.drift {
+            writeln!(f, "  {d}")?;
+        }
+        Ok(())
     }
 }
 

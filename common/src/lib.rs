@@ -393,8 +393,9 @@ pub struct Config {
     /// Idle timeout of a TCP flow after a FIN or RST.
     pub tcp_closing_timeout_ns: u64,
     pub udp_timeout_ns: u64,
-    /// Idle timeout of ICMP echo and of every other protocol.
-    pub other_timeout_ns: u64,
+    /// Idle timeout of an ICMP echo flow (the timeout of any protocol but TCP and UDP; only
+    /// an ICMP echo starts a flow of another protocol).
+    pub icmp_timeout_ns: u64,
     /// Idle timeout of a flow the peer has not answered yet ([`FLOW_UNANSWERED`]), any
     /// protocol, when shorter than the protocol's.
     pub unanswered_timeout_ns: u64,
@@ -420,7 +421,7 @@ impl Config {
             PROTO_TCP if state == FLOW_CLOSING => self.tcp_closing_timeout_ns,
             PROTO_TCP => self.tcp_timeout_ns,
             PROTO_UDP => self.udp_timeout_ns,
-            _ => self.other_timeout_ns,
+            _ => self.icmp_timeout_ns,
         };
         if state == FLOW_UNANSWERED && self.unanswered_timeout_ns < timeout {
             self.unanswered_timeout_ns
@@ -715,7 +716,7 @@ mod tests {
             tcp_timeout_ns: 100,
             tcp_closing_timeout_ns: 10,
             udp_timeout_ns: 60,
-            other_timeout_ns: 30,
+            icmp_timeout_ns: 30,
             unanswered_timeout_ns: 40,
             ..Config::default()
         };

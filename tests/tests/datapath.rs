@@ -28,7 +28,7 @@ fn enforces_unknown_unrestricted_and_restricted_peers() {
     // Peer 0: restricted. Peer 1: unrestricted. Peer 2: known to WireGuard, not to the maps.
     let gw = Gateway::new(3);
     let mut dp = gw.attach();
-    assert_eq!(dp.attachment(), Attachment::Created);
+    assert_eq!(dp.ingress_attachment(), Attachment::Created);
     let maps = dp.maps_mut();
     install_policy(
         maps,
@@ -208,7 +208,7 @@ fn adopting_pinned_objects_keeps_traffic_flowing() {
     for _ in 0..3 {
         thread::sleep(Duration::from_millis(700));
         let dp = gw.attach();
-        assert_eq!(dp.attachment(), Attachment::Replaced);
+        assert_eq!(dp.ingress_attachment(), Attachment::Replaced);
         assert_eq!(dp.maps().peers().unwrap(), before);
     }
     let out = ping.wait_with_output().expect("ping");
@@ -239,7 +239,7 @@ fn a_restart_takes_over_the_running_programs_only_on_the_same_maps() {
         let id = |info: Option<(u32, u32)>| info.map(|(_, program)| program);
         (
             id(Dataplane::egress_link_info(&gw.bpffs, gw.interface()).unwrap()),
-            id(Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap()),
+            id(Dataplane::ingress_link_info(&gw.bpffs, gw.interface()).unwrap()),
         )
     };
     drop(gw.attach());
@@ -398,7 +398,7 @@ fn a_detach_that_cannot_release_the_links_fails_naming_the_holder() {
     let mut dp = ns
         .enter(|| Dataplane::attach(&options))
         .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
-    let (link, _) = Dataplane::link_info(bpffs, &name)
+    let (link, _) = Dataplane::ingress_link_info(bpffs, &name)
         .ok()
         .flatten()
         .expect("no pinned link");

@@ -16,7 +16,7 @@ use std::{
 
 use ipnet::IpNet;
 use serde_json::{json, Value};
-use wgfence::dataplane::{pin_dir, Dataplane, LINK_PIN, LINK_PIN_EGRESS};
+use wgfence::dataplane::{pin_dir, Dataplane, LINK_PIN_EGRESS, LINK_PIN_INGRESS};
 use wgfence_common::UNRESTRICTED;
 use wgfence_tests::{
     agent::{binary, Agent, Layout},
@@ -216,7 +216,7 @@ fn a_recreated_interface_is_reattached_and_reconverged() {
     let mut agent = Agent::start(&gw, Layout::Plain, &s, &[]);
     agent.wait_ready(&gw);
     assert_enforced(&gw, "before");
-    let (link_before, _) = Dataplane::link_info(&gw.bpffs, gw.interface())
+    let (link_before, _) = Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
         .expect("no pinned link");
@@ -234,7 +234,7 @@ fn a_recreated_interface_is_reattached_and_reconverged() {
     assert!(agent
         .log_text()
         .contains("attached to the recreated interface"));
-    let (link_after, _) = Dataplane::link_info(&gw.bpffs, gw.interface())
+    let (link_after, _) = Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
         .expect("no pinned link after the recreation");
@@ -291,7 +291,7 @@ fn pins_removed_by_hand_are_restored_and_a_detach_is_respected() {
     // The restored pins are the live objects: what the maps hold, and the link the program
     // runs on.
     assert_converged(&gw, &s);
-    assert!(Dataplane::link_info(&gw.bpffs, gw.interface())
+    assert!(Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
         .is_some());
@@ -551,7 +551,7 @@ fn at_a_full_peer_map_revoke_r_and_add_n_revokes_r_at_once() {
 fn all_pins(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     wgfence_common::map_names::ALL
         .iter()
-        .chain(&[LINK_PIN, LINK_PIN_EGRESS])
+        .chain(&[LINK_PIN_INGRESS, LINK_PIN_EGRESS])
         .map(|name| dir.join(name))
         .collect()
 }
@@ -591,7 +591,7 @@ fn assert_pins_restored(gw: &Gateway, agent: &Agent, s: &str, link: (u32, u32)) 
         .unwrap();
     assert_eq!(mode, 0o700, "re-created pin directory mode {mode:o}");
     assert_eq!(
-        Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap(),
+        Dataplane::ingress_link_info(&gw.bpffs, gw.interface()).unwrap(),
         Some(link),
         "the pinned link is not the one the agent held"
     );
@@ -658,7 +658,7 @@ const POD_CAPABILITIES: [&str; 6] = [
 /// detached.
 #[track_caller]
 fn assert_detach_releases(gw: &Gateway, agent: &Agent, wrapper: &[&str]) {
-    let (link, _) = Dataplane::link_info(&gw.bpffs, gw.interface())
+    let (link, _) = Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
         .expect("no pinned link before the detach");
@@ -717,7 +717,7 @@ fn a_removed_pin_directory_is_restored_and_enforcement_never_stops() {
     // A few datapath checks (one a second) pass with these capabilities.
     thread::sleep(Duration::from_millis(2500));
     assert_healthy(&gw, &agent, "with the DaemonSet's capabilities");
-    let link = Dataplane::link_info(&gw.bpffs, gw.interface())
+    let link = Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
         .expect("no pinned link");
@@ -825,7 +825,7 @@ fn a_removed_wgfence_directory_and_a_remounted_bpffs_are_repaired() {
     // The gateway's own cleanup finds nothing there once the agent's namespace is gone.
     gw.bpffs = bpffs.seen_from_outside(&agent);
     agent.wait_ready(&gw);
-    let link = Dataplane::link_info(&gw.bpffs, gw.interface())
+    let link = Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
         .expect("no pinned link");
@@ -956,7 +956,7 @@ fn a_second_agent_on_the_same_interface_is_refused() {
                 .into_iter()
                 .map(|e| ((e.policy, e.prefix), e.value.allows().to_vec()))
                 .collect::<BTreeMap<_, _>>(),
-            Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap(),
+            Dataplane::ingress_link_info(&gw.bpffs, gw.interface()).unwrap(),
             Dataplane::egress_link_info(&gw.bpffs, gw.interface()).unwrap(),
         )
     };
@@ -982,15 +982,15 @@ fn a_second_agent_on_the_same_interface_is_refused() {
 /// The pinned (link id, program id) of the ingress and of the egress link.
 fn links(gw: &Gateway) -> ((u32, u32), (u32, u32)) {
     let get = |pin| {
-        let info = if pin == LINK_PIN {
-            Dataplane::link_info(&gw.bpffs, gw.interface())
+        let info = if pin == LINK_PIN_INGRESS {
+            Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
         } else {
             Dataplane::egress_link_info(&gw.bpffs, gw.interface())
         };
         info.unwrap_or_else(|e| panic!("{pin}: {e}"))
             .unwrap_or_else(|| panic!("{pin} is not pinned"))
     };
-    (get(LINK_PIN), get(LINK_PIN_EGRESS))
+    (get(LINK_PIN_INGRESS), get(LINK_PIN_EGRESS))
 }
 
 /// Whether program `prog` runs on `device`'s tcx hook, `direction` "ingress" or "egress" (a
@@ -1156,7 +1156,7 @@ fn an_agent_lets_go_for_a_detach_even_if_a_new_agent_took_the_pin_path() {
     let s = state(vec![gw.peer_json(0, Some(web_only()))]);
     let agent = Agent::start(&gw, Layout::Plain, &s, &[]);
     agent.wait_ready(&gw);
-    let (link, _) = Dataplane::link_info(&gw.bpffs, gw.interface())
+    let (link, _) = Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
         .expect("no pinned link");

@@ -238,11 +238,11 @@ fn on_the_tc_hook_the_datapath_enforces_like_on_tcx() {
         .enter(|| Dataplane::attach(&options))
         .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
     assert_eq!(dp.hook(), HookKind::Tc);
-    assert_eq!(dp.attachment(), Attachment::Created);
+    assert_eq!(dp.ingress_attachment(), Attachment::Created);
     assert_our_filters_first(&gw, "attached");
     // Nothing on the tcx hook: the tc filters do the work.
     assert_eq!(
-        Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap(),
+        Dataplane::ingress_link_info(&gw.bpffs, gw.interface()).unwrap(),
         None
     );
     assert!(gw.node.enter(|| dp.programs_attached()).unwrap_or(false));
@@ -535,7 +535,7 @@ fn switching_between_tc_and_tcx_hands_over_without_leaving_the_old_hook_behind()
     let ours = |dir: &str| {
         tc_out(&gw, &["filter", "show", "dev", gw.interface(), dir]).contains("0x77670001")
     };
-    let link = || Dataplane::link_info(&gw.bpffs, gw.interface()).unwrap();
+    let link = || Dataplane::ingress_link_info(&gw.bpffs, gw.interface()).unwrap();
     assert_eq!(link(), None);
     let enforced = |when: &str| {
         let r = &gw.peers[0].ns;

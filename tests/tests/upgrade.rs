@@ -420,7 +420,7 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     );
     let v1_final = status_json(&v1, &gw);
     assert!(v1_final["packets"]["pass"].as_u64() >= v1_status["packets"]["pass"].as_u64());
-    let (link_v1, prog_v1) = Dataplane::link_info(&gw.bpffs, gw.interface())
+    let (link_v1, prog_v1) = Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
         .expect("no pinned link under layout 2");
@@ -446,7 +446,7 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
 
     // The programs were replaced through the same links; the layout-2 maps are gone but for
     // the tombstones.
-    let (link_v2, prog_v2) = Dataplane::link_info(&gw.bpffs, gw.interface())
+    let (link_v2, prog_v2) = Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
         .expect("no pinned link after the upgrade");
@@ -567,7 +567,7 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let report = streams.check("during the refused rollback");
     eprintln!("rollback: {report}");
     assert_eq!(
-        Dataplane::link_info(&gw.bpffs, gw.interface())
+        Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
             .ok()
             .flatten(),
         Some((link_v2, prog_v2)),
@@ -589,7 +589,7 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         .log_text()
         .contains("removed map pins of older layouts"));
     assert_eq!(
-        Dataplane::link_info(&gw.bpffs, gw.interface())
+        Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
             .ok()
             .flatten()
             .map(|l| l.0),

@@ -9,7 +9,7 @@ use crate::util;
 
 /// Pinned map names start with this (agent/src/dataplane, common's map names).
 const MAP_PREFIX: &str = "wgf";
-/// The pinned tcx links (`wgfence::dataplane::LINK_PIN`, `LINK_PIN_EGRESS`) start with this.
+/// The pinned tcx links (`wgfence::dataplane::LINK_PIN_INGRESS`, `LINK_PIN_EGRESS`) start with this.
 const LINK_PREFIX: &str = "link_";
 /// The drop event ring buffer: bpftool cannot dump a ring buffer, only show it.
 const EVENTS_MAP: &str = "wgf3_events";

@@ -64,6 +64,8 @@ pub enum DataplaneError {
     },
     #[error("the eBPF object has no map named {0}")]
     MissingMap(&'static str),
+    #[error("link {0} is missing: the agent holds no link for that direction")]
+    MissingLink(&'static str),
     #[error("map {map}")]
     Map {
         map: &'static str,

@@ -38,102 +38,55 @@ impl std::fmt::Display for Layout {
 }
 
 pub(crate) fn expected(name: &str) -> Option<Layout> {
-    let layout = |map_type, key_size, value_size, max_entries, flags| Layout {
-        map_type,
-        key_size,
-        value_size,
-        max_entries,
-        flags,
-    };
     Some(match name {
-        map_names::PEERS_V4 => layout(
-            MapType::Hash,
-            size_of::<PeerKeyV4>(),
-            size_of::<PeerEntry>(),
-            MAX_PEERS,
-            0,
-        ),
-        map_names::PEERS_V6 => layout(
-            MapType::Hash,
-            size_of::<PeerKeyV6>(),
-            size_of::<PeerEntry>(),
-            MAX_PEERS,
-            0,
-        ),
-        map_names::POLICY_V4 => layout(
-            MapType::LpmTrie,
-            LPM_PREFIX_LEN + size_of::<PolicyKeyV4>(),
-            size_of::<PolicyValue>(),
-            MAX_POLICY_ENTRIES,
-            NO_PREALLOC,
-        ),
-        map_names::POLICY_V6 => layout(
-            MapType::LpmTrie,
-            LPM_PREFIX_LEN + size_of::<PolicyKeyV6>(),
-            size_of::<PolicyValue>(),
-            MAX_POLICY_ENTRIES,
-            NO_PREALLOC,
-        ),
-        map_names::STATS => layout(
-            MapType::PerCpuArray,
-            size_of::<u32>(),
-            size_of::<u64>(),
-            COUNTERS_LEN,
-            0,
-        ),
-        map_names::PEER_STATS => layout(
-            MapType::PerCpuArray,
-            size_of::<u32>(),
-            size_of::<PeerCounters>(),
-            MAX_PEERS,
-            0,
-        ),
-        map_names::FLOWS_V4 => layout(
-            MapType::Hash,
-            size_of::<FlowKeyV4>(),
-            size_of::<FlowValue>(),
-            MAX_FLOWS,
-            0,
-        ),
-        map_names::FLOWS_V6 => layout(
-            MapType::Hash,
-            size_of::<FlowKeyV6>(),
-            size_of::<FlowValue>(),
-            MAX_FLOWS,
-            0,
-        ),
-        map_names::FLOW_MADE | map_names::FLOW_FREED => layout(
-            MapType::Array,
-            size_of::<u32>(),
-            size_of::<u64>(),
-            MAX_PEERS,
-            0,
-        ),
-        map_names::CONFIG => layout(MapType::Array, size_of::<u32>(), size_of::<Config>(), 1, 0),
-        map_names::EVENTS => layout(MapType::RingBuf, 0, 0, EVENTS_BYTES, 0),
-        map_names::EVENT_BUCKET => layout(
-            MapType::PerCpuArray,
-            size_of::<u32>(),
-            size_of::<EventBucket>(),
-            1,
-            0,
-        ),
-        map_names::RULE_STATS => layout(
-            MapType::PerCpuArray,
-            size_of::<u32>(),
-            size_of::<RuleCounters>(),
-            MAX_RULES,
-            0,
-        ),
-        map_names::RULE_SEEN => layout(
-            MapType::Array,
-            size_of::<u32>(),
-            size_of::<RuleSeen>(),
-            MAX_RULES,
-            0,
-        ),
+        map_names::PEERS_V4 => Layout::of::<PeerKeyV4, PeerEntry>(MapType::Hash, MAX_PEERS),
+        map_names::PEERS_V6 => Layout::of::<PeerKeyV6, PeerEntry>(MapType::Hash, MAX_PEERS),
+        map_names::POLICY_V4 => Layout::trie::<PolicyKeyV4>(),
+        map_names::POLICY_V6 => Layout::trie::<PolicyKeyV6>(),
+        map_names::STATS => Layout::of::<u32, u64>(MapType::PerCpuArray, COUNTERS_LEN),
+        map_names::PEER_STATS => Layout::of::<u32, PeerCounters>(MapType::PerCpuArray, MAX_PEERS),
+        map_names::FLOWS_V4 => Layout::of::<FlowKeyV4, FlowValue>(MapType::Hash, MAX_FLOWS),
+        map_names::FLOWS_V6 => Layout::of::<FlowKeyV6, FlowValue>(MapType::Hash, MAX_FLOWS),
+        map_names::FLOW_MADE | map_names::FLOW_FREED => {
+            Layout::of::<u32, u64>(MapType::Array, MAX_PEERS)
+        }
+        map_names::CONFIG => Layout::of::<u32, Config>(MapType::Array, 1),
+        map_names::EVENTS => Layout {
+            map_type: MapType::RingBuf,
+            key_size: 0,
+            value_size: 0,
+            max_entries: EVENTS_BYTES,
+            flags: 0,
+        },
+        map_names::EVENT_BUCKET => Layout::of::<u32, EventBucket>(MapType::PerCpuArray, 1),
+        map_names::RULE_STATS => Layout::of::<u32, RuleCounters>(MapType::PerCpuArray, MAX_RULES),
+        map_names::RULE_SEEN => Layout::of::<u32, RuleSeen>(MapType::Array, MAX_RULES),
         _ => return None,
     })
+}
+
+impl Layout {
+    /// A map of `map_type` with keys `K`, values `V` and `max_entries`, without flags.
+    fn of<K, V>(map_type: MapType, max_entries: u32) -> Self {
+        Self {
+            map_type,
+            key_size: size_of::<K>(),
+            value_size: size_of::<V>(),
+            max_entries,
+            flags: 0,
+        }
+    }
+
+    /// A policy trie with keys `K` (after the prefix length).
+    fn trie<K>() -> Self {
+        Self {
+            map_type: MapType::LpmTrie,
+            key_size: LPM_PREFIX_LEN + size_of::<K>(),
+            value_size: size_of::<PolicyValue>(),
+            max_entries: MAX_POLICY_ENTRIES,
+            flags: NO_PREALLOC,
+        }
+    }
 }
 
 /// Compares a live map with the layout this agent was built for.

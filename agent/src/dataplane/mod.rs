@@ -72,7 +72,7 @@ pub const FLOOR_OBJECT_PATH: &str = env!("WGFENCE_FLOOR_OBJECT");
 /// Where bpffs is normally mounted.
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
 /// File name of the pinned ingress tcx link inside an interface's pin directory.
-pub const LINK_PIN: &str = "link_ingress";
+pub const LINK_PIN_INGRESS: &str = "link_ingress";
 /// File name of the pinned egress tcx link inside an interface's pin directory.
 pub const LINK_PIN_EGRESS: &str = "link_egress";
 
@@ -121,7 +121,7 @@ const fn hooks(variant: &Variant) -> [Hook; 2] {
             program: variant.ingress,
             attach_type: TcAttachType::Ingress,
             bpf_attach_type: sys::BPF_TCX_INGRESS,
-            link_pin: LINK_PIN,
+            link_pin: LINK_PIN_INGRESS,
             direction: "ingress",
         },
     ]
@@ -263,6 +263,18 @@ enum PinDirState {
     Detaching(PathBuf),
 }
 
+/// One hook for [`Dataplane::check`] to repair: its index in [`hooks`], the device's index
+/// now, whether the device is another than the links were made for, and whether the hook's
+/// program is missing from it.
+#[derive(Clone, Copy)]
+struct LinkFix<'a> {
+    i: usize,
+    hook: &'a Hook,
+    ifindex: u32,
+    moved: bool,
+    missing: bool,
+}
+
 /// A link the agent holds on a device that no longer has the interface's name.
 struct Retired {
     ifindex: u32,
@@ -276,7 +288,8 @@ pub struct Dataplane {
     bpffs: PathBuf,
     pin_dir: PathBuf,
     maps: Maps,
-    attachment: Attachment,
+    /// What the attach did on the ingress hook.
+    ingress_attachment: Attachment,
     /// The loaded object; kept so the datapath's log ring buffer stays readable and the
     /// programs can be attached again.
     ebpf: Ebpf,
@@ -319,253 +332,78 @@ impl Dataplane {
     /// Must run in the interface's network namespace.
     pub fn attach(options: &AttachOptions) -> Result<Self> {
         let interface = options.interface.as_str();
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let variant = iface::variant(interface)?;
         let hooks = hooks(&variant);
         ensure_bpffs(&options.bpffs)?;
-        // Before anything changes: a kernel that cannot run the datapath, a hook it lacks, or
-        // a foreign filter where the agent's must go is an error.
-        hook::check_kernel()?;
-        let ifindex = iface::index(interface)?;
-        let kind = hook::choose(options.hook, ifindex)?;
-        if kind == HookKind::Tc {
-            for hook in &hooks {
-                if let tc::Place::Foreign(filter) =
-                    tc::place(ifindex, hook.attach_type, hook.program).map_err(|source| {
-                        DataplaneError::Qdisc {
-                            interface: interface.to_owned(),
-                            source,
-                        }
-                    })?
-                {
-                    return Err(DataplaneError::ForeignFilter {
-                        interface: interface.to_owned(),
-                        direction: hook.direction,
-                        priority: tc::TC_PRIORITY,
-                        handle: tc::TC_HANDLE,
-                        found: format!("{filter:?}"),
-                    });
-                }
-            }
-        }
+        let (ifindex, kind) = choose_hook(interface, options.hook, &hooks)?;
         let pin_dir = pin_dir(&options.bpffs, interface);
         // Before anything in the kernel changes: another agent on this interface is an error.
         let lock = lock_pin_dir(&pin_dir)?;
         // An interrupted detach left its links attached under another name: finish it first,
         // or its program would stay in the chain beside ours. Its filters (tc) are at the
         // agent's place: taken over below.
-        let mut added_qdisc = remove_detaching(&options.bpffs, interface)?.added_qdisc
+        let added_qdisc = remove_detaching(&options.bpffs, interface)?.added_qdisc
             || pin_dir.join(tc::QDISC_MARKER).is_dir();
         // Links that run an older layout's programs: fill the new maps from the old ones
         // before the switch (see `upgrade`). Decided before the loader creates anything.
-        // Each hook's pinned tcx link, else the agent's clsact filter on it.
-        let [egress_hook, ingress_hook] = &hooks;
-        let running = |hook: &Hook| {
-            upgrade::running_on(
-                &pin_dir,
-                hook.link_pin,
-                ifindex,
-                hook.attach_type,
-                hook.program,
-            )
-        };
-        let mut upgrade =
-            upgrade::Upgrade::prepare(&pin_dir, running(ingress_hook)?, running(egress_hook)?)?;
-
-        let pins: Vec<(&'static str, PathBuf)> = map_names::ALL
-            .iter()
-            .map(|name| (*name, pin_dir.join(name)))
-            .collect();
-        let log_level: u8 = if options.datapath_debug {
+        let mut upgrade = prepare_upgrade(&pin_dir, &hooks, ifindex)?;
+        let log_level = if options.datapath_debug {
             LOG_LEVEL_DEBUG
         } else {
             0
         };
-        let mut loader = EbpfLoader::new();
-        loader.override_global(AYA_LOG_LEVEL, &log_level, false);
-        for (name, path) in &pins {
-            // Reuses the pinned map if there is one, else creates and pins it.
-            loader.map_pin_path(name, path.as_path());
-        }
         let prelude = started.elapsed();
-        let mut ebpf = loader.load(OBJECT)?;
-        let object = started.elapsed();
-        // Before anything is attached: an adopted map of another layout is an error.
-        let maps = Maps::from_ebpf(&mut ebpf)?;
-        let map_pins = pins
-            .iter()
-            .map(|(name, path)| {
-                MapData::from_pin(path)
-                    .map(|data| (*name, data))
-                    .map_err(|source| DataplaneError::Map { map: name, source })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let (mut ebpf, mut maps, map_pins, object) = load_object(&pin_dir, log_level, started)?;
         let maps_opened = started.elapsed();
-
-        // The running programs, if they are this very object's and use these very maps: taken
-        // over as they are, without loading and verifying them again (see `adopt_programs`).
         let identity = program_identity(log_level, &variant);
-        let mut adopted = if upgrade.is_none() && kind == HookKind::Tcx {
-            adopt_programs(&pin_dir, &hooks, &identity, &map_pins)
-        } else {
-            Vec::new()
-        };
-        if adopted.is_empty() {
-            // Pins of programs about to be replaced: gone before the switch, so that none
-            // names a program the links no longer run.
-            remove_program_pins(&pin_dir, &hooks)?;
-            // Both programs are verified before either is switched: the two link updates (or
-            // filter replacements) follow each other without a verifier run between them.
-            // Only the variant's two programs are loaded; the other variant's stay in the
-            // object.
-            for hook in &hooks {
-                let program = classifier(&mut ebpf, hook.program)?;
-                program.load().map_err(program_err(hook.program))?;
-            }
-        }
+        let may_adopt = upgrade.is_none() && kind == HookKind::Tcx;
+        let mut adopted =
+            adopt_or_load(&pin_dir, &hooks, &identity, &map_pins, &mut ebpf, may_adopt)?;
         let verified = started.elapsed();
         if let Some(upgrade) = upgrade.as_mut() {
-            upgrade.fill(&pin_dir)?;
-            let mut ids = Vec::with_capacity(hooks.len());
-            for hook in &hooks {
-                let program = program_of(&mut ebpf, &mut adopted, hook.program)?;
-                ids.push(program.info().map_err(program_err(hook.program))?.id());
-            }
-            upgrade.mark_switch(&pin_dir, &ids)?;
+            fill_and_mark(upgrade, &pin_dir, &hooks, &mut ebpf, &mut adopted)?;
         }
-
-        let mut attachment = Attachment::Created;
-        let mut links = Vec::with_capacity(hooks.len());
-        if kind == HookKind::Tc && tc::ensure_clsact(interface)? {
-            added_qdisc = true;
+        let added_qdisc = mark_hook(kind, interface, &pin_dir, added_qdisc)?;
+        let switch = Instant::now();
+        let (ingress_attachment, links) = Switch {
+            kind,
+            hooks: &hooks,
+            variant: &variant,
+            interface,
+            ifindex,
+            pin_dir: &pin_dir,
+            upgrading: upgrade.is_some(),
         }
-        if added_qdisc {
-            mark(&pin_dir, tc::QDISC_MARKER)?;
-        }
-        if kind == HookKind::Tc {
-            mark(&pin_dir, tc::HOOK_MARKER)?;
-        } else {
-            remove_dir_if_exists(&pin_dir.join(tc::HOOK_MARKER))?;
-        }
-        let switch = std::time::Instant::now();
-        for hook in &hooks {
-            let program = program_of(&mut ebpf, &mut adopted, hook.program)?;
-            let (attached, link) = match kind {
-                HookKind::Tcx => {
-                    let link_path = pin_dir.join(hook.link_pin);
-                    let (attached, link) = attach_or_replace(program, hook, interface, &link_path)?;
-                    (attached, Some(link))
-                }
-                HookKind::Tc => {
-                    let existed = tc::attach_or_replace(
-                        program,
-                        hook.program,
-                        interface,
-                        ifindex,
-                        hook.attach_type,
-                    )?;
-                    let attached = if existed {
-                        Attachment::Replaced
-                    } else {
-                        Attachment::Created
-                    };
-                    (attached, None)
-                }
-            };
-            if hook.program == variant.ingress {
-                attachment = attached;
-            }
-            links.push(link);
-            if upgrade.is_some() {
-                upgrade::failpoint(&format!("upgrade-switched-{}", hook.link_pin));
-            }
-        }
+        .run(&mut ebpf, &mut adopted)?;
         let switch = switch.elapsed();
         let switched = started.elapsed();
         if kind == HookKind::Tcx && adopted.is_empty() {
-            // What the next start may take over instead of loading the object again. A
-            // failure costs that start the verifier's time, no enforcement.
-            if let Err(e) = pin_programs(&pin_dir, &hooks, &identity, &mut ebpf) {
-                tracing::warn!(
-                    pin_dir = %pin_dir.display(),
-                    error = %crate::error_chain(&e),
-                    "could not pin the programs: the next start loads them again"
-                );
-            }
+            keep_programs(&pin_dir, &hooks, &identity, &mut ebpf);
         }
-        // The new programs enforce the full translated state from here on: what is left (late
-        // flows, counter increments, the old pins) is no reason to stop the agent.
-        let upgraded = upgrade.and_then(|upgrade| match upgrade.finish(&pin_dir, switch) {
-            Ok(report) => Some(report),
-            Err(e) => {
-                tracing::error!(
-                    pin_dir = %pin_dir.display(),
-                    error = %crate::error_chain(&e),
-                    "the programs run layout 3 with the translated state, but finishing the \
-                     upgrade failed: flows recorded during the switch may be lost, the old \
-                     pins are removed at the next start"
-                );
-                None
-            }
-        });
-        // Pins of the old layout nothing runs any more, and the tombstone that makes an agent
-        // of the old layout stop before it attaches. A failure here costs no enforcement.
-        if let Err(e) = upgrade::tidy(&pin_dir) {
-            tracing::error!(
-                pin_dir = %pin_dir.display(),
-                error = %crate::error_chain(&e),
-                "could not tidy the pins of layouts 1 and 2 or place the tombstones: an agent \
-                 of an older layout started now could replace the programs"
-            );
-        }
+        let upgraded = upgrade.and_then(|upgrade| finish_upgrade(upgrade, &pin_dir, switch));
+        tidy_old_layouts(&pin_dir);
         // The programs run on the chosen hook now: what the agent left on the other one (a
         // switch of --attach) goes, after, so no packet meets neither.
         remove_other_hook(kind, &pin_dir, interface, ifindex)?;
-        // The quota counts as the tables are now (nothing else reconciles them).
-        let mut maps = maps;
-        match maps.recount_flow_quota() {
-            Ok(slots) if slots.is_empty() => {}
-            Ok(slots) => tracing::warn!(
-                interface,
-                ?slots,
-                "the flow quota of these slots did not match their flows: recounted"
-            ),
-            Err(e) => tracing::error!(
-                interface,
-                error = %crate::error_chain(&e),
-                "could not recount the flow quota; it is recounted at the next start"
-            ),
-        }
-        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-        tracing::debug!(
-            interface,
-            prelude_ms = ms(prelude),
-            object_ms = ms(object - prelude),
-            maps_ms = ms(maps_opened - object),
-            verify_ms = ms(verified - maps_opened),
-            switch_ms = ms(switched - verified),
-            programs_adopted = !adopted.is_empty(),
-            after_ms = ms(started.elapsed() - switched),
-            "datapath attach phases"
-        );
-        tracing::info!(
-            interface,
-            pin_dir = %pin_dir.display(),
-            variant = variant.name,
-            hook = %kind,
-            tc_priority = (kind == HookKind::Tc).then_some(tc::TC_PRIORITY),
-            tc_handle = (kind == HookKind::Tc).then(|| format!("{:#x}", tc::TC_HANDLE)),
-            ?attachment,
-            layout = wgfence_common::LAYOUT_VERSION,
-            "datapath attached"
-        );
+        recount_flow_quota(&mut maps, interface);
+        let phases = Phases {
+            prelude,
+            object,
+            maps_opened,
+            verified,
+            switched,
+            total: started.elapsed(),
+        };
+        phases.log(interface, !adopted.is_empty());
+        log_attached(interface, &pin_dir, &variant, kind, ingress_attachment);
         Ok(Self {
             upgraded,
             interface: interface.to_owned(),
             bpffs: options.bpffs.clone(),
             pin_dir,
             maps,
-            attachment,
+            ingress_attachment,
             ebpf,
             adopted,
             links,
@@ -593,48 +431,11 @@ impl Dataplane {
             return Ok(Check::Detached);
         }
         let mut repairs = Vec::new();
-        let mut unpinned = None;
-        match self.check_pin_dir() {
-            Ok(PinDirState::Ours) => {}
-            Ok(PinDirState::Restored) => {
-                repairs.push(Repair::PinDir);
-                let marks = [
-                    (self.added_qdisc, tc::QDISC_MARKER),
-                    (self.hook == HookKind::Tc, tc::HOOK_MARKER),
-                ];
-                for (_, name) in marks.iter().filter(|(set, _)| *set) {
-                    if let Err(e) = mark(&self.pin_dir, name) {
-                        unpinned = Some(e);
-                    }
-                }
-            }
-            Ok(PinDirState::Detaching(marker)) => {
-                self.let_go();
-                tracing::warn!(
-                    interface = %self.interface,
-                    marker = %marker.display(),
-                    "wgfence detach took the pin directory: the programs are detached and stay \
-                     so until the agent starts again"
-                );
-                return Ok(Check::Detached);
-            }
-            Err(e) => unpinned = Some(e),
-        }
-        if unpinned.is_none() {
-            for (name, data) in &self.map_pins {
-                let path = self.pin_dir.join(name);
-                if path.exists() {
-                    continue;
-                }
-                match data.pin(&path) {
-                    Ok(()) => repairs.push(Repair::MapPin(name)),
-                    Err(source) => {
-                        unpinned = Some(DataplaneError::Pin { path, source });
-                        break;
-                    }
-                }
-            }
-        }
+        let mut unpinned = match self.restore_pin_dir(&mut repairs) {
+            Ok(PinDirState::Detaching(_)) => return Ok(Check::Detached),
+            Ok(_) => self.restore_map_pins(&mut repairs).err(),
+            Err(e) => Some(e),
+        };
         let ifindex = match iface::index(&self.interface) {
             Ok(index) => index,
             Err(DataplaneError::Interface { source, .. })
@@ -659,85 +460,23 @@ impl Dataplane {
             });
         }
         for (i, hook) in hooks(&self.variant).iter().enumerate() {
-            let link_path = self.pin_dir.join(hook.link_pin);
             let hook_missing = missing.get(i).copied().unwrap_or(true);
             if self.hook == HookKind::Tc {
-                if hook_missing {
-                    // A new device has no qdisc and no filters: both again.
-                    if tc::ensure_clsact(&self.interface)? {
-                        self.added_qdisc = true;
-                        mark(&self.pin_dir, tc::QDISC_MARKER)?;
-                    }
-                    let program = program_of(&mut self.ebpf, &mut self.adopted, hook.program)?;
-                    tc::attach_or_replace(
-                        program,
-                        hook.program,
-                        &self.interface,
-                        ifindex,
-                        hook.attach_type,
-                    )?;
-                }
                 // A filter has no pin to repair.
-                continue;
-            }
-            if hook_missing {
-                // The new link first (pinned over the old pin), then the old one goes: no
-                // instant without a link on any device that still runs the program.
-                let program = program_of(&mut self.ebpf, &mut self.adopted, hook.program)?;
-                let new = attach_new(program, hook, &self.interface, &link_path)?;
-                let slot = self
-                    .links
-                    .get_mut(i)
-                    .ok_or(DataplaneError::MissingMap(hook.link_pin))?;
-                if let Some(old) = slot.replace(new) {
-                    if moved {
-                        // The old device may still exist under another name, its peers still
-                        // connected: it keeps its link until it goes (see `prune_retired`).
-                        self.retired.push(Retired {
-                            ifindex: self.ifindex,
-                            hook: i,
-                            _link: old,
-                        });
-                    }
+                if hook_missing {
+                    self.refilter(hook, ifindex)?;
                 }
                 continue;
             }
-            let slot = self
-                .links
-                .get_mut(i)
-                .ok_or(DataplaneError::MissingMap(hook.link_pin))?;
-            if moved {
-                // The programs run on the device now named `interface` through links held as
-                // retired (it was renamed away and back): they become the pinned ones again.
-                if let Some(at) = self
-                    .retired
-                    .iter()
-                    .position(|r| r.ifindex == ifindex && r.hook == i)
-                {
-                    let back = self.retired.swap_remove(at)._link;
-                    pin_over(&back, &link_path)?;
-                    if let Some(old) = slot.replace(back) {
-                        self.retired.push(Retired {
-                            ifindex: self.ifindex,
-                            hook: i,
-                            _link: old,
-                        });
-                    }
-                    repairs.push(Repair::LinkPin(hook.link_pin));
-                    continue;
-                }
-            }
-            if unpinned.is_none() && !link_path.exists() {
-                // The link is alive (this agent holds it): pin it again. The descriptor stays
-                // open whatever happens, so a failure detaches nothing.
-                let pinned = match slot {
-                    Some(link) => link.pin(&link_path),
-                    None => Err(DataplaneError::MissingMap(hook.link_pin)),
-                };
-                match pinned {
-                    Ok(()) => repairs.push(Repair::LinkPin(hook.link_pin)),
-                    Err(e) => unpinned = Some(e),
-                }
+            let fix = LinkFix {
+                i,
+                hook,
+                ifindex,
+                moved,
+                missing: hook_missing,
+            };
+            if let Err(e) = self.repair_link(&fix, unpinned.is_none(), &mut repairs)? {
+                unpinned = Some(e);
             }
         }
         if reattached || moved {
@@ -747,11 +486,167 @@ impl Dataplane {
             repairs.push(Repair::Reattached { ifindex });
         }
         self.prune_retired();
+        Ok(self.checked(repairs, reattached, unpinned))
+    }
+
+    /// The pin directory: in place, created and locked again (with its markers) if it was
+    /// removed, or taken by `wgfence detach` (then the links are let go).
+    fn restore_pin_dir(&mut self, repairs: &mut Vec<Repair>) -> Result<PinDirState> {
+        let state = self.check_pin_dir()?;
+        match &state {
+            PinDirState::Ours => {}
+            PinDirState::Restored => {
+                repairs.push(Repair::PinDir);
+                let marks = [
+                    (self.added_qdisc, tc::QDISC_MARKER),
+                    (self.hook == HookKind::Tc, tc::HOOK_MARKER),
+                ];
+                let mut failed = None;
+                for (_, name) in marks.iter().filter(|(set, _)| *set) {
+                    if let Err(e) = mark(&self.pin_dir, name) {
+                        failed = Some(e);
+                    }
+                }
+                if let Some(e) = failed {
+                    return Err(e);
+                }
+            }
+            PinDirState::Detaching(marker) => {
+                self.let_go();
+                tracing::warn!(
+                    interface = %self.interface,
+                    marker = %marker.display(),
+                    "wgfence detach took the pin directory: the programs are detached and stay \
+                     so until the agent starts again"
+                );
+            }
+        }
+        Ok(state)
+    }
+
+    /// Pins again every map whose pin is missing, from the agent's own descriptors.
+    fn restore_map_pins(&self, repairs: &mut Vec<Repair>) -> Result<()> {
+        for (name, data) in &self.map_pins {
+            let path = self.pin_dir.join(name);
+            if path.exists() {
+                continue;
+            }
+            data.pin(&path)
+                .map_err(|source| DataplaneError::Pin { path, source })?;
+            repairs.push(Repair::MapPin(name));
+        }
+        Ok(())
+    }
+
+    /// On the tc hook: a new device has no qdisc and no filters: both again.
+    fn refilter(&mut self, hook: &Hook, ifindex: u32) -> Result<()> {
+        if tc::ensure_clsact(&self.interface)? {
+            self.added_qdisc = true;
+            mark(&self.pin_dir, tc::QDISC_MARKER)?;
+        }
+        let program = program_of(&mut self.ebpf, &mut self.adopted, hook.program)?;
+        tc::attach_or_replace(
+            program,
+            hook.program,
+            &self.interface,
+            ifindex,
+            hook.attach_type,
+        )?;
+        Ok(())
+    }
+
+    /// One tcx hook: a new link if its program is missing from the device, the links of a
+    /// device renamed away and back taken back, or the link pinned again if its pin is gone
+    /// (when `pin` is set: the pin directory is in place). The outer error stops the check;
+    /// the inner one is a pin that could not be restored.
+    fn repair_link(
+        &mut self,
+        fix: &LinkFix<'_>,
+        pin: bool,
+        repairs: &mut Vec<Repair>,
+    ) -> Result<std::result::Result<(), DataplaneError>> {
+        let LinkFix {
+            i,
+            hook,
+            ifindex,
+            moved,
+            missing,
+        } = *fix;
+        let link_path = self.pin_dir.join(hook.link_pin);
+        if missing {
+            // The new link first (pinned over the old pin), then the old one goes: no
+            // instant without a link on any device that still runs the program.
+            let program = program_of(&mut self.ebpf, &mut self.adopted, hook.program)?;
+            let new = attach_new(program, hook, &self.interface, &link_path)?;
+            let slot = self
+                .links
+                .get_mut(i)
+                .ok_or(DataplaneError::MissingLink(hook.link_pin))?;
+            if let Some(old) = slot.replace(new) {
+                if moved {
+                    // The old device may still exist under another name, its peers still
+                    // connected: it keeps its link until it goes (see `prune_retired`).
+                    self.retired.push(Retired {
+                        ifindex: self.ifindex,
+                        hook: i,
+                        _link: old,
+                    });
+                }
+            }
+            return Ok(Ok(()));
+        }
+        let slot = self
+            .links
+            .get_mut(i)
+            .ok_or(DataplaneError::MissingLink(hook.link_pin))?;
+        if moved {
+            // The programs run on the device now named `interface` through links held as
+            // retired (it was renamed away and back): they become the pinned ones again.
+            if let Some(at) = self
+                .retired
+                .iter()
+                .position(|r| r.ifindex == ifindex && r.hook == i)
+            {
+                let back = self.retired.swap_remove(at)._link;
+                pin_over(&back, &link_path)?;
+                if let Some(old) = slot.replace(back) {
+                    self.retired.push(Retired {
+                        ifindex: self.ifindex,
+                        hook: i,
+                        _link: old,
+                    });
+                }
+                repairs.push(Repair::LinkPin(hook.link_pin));
+                return Ok(Ok(()));
+            }
+        }
+        if pin && !link_path.exists() {
+            // The link is alive (this agent holds it): pin it again. The descriptor stays
+            // open whatever happens, so a failure detaches nothing.
+            let pinned = match slot {
+                Some(link) => link.pin(&link_path),
+                None => Err(DataplaneError::MissingLink(hook.link_pin)),
+            };
+            match pinned {
+                Ok(()) => repairs.push(Repair::LinkPin(hook.link_pin)),
+                Err(e) => return Ok(Err(e)),
+            }
+        }
+        Ok(Ok(()))
+    }
+
+    /// What a check found, logged: `repairs` made, and the pin that could not be restored.
+    fn checked(
+        &mut self,
+        repairs: Vec<Repair>,
+        reattached: bool,
+        unpinned: Option<DataplaneError>,
+    ) -> Check {
         let described = || repairs.iter().map(ToString::to_string).collect::<Vec<_>>();
         if let Some(error) = unpinned {
             let error = crate::error_chain(&error);
             if self.unpinned.as_ref() == Some(&error) && repairs.is_empty() {
-                return Ok(Check::Unpinned { repairs, error });
+                return Check::Unpinned { repairs, error };
             }
             self.unpinned = Some(error.clone());
             tracing::error!(
@@ -762,13 +657,13 @@ impl Dataplane {
                 "pins are missing and could not be restored; the programs stay attached and \
                  enforcing from the agent's own descriptors, but a restart would not adopt them"
             );
-            return Ok(Check::Unpinned { repairs, error });
+            return Check::Unpinned { repairs, error };
         }
         if self.unpinned.take().is_some() {
             tracing::warn!(interface = %self.interface, "the pins are in place again");
         }
         if repairs.is_empty() {
-            return Ok(Check::Intact);
+            return Check::Intact;
         }
         if repairs.contains(&Repair::PinDir) {
             tracing::error!(
@@ -782,10 +677,10 @@ impl Dataplane {
         } else {
             tracing::warn!(interface = %self.interface, repairs = ?described(), "datapath repaired");
         }
-        Ok(Check::Repaired {
+        Check::Repaired {
             repairs,
             reattached,
-        })
+        }
     }
 
     /// Where the pin directory this agent locked is now. Missing or replaced, and not under a
@@ -950,82 +845,8 @@ impl Dataplane {
         for marker in &markers {
             links.extend(unpin_all(marker)?);
         }
-        let deadline = Instant::now() + timeout;
-        // Whether this process may look links up by id (CAP_SYS_ADMIN). Without it (the
-        // DaemonSet's capabilities), only the agent's lock tells that it let go: it closes its
-        // links before its lock, so they are gone by then unless something else holds them.
-        let mut see_links = true;
-        loop {
-            let mut held = Vec::new();
-            for id in links.iter().filter(|_| see_links) {
-                match sys::link_exists(*id) {
-                    Ok(true) => held.push(*id),
-                    Ok(false) => {}
-                    Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-                        tracing::debug!("no CAP_SYS_ADMIN: waiting for the agent's lock only");
-                        see_links = false;
-                        held.clear();
-                        break;
-                    }
-                    Err(source) => {
-                        return Err(DataplaneError::Io {
-                            path: own.clone(),
-                            source,
-                        })
-                    }
-                }
-            }
-            let mut locked = None;
-            for marker in &markers {
-                if lock::is_locked(marker)? {
-                    locked = Some(marker);
-                    break;
-                }
-            }
-            if held.is_empty() && locked.is_none() {
-                break;
-            }
-            if Instant::now() >= deadline {
-                return Err(DataplaneError::DetachTimeout {
-                    interface: interface.to_owned(),
-                    waited: timeout,
-                    links: held,
-                    holder: locked.map(|marker| lock::describe_holder(lock::holder_of(marker))),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        // The agent let go (its lock is free) and never attaches again: the filters of the tc
-        // hook (which no descriptor holds) are deleted here, the agent's own only, and the
-        // clsact qdisc if the agent added it and nothing else is on it.
-        let added_qdisc = markers
-            .iter()
-            .any(|marker| marker.join(tc::QDISC_MARKER).is_dir());
-        let mut removed_filters = false;
-        match iface::index(interface) {
-            Ok(ifindex) => {
-                removed_filters = remove_tc_filters(interface, ifindex)?;
-                if added_qdisc && tc::remove_clsact_if_empty(interface, ifindex)? {
-                    tracing::info!(interface, "removed the clsact qdisc wgfence had added");
-                }
-            }
-            // Gone with the interface, or in another network namespace.
-            Err(DataplaneError::Interface { source, .. })
-                if source.raw_os_error() == Some(libc::ENODEV) =>
-            {
-                if markers.iter().any(|m| m.join(tc::HOOK_MARKER).is_dir()) {
-                    tracing::warn!(
-                        interface,
-                        "the programs ran on the tc hook and there is no {interface} in this \
-                         network namespace: if it exists in another one, its filters still \
-                         run there (with the last state); run `wgfence detach` in that \
-                         namespace, or delete them with `tc filter del dev {interface} \
-                         ingress prio 1` (and egress)"
-                    );
-                }
-            }
-            Err(e) => return Err(e),
-        }
+        wait_let_go(interface, &own, &markers, &links, timeout)?;
+        let removed_filters = remove_tc_hook(interface, &markers)?;
         for marker in &markers {
             remove_marked_dir(marker)?;
         }
@@ -1040,9 +861,9 @@ impl Dataplane {
         Ok(detached)
     }
 
-    /// The pinned link of an interface, if any: (link id, program id).
-    pub fn link_info(bpffs: &Path, interface: &str) -> Result<Option<(u32, u32)>> {
-        Self::pinned_link_info(bpffs, interface, LINK_PIN)
+    /// The pinned ingress link of an interface, if any: (link id, program id).
+    pub fn ingress_link_info(bpffs: &Path, interface: &str) -> Result<Option<(u32, u32)>> {
+        Self::pinned_link_info(bpffs, interface, LINK_PIN_INGRESS)
     }
 
     /// The pinned egress link of an interface, if any: (link id, program id). Without it,
@@ -1109,8 +930,9 @@ impl Dataplane {
         &self.pin_dir
     }
 
-    pub fn attachment(&self) -> Attachment {
-        self.attachment
+    /// What the attach did on the ingress hook.
+    pub fn ingress_attachment(&self) -> Attachment {
+        self.ingress_attachment
     }
 
     /// The hook the programs run on.
@@ -1140,7 +962,8 @@ impl Dataplane {
     /// for (what an agent loads for it), if the interface is in this network namespace. `None`
     /// when no link is pinned or it runs a program of neither variant.
     pub fn running_variant(bpffs: &Path, interface: &str) -> Result<Option<Variant>> {
-        let Some(running) = upgrade::running(&pin_dir(bpffs, interface).join(LINK_PIN))? else {
+        let Some(running) = upgrade::running(&pin_dir(bpffs, interface).join(LINK_PIN_INGRESS))?
+        else {
             return Ok(None);
         };
         Ok(match running.program {
@@ -1168,6 +991,427 @@ fn program_err(program: &'static str) -> impl Fn(aya::programs::ProgramError) ->
 }
 
 /// One of the datapath's classifiers (a [`Variant`]'s `ingress` or `egress`).
+/// Waits until no process holds `links` (the programs are off the interface) and no agent
+/// holds the lock of one of `markers`; past `timeout`, an error naming the holder.
+fn wait_let_go(
+    interface: &str,
+    own: &Path,
+    markers: &[PathBuf],
+    links: &[u32],
+    timeout: Duration,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    // Whether this process may look links up by id (CAP_SYS_ADMIN). Without it (the
+    // DaemonSet's capabilities), only the agent's lock tells that it let go: it closes its
+    // links before its lock, so they are gone by then unless something else holds them.
+    let mut see_links = true;
+    loop {
+        let mut held = Vec::new();
+        for id in links.iter().filter(|_| see_links) {
+            match sys::link_exists(*id) {
+                Ok(true) => held.push(*id),
+                Ok(false) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                    tracing::debug!("no CAP_SYS_ADMIN: waiting for the agent's lock only");
+                    see_links = false;
+                    held.clear();
+                    break;
+                }
+                Err(source) => {
+                    return Err(DataplaneError::Io {
+                        path: own.to_owned(),
+                        source,
+                    })
+                }
+            }
+        }
+        let mut locked = None;
+        for marker in markers {
+            if lock::is_locked(marker)? {
+                locked = Some(marker);
+                break;
+            }
+        }
+        if held.is_empty() && locked.is_none() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            return Err(DataplaneError::DetachTimeout {
+                interface: interface.to_owned(),
+                waited: timeout,
+                links: held,
+                holder: locked.map(|marker| lock::describe_holder(lock::holder_of(marker))),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+/// The agent let go (its lock is free) and never attaches again: the filters of the tc hook
+/// (which no descriptor holds) are deleted here, the agent's own only, and the clsact qdisc if
+/// the agent added it and nothing else is on it. Whether filters were removed.
+fn remove_tc_hook(interface: &str, markers: &[PathBuf]) -> Result<bool> {
+    let added_qdisc = markers
+        .iter()
+        .any(|marker| marker.join(tc::QDISC_MARKER).is_dir());
+    let mut removed_filters = false;
+    match iface::index(interface) {
+        Ok(ifindex) => {
+            removed_filters = remove_tc_filters(interface, ifindex)?;
+            if added_qdisc && tc::remove_clsact_if_empty(interface, ifindex)? {
+                tracing::info!(interface, "removed the clsact qdisc wgfence had added");
+            }
+        }
+        // Gone with the interface, or in another network namespace.
+        Err(DataplaneError::Interface { source, .. })
+            if source.raw_os_error() == Some(libc::ENODEV) =>
+        {
+            if markers.iter().any(|m| m.join(tc::HOOK_MARKER).is_dir()) {
+                tracing::warn!(
+                    interface,
+                    "the programs ran on the tc hook and there is no {interface} in this \
+                     network namespace: if it exists in another one, its filters still \
+                     run there (with the last state); run `wgfence detach` in that \
+                     namespace, or delete them with `tc filter del dev {interface} \
+                     ingress prio 1` (and egress)"
+                );
+            }
+        }
+        Err(e) => return Err(e),
+    }
+    Ok(removed_filters)
+}
+
+/// The upgrade of an older layout's datapath, if a hook runs one: each hook's pinned tcx link,
+/// else the agent's clsact filter on it.
+fn prepare_upgrade(
+    pin_dir: &Path,
+    hooks: &[Hook; 2],
+    ifindex: u32,
+) -> Result<Option<upgrade::Upgrade>> {
+    let [egress_hook, ingress_hook] = hooks;
+    let running = |hook: &Hook| {
+        upgrade::running_on(
+            pin_dir,
+            hook.link_pin,
+            ifindex,
+            hook.attach_type,
+            hook.program,
+        )
+    };
+    upgrade::Upgrade::prepare(pin_dir, running(ingress_hook)?, running(egress_hook)?)
+}
+
+/// Fills the new maps from the old layout's, and marks the switch to the new programs.
+fn fill_and_mark(
+    upgrade: &mut upgrade::Upgrade,
+    pin_dir: &Path,
+    hooks: &[Hook; 2],
+    ebpf: &mut Ebpf,
+    adopted: &mut [(&'static str, SchedClassifier)],
+) -> Result<()> {
+    upgrade.fill(pin_dir)?;
+    let mut ids = Vec::with_capacity(hooks.len());
+    for hook in hooks {
+        let program = program_of(ebpf, adopted, hook.program)?;
+        ids.push(program.info().map_err(program_err(hook.program))?.id());
+    }
+    upgrade.mark_switch(pin_dir, &ids)
+}
+
+/// Pins the programs: what the next start may take over instead of loading the object again.
+/// A failure costs that start the verifier's time, no enforcement.
+fn keep_programs(pin_dir: &Path, hooks: &[Hook; 2], identity: &str, ebpf: &mut Ebpf) {
+    if let Err(e) = pin_programs(pin_dir, hooks, identity, ebpf) {
+        tracing::warn!(
+            pin_dir = %pin_dir.display(),
+            error = %crate::error_chain(&e),
+            "could not pin the programs: the next start loads them again"
+        );
+    }
+}
+
+/// When each phase of an attach ended, from its start.
+struct Phases {
+    prelude: Duration,
+    object: Duration,
+    maps_opened: Duration,
+    verified: Duration,
+    switched: Duration,
+    total: Duration,
+}
+
+impl Phases {
+    fn log(&self, interface: &str, programs_adopted: bool) {
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        tracing::debug!(
+            interface,
+            prelude_ms = ms(self.prelude),
+            object_ms = ms(self.object - self.prelude),
+            maps_ms = ms(self.maps_opened - self.object),
+            verify_ms = ms(self.verified - self.maps_opened),
+            switch_ms = ms(self.switched - self.verified),
+            programs_adopted,
+            after_ms = ms(self.total - self.switched),
+            "datapath attach phases"
+        );
+    }
+}
+
+/// The interface's index and the hook to attach to. Before anything changes: a kernel that
+/// cannot run the datapath, a hook it lacks, or a foreign filter where the agent's must go is
+/// an error.
+fn choose_hook(interface: &str, mode: HookMode, hooks: &[Hook]) -> Result<(u32, HookKind)> {
+    hook::check_kernel()?;
+    let ifindex = iface::index(interface)?;
+    let kind = hook::choose(mode, ifindex)?;
+    if kind == HookKind::Tc {
+        check_tc_places(interface, ifindex, hooks)?;
+    }
+    Ok((ifindex, kind))
+}
+
+fn log_attached(
+    interface: &str,
+    pin_dir: &Path,
+    variant: &Variant,
+    kind: HookKind,
+    attachment: Attachment,
+) {
+    tracing::info!(
+        interface,
+        pin_dir = %pin_dir.display(),
+        variant = variant.name,
+        hook = %kind,
+        tc_priority = (kind == HookKind::Tc).then_some(tc::TC_PRIORITY),
+        tc_handle = (kind == HookKind::Tc).then(|| format!("{:#x}", tc::TC_HANDLE)),
+        ?attachment,
+        layout = wgfence_common::LAYOUT_VERSION,
+        "datapath attached"
+    );
+}
+
+/// On the tc hook: an error if a filter that is not the agent's holds its place (priority and
+/// handle) on either direction.
+fn check_tc_places(interface: &str, ifindex: u32, hooks: &[Hook]) -> Result<()> {
+    for hook in hooks {
+        let place = tc::place(ifindex, hook.attach_type, hook.program).map_err(|source| {
+            DataplaneError::Qdisc {
+                interface: interface.to_owned(),
+                source,
+            }
+        })?;
+        if let tc::Place::Foreign(filter) = place {
+            return Err(DataplaneError::ForeignFilter {
+                interface: interface.to_owned(),
+                direction: hook.direction,
+                priority: tc::TC_PRIORITY,
+                handle: tc::TC_HANDLE,
+                found: format!("{filter:?}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Loads the object with every map at its pin under `pin_dir` (the pinned map reused if there
+/// is one, else created and pinned), checks the maps' layout, and opens the pins a second time.
+/// With the time since `started` at which the object was loaded.
+#[allow(clippy::type_complexity)]
+fn load_object(
+    pin_dir: &Path,
+    log_level: u8,
+    started: Instant,
+) -> Result<(Ebpf, Maps, Vec<(&'static str, MapData)>, Duration)> {
+    let pins: Vec<(&'static str, PathBuf)> = map_names::ALL
+        .iter()
+        .map(|name| (*name, pin_dir.join(name)))
+        .collect();
+    let mut loader = EbpfLoader::new();
+    loader.override_global(AYA_LOG_LEVEL, &log_level, false);
+    for (name, path) in &pins {
+        loader.map_pin_path(name, path.as_path());
+    }
+    let mut ebpf = loader.load(OBJECT)?;
+    let object = started.elapsed();
+    // Before anything is attached: an adopted map of another layout is an error.
+    let maps = Maps::from_ebpf(&mut ebpf)?;
+    let map_pins = pins
+        .iter()
+        .map(|(name, path)| {
+            MapData::from_pin(path)
+                .map(|data| (*name, data))
+                .map_err(|source| DataplaneError::Map { map: name, source })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((ebpf, maps, map_pins, object))
+}
+
+/// The running programs, if `may_adopt` and they are this very object's and use these very
+/// maps: taken over as they are, without loading and verifying them again (see
+/// [`adopt_programs`]); else none, and the object's are loaded.
+fn adopt_or_load(
+    pin_dir: &Path,
+    hooks: &[Hook; 2],
+    identity: &str,
+    map_pins: &[(&'static str, MapData)],
+    ebpf: &mut Ebpf,
+    may_adopt: bool,
+) -> Result<Vec<(&'static str, SchedClassifier)>> {
+    let adopted = if may_adopt {
+        adopt_programs(pin_dir, hooks, identity, map_pins)
+    } else {
+        Vec::new()
+    };
+    if adopted.is_empty() {
+        load_programs(pin_dir, hooks, ebpf)?;
+    }
+    Ok(adopted)
+}
+
+/// Loads (verifies) the variant's two programs of the object, after removing the pins of the
+/// programs they replace.
+fn load_programs(pin_dir: &Path, hooks: &[Hook; 2], ebpf: &mut Ebpf) -> Result<()> {
+    // Pins of programs about to be replaced: gone before the switch, so that none names a
+    // program the links no longer run.
+    remove_program_pins(pin_dir, hooks)?;
+    // Both programs are verified before either is switched: the two link updates (or filter
+    // replacements) follow each other without a verifier run between them. Only the variant's
+    // two programs are loaded; the other variant's stay in the object.
+    for hook in hooks {
+        let program = classifier(ebpf, hook.program)?;
+        program.load().map_err(program_err(hook.program))?;
+    }
+    Ok(())
+}
+
+/// Marks the hook in the pin directory (and the clsact qdisc, if the agent added it, which it
+/// does here on the tc hook when there is none); whether the agent added the qdisc.
+fn mark_hook(kind: HookKind, interface: &str, pin_dir: &Path, added_qdisc: bool) -> Result<bool> {
+    let added_qdisc = (kind == HookKind::Tc && tc::ensure_clsact(interface)?) || added_qdisc;
+    if added_qdisc {
+        mark(pin_dir, tc::QDISC_MARKER)?;
+    }
+    if kind == HookKind::Tc {
+        mark(pin_dir, tc::HOOK_MARKER)?;
+    } else {
+        remove_dir_if_exists(&pin_dir.join(tc::HOOK_MARKER))?;
+    }
+    Ok(added_qdisc)
+}
+
+/// The switch: each hook's program attached, or put in place of what runs there.
+struct Switch<'a> {
+    kind: HookKind,
+    hooks: &'a [Hook],
+    variant: &'a Variant,
+    interface: &'a str,
+    ifindex: u32,
+    pin_dir: &'a Path,
+    upgrading: bool,
+}
+
+impl Switch<'_> {
+    /// What happened on the ingress hook, and the links (one per hook; `None` on tc).
+    fn run(
+        &self,
+        ebpf: &mut Ebpf,
+        adopted: &mut [(&'static str, SchedClassifier)],
+    ) -> Result<(Attachment, Vec<Option<HeldLink>>)> {
+        let mut attachment = Attachment::Created;
+        let mut links = Vec::with_capacity(self.hooks.len());
+        for hook in self.hooks {
+            let program = program_of(ebpf, adopted, hook.program)?;
+            let (attached, link) = match self.kind {
+                HookKind::Tcx => {
+                    let link_path = self.pin_dir.join(hook.link_pin);
+                    let (attached, link) =
+                        attach_or_replace(program, hook, self.interface, &link_path)?;
+                    (attached, Some(link))
+                }
+                HookKind::Tc => {
+                    let existed = tc::attach_or_replace(
+                        program,
+                        hook.program,
+                        self.interface,
+                        self.ifindex,
+                        hook.attach_type,
+                    )?;
+                    let attached = if existed {
+                        Attachment::Replaced
+                    } else {
+                        Attachment::Created
+                    };
+                    (attached, None)
+                }
+            };
+            if hook.program == self.variant.ingress {
+                attachment = attached;
+            }
+            links.push(link);
+            if self.upgrading {
+                upgrade::failpoint(&format!("upgrade-switched-{}", hook.link_pin));
+            }
+        }
+        Ok((attachment, links))
+    }
+}
+
+/// Finishes an upgrade whose switch took `switch`. The new programs enforce the full
+/// translated state by now: what is left (late flows, counter increments, the old pins) is
+/// logged, no reason to stop the agent.
+fn finish_upgrade(
+    upgrade: upgrade::Upgrade,
+    pin_dir: &Path,
+    switch: Duration,
+) -> Option<UpgradeReport> {
+    match upgrade.finish(pin_dir, switch) {
+        Ok(report) => Some(report),
+        Err(e) => {
+            tracing::error!(
+                pin_dir = %pin_dir.display(),
+                error = %crate::error_chain(&e),
+                "the programs run layout 3 with the translated state, but finishing the \
+                 upgrade failed: flows recorded during the switch may be lost, the old \
+                 pins are removed at the next start"
+            );
+            None
+        }
+    }
+}
+
+/// Removes the pins of the old layouts nothing runs any more, and places the tombstones that
+/// make an agent of an old layout stop before it attaches. A failure costs no enforcement.
+fn tidy_old_layouts(pin_dir: &Path) {
+    if let Err(e) = upgrade::tidy(pin_dir) {
+        tracing::error!(
+            pin_dir = %pin_dir.display(),
+            error = %crate::error_chain(&e),
+            "could not tidy the pins of layouts 1 and 2 or place the tombstones: an agent \
+             of an older layout started now could replace the programs"
+        );
+    }
+}
+
+/// Recounts the flow quota of every slot from the flows the tables hold (nothing else
+/// reconciles them); a failure is logged, and repaired at the next start.
+fn recount_flow_quota(maps: &mut Maps, interface: &str) {
+    match maps.recount_flow_quota() {
+        Ok(slots) if slots.is_empty() => {}
+        Ok(slots) => tracing::warn!(
+            interface,
+            ?slots,
+            "the flow quota of these slots did not match their flows: recounted"
+        ),
+        Err(e) => tracing::error!(
+            interface,
+            error = %crate::error_chain(&e),
+            "could not recount the flow quota; it is recounted at the next start"
+        ),
+    }
+}
+
 pub(crate) fn classifier<'a>(
     ebpf: &'a mut Ebpf,
     program: &'static str,
@@ -1590,7 +1834,7 @@ fn remove_marked_dir(dir: &Path) -> Result<()> {
 fn remove_other_hook(kind: HookKind, pin_dir: &Path, interface: &str, ifindex: u32) -> Result<()> {
     match kind {
         HookKind::Tc => {
-            for pin in [LINK_PIN, LINK_PIN_EGRESS] {
+            for pin in [LINK_PIN_INGRESS, LINK_PIN_EGRESS] {
                 remove_if_exists(&pin_dir.join(pin))?;
             }
         }
@@ -1629,7 +1873,7 @@ fn unpin_all(dir: &Path) -> Result<Vec<u32>> {
     let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
     let link_index = |p: &PathBuf| {
         let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        [LINK_PIN, LINK_PIN_EGRESS]
+        [LINK_PIN_INGRESS, LINK_PIN_EGRESS]
             .iter()
             .position(|link| *link == name)
     };

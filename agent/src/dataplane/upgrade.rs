@@ -200,7 +200,7 @@ pub(crate) mod v2 {
         pub tcp_timeout_ns: u64,
         pub tcp_closing_timeout_ns: u64,
         pub udp_timeout_ns: u64,
-        pub other_timeout_ns: u64,
+        pub icmp_timeout_ns: u64,
         pub unanswered_timeout_ns: u64,
         pub event_interval_ns: u64,
         pub event_burst_ns: u64,
@@ -499,7 +499,7 @@ fn pin_u32_array(
 /// The layout the datapath pinned in `pin_dir` runs, by its ingress link; `None` when no link
 /// is pinned or its program is not a wgfence one.
 pub(crate) fn running_layout(pin_dir: &Path) -> Result<Option<u32>> {
-    Ok(running(&pin_dir.join(super::LINK_PIN))?.and_then(|r| r.layout))
+    Ok(running(&pin_dir.join(super::LINK_PIN_INGRESS))?.and_then(|r| r.layout))
 }
 
 /// Processes other than this one that hold the hook's BPF link (a tcx link) or its program
@@ -984,27 +984,24 @@ impl Upgrade {
         }
         let (owners, high) = owners_per_address(&peers, &existing, high);
         self.owners = owners;
+        fill_config(&mut v3, &config, high)?;
+        let keep = self.fill_policies(&mut v3)?;
+        self.fill_peers(&mut v3, &peers, &existing, &keep)?;
+        let slots: BTreeSet<u32> = peers.iter().map(|(_, e)| e.slot).collect();
+        if self.fresh {
+            self.fill_counters(&mut v3, &slots)?;
+        }
 
-        // The config first (nothing runs on these maps yet), verbatim but for the high-water
-        // mark, which covers every owner written below.
-        let v3_config = wgfence_common::Config {
-            flags: config.flags,
-            flows_per_peer: config.flows_per_peer,
-            tcp_timeout_ns: config.tcp_timeout_ns,
-            tcp_closing_timeout_ns: config.tcp_closing_timeout_ns,
-            udp_timeout_ns: config.udp_timeout_ns,
-            other_timeout_ns: config.other_timeout_ns,
-            unanswered_timeout_ns: config.unanswered_timeout_ns,
-            event_interval_ns: config.event_interval_ns,
-            event_burst_ns: config.event_burst_ns,
-            owner_high: high,
-        };
-        v3.config
-            .set(0, v3_config, 0)
-            .map_err(map_err(map_names::CONFIG))?;
+        // Flows last, closest to the switch.
+        let flows = self.reowned(self.v2.flows()?);
+        v3.copy_flows(&flows, false)?;
+        self.report.flows = flows.len() as u64;
+        Ok(())
+    }
 
-        // Policy tries, every allow credited to rule 0; entries of no v2 policy go (a resumed
-        // upgrade only).
+    /// Policy tries, every allow credited to rule 0; entries of no v2 policy go (a resumed
+    /// upgrade only, after the peers). The IPv4 and IPv6 keys to keep.
+    fn fill_policies(&mut self, v3: &mut V3Maps) -> Result<(TrieKeys, TrieKeys)> {
         let keep_v4 = copy_trie(
             (&self.v2.policy_v4, v2::POLICY_V4),
             (&mut v3.policy_v4, map_names::POLICY_V4),
@@ -1022,9 +1019,19 @@ impl Upgrade {
             },
         )?;
         self.report.policy_entries = keep_v4.len() + keep_v6.len();
+        Ok((keep_v4, keep_v6))
+    }
 
-        // Peer entries, after the policies they reference; entries of no v2 peer go.
-        for (addr, entry) in &peers {
+    /// Peer entries, after the policies they reference; entries of no v2 peer go, then the
+    /// trie entries of no v2 policy.
+    fn fill_peers(
+        &mut self,
+        v3: &mut V3Maps,
+        peers: &[(IpAddr, v2::PeerEntry)],
+        existing: &BTreeMap<IpAddr, wgfence_common::PeerEntry>,
+        (keep_v4, keep_v6): &(TrieKeys, TrieKeys),
+    ) -> Result<()> {
+        for (addr, entry) in peers {
             let owner = self
                 .owners
                 .get(addr)
@@ -1045,9 +1052,8 @@ impl Upgrade {
                 v3.remove_peer(*addr)?;
             }
         }
-        remove_other_entries(&mut v3.policy_v4, map_names::POLICY_V4, &keep_v4)?;
-        remove_other_entries(&mut v3.policy_v6, map_names::POLICY_V6, &keep_v6)?;
-        let slots: BTreeSet<u32> = peers.iter().map(|(_, e)| e.slot).collect();
+        remove_other_entries(&mut v3.policy_v4, map_names::POLICY_V4, keep_v4)?;
+        remove_other_entries(&mut v3.policy_v6, map_names::POLICY_V6, keep_v6)?;
         self.report.peer_entries = peers.len();
         self.report.owners = self
             .owners
@@ -1055,42 +1061,38 @@ impl Upgrade {
             .map(|(_, owner)| *owner)
             .collect::<BTreeSet<_>>()
             .len() as u64;
+        Ok(())
+    }
 
-        // Counters: the v2 values now; what the v2 programs count until the switch is added
-        // after it. Both layouts count per CPU: each CPU's copy goes to the same CPU's.
-        if self.fresh {
-            self.stats = self.v2.stats()?;
-            for (index, values) in (0u32..).zip(&self.stats) {
-                let values = per_cpu_values(map_names::STATS, values.clone())?;
-                v3.stats
-                    .set(index, values, 0)
-                    .map_err(map_err(map_names::STATS))?;
-            }
-            self.peer_stats = self.v2.peer_stats(&slots)?;
-            for (slot, per_cpu) in &self.peer_stats {
-                let values = per_cpu_values(
-                    map_names::PEER_STATS,
-                    per_cpu.iter().map(peer_counters).collect(),
-                )?;
-                v3.peer_stats
-                    .set(*slot, values, 0)
-                    .map_err(map_err(map_names::PEER_STATS))?;
-            }
-            // The flow quota as it stands (the attach recounts it from the tables anyway).
-            for (slot, (made, freed)) in self.v2.quota(&slots)? {
-                v3.flow_made
-                    .set(slot, made, 0)
-                    .map_err(map_err(map_names::FLOW_MADE))?;
-                v3.flow_freed
-                    .set(slot, freed, 0)
-                    .map_err(map_err(map_names::FLOW_FREED))?;
-            }
+    /// Counters: the v2 values now; what the v2 programs count until the switch is added
+    /// after it. Both layouts count per CPU: each CPU's copy goes to the same CPU's.
+    fn fill_counters(&mut self, v3: &mut V3Maps, slots: &BTreeSet<u32>) -> Result<()> {
+        self.stats = self.v2.stats()?;
+        for (index, values) in (0u32..).zip(&self.stats) {
+            let values = per_cpu_values(map_names::STATS, values.clone())?;
+            v3.stats
+                .set(index, values, 0)
+                .map_err(map_err(map_names::STATS))?;
         }
-
-        // Flows last, closest to the switch.
-        let flows = self.reowned(self.v2.flows()?);
-        v3.copy_flows(&flows, false)?;
-        self.report.flows = flows.len() as u64;
+        self.peer_stats = self.v2.peer_stats(slots)?;
+        for (slot, per_cpu) in &self.peer_stats {
+            let values = per_cpu_values(
+                map_names::PEER_STATS,
+                per_cpu.iter().map(peer_counters).collect(),
+            )?;
+            v3.peer_stats
+                .set(*slot, values, 0)
+                .map_err(map_err(map_names::PEER_STATS))?;
+        }
+        // The flow quota as it stands (the attach recounts it from the tables anyway).
+        for (slot, (made, freed)) in self.v2.quota(slots)? {
+            v3.flow_made
+                .set(slot, made, 0)
+                .map_err(map_err(map_names::FLOW_MADE))?;
+            v3.flow_freed
+                .set(slot, freed, 0)
+                .map_err(map_err(map_names::FLOW_FREED))?;
+        }
         Ok(())
     }
 
@@ -1197,6 +1199,29 @@ impl Upgrade {
         );
         Ok(self.report)
     }
+}
+
+/// The trie entries to keep, by policy id and key bytes.
+type TrieKeys = BTreeSet<(u32, Vec<u8>)>;
+
+/// The config first (nothing runs on these maps yet), verbatim but for the high-water mark
+/// (`high`), which covers every owner written after it.
+fn fill_config(v3: &mut V3Maps, config: &v2::Config, high: u64) -> Result<()> {
+    let v3_config = wgfence_common::Config {
+        flags: config.flags,
+        flows_per_peer: config.flows_per_peer,
+        tcp_timeout_ns: config.tcp_timeout_ns,
+        tcp_closing_timeout_ns: config.tcp_closing_timeout_ns,
+        udp_timeout_ns: config.udp_timeout_ns,
+        icmp_timeout_ns: config.icmp_timeout_ns,
+        unanswered_timeout_ns: config.unanswered_timeout_ns,
+        event_interval_ns: config.event_interval_ns,
+        event_burst_ns: config.event_burst_ns,
+        owner_high: high,
+    };
+    v3.config
+        .set(0, v3_config, 0)
+        .map_err(map_err(map_names::CONFIG))
 }
 
 /// Each v2 peer entry's owner in layout 3, one per address: kept if the v3 maps already hold

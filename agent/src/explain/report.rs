@@ -2,7 +2,7 @@
 //! with the state-file rules each entry came from, and whether the state file's own entries
 //! decide the packet the same way.
 
-use std::{fmt::Write as _, net::IpAddr};
+use std::{fmt, fmt::Write as _, net::IpAddr};
 
 use serde::Serialize;
 use wgfence_common::{Allow, Config, Counter};
@@ -14,8 +14,9 @@ use super::{
     state_config, AllowText, Explanation, Probe, Reply, ReplyKey, View,
 };
 use crate::{
-    plan::{ActualMaps, PlanError},
+    plan::PlanError,
     policy::sources,
+    reconcile::read_maps,
     state::{DesiredState, PeerSpec},
 };
 
@@ -192,65 +193,28 @@ pub fn differences(live: &Explanation, state: &Explanation) -> Vec<String> {
 }
 
 /// Explains `probe`: the kernel's verdict through `kernel`, the evaluator's reason on the live
-/// entries `live` (read from the same pins), and the comparison with the state file's entries.
+/// entries (read from the same pins), and the comparison with the state file's entries.
 pub fn explain(
     kernel: &mut KernelProbe,
-    live: &ActualMaps,
-    config: Config,
     file: Option<&StateFile<'_>>,
     probe: &Probe,
 ) -> Result<Report, ReportError> {
+    let live = read_maps(kernel.live())?;
+    let config = kernel.live().config()?;
     let verdict: KernelVerdict = kernel.run(probe)?;
     let now_ns = monotonic_ns();
     let boot_ns = crate::clock::now_ns(libc::CLOCK_BOOTTIME);
     let flows = |key: &ReplyKey| kernel.live_flow(key).ok().flatten();
     let seen = probe.seen();
-    let by_live = evaluate(
-        &View {
-            maps: live,
-            config,
-            flows: &flows,
-            now_ns,
-            boot_ns: Some(boot_ns),
-        },
-        &seen,
-    );
-    let peer = file.and_then(|f| {
-        f.state
-            .peers
-            .iter()
-            .find(|p| p.addrs().any(|a| a == probe.src))
-            .map(|p| (f, p))
-    });
-    let allows = by_live
-        .allows
-        .iter()
-        .map(|a| sourced(peer, probe.dst, a))
-        .collect();
-    let matched = by_live.matched.map(|a| sourced(peer, probe.dst, &a));
-    let evaluator_disagrees = (by_live.verdict != verdict.counter).then(|| {
-        format!(
-            "the evaluator on the live entries says {} ({}): a wgfence bug, please report it",
-            verdict_word(by_live.verdict),
-            by_live.verdict.name()
-        )
-    });
-    let mut report = Report {
-        verdict: verdict_word(verdict.counter),
-        reason: verdict.counter.name(),
-        packet: describe(probe),
-        from: probe.src,
-        peer: peer.map(|(_, p)| p.name.clone()),
-        peer_place: peer.and_then(|(f, p)| f.sources.peer(&p.name)),
-        live: by_live,
-        allows,
-        matched,
-        evaluator_disagrees,
-        state_agrees: None,
-        differences: Vec::new(),
-        state: None,
-        state_file: file.map(|f| f.path.clone()),
+    let view = |maps, config| View {
+        maps,
+        config,
+        flows: &flows,
+        now_ns,
+        boot_ns: Some(boot_ns),
     };
+    let by_live = evaluate(&view(&live, config), &seen);
+    let mut report = Report::of_live(verdict, by_live, file, probe);
     if let Some(file) = file {
         let compiled = compiled_maps(file.state)?;
         // The state's reply switch, with the running agent's flow timeouts (the kernel's).
@@ -258,16 +222,7 @@ pub fn explain(
             flags: state_config(file.state).flags,
             ..config
         };
-        let by_state = evaluate(
-            &View {
-                maps: &compiled,
-                config: state_config,
-                flows: &flows,
-                now_ns,
-                boot_ns: Some(boot_ns),
-            },
-            &seen,
-        );
+        let by_state = evaluate(&view(&compiled, state_config), &seen);
         report.differences = differences(&report.live, &by_state);
         report.state_agrees = Some(report.differences.is_empty());
         report.state = Some(by_state);
@@ -276,118 +231,174 @@ pub fn explain(
 }
 
 impl Report {
-    /// The report as `explain` prints it.
-    pub fn text(&self) -> String {
-        let mut s = String::new();
+    /// The kernel's `verdict` with the evaluator's reason on the live entries (`by_live`),
+    /// the allow entries named by the state file's rules they came from, if it has the peer.
+    fn of_live(
+        verdict: KernelVerdict,
+        by_live: Explanation,
+        file: Option<&StateFile<'_>>,
+        probe: &Probe,
+    ) -> Self {
+        let peer = file.and_then(|f| {
+            f.state
+                .peers
+                .iter()
+                .find(|p| p.addrs().any(|a| a == probe.src))
+                .map(|p| (f, p))
+        });
+        let allows = by_live
+            .allows
+            .iter()
+            .map(|a| sourced(peer, probe.dst, a))
+            .collect();
+        let matched = by_live.matched.map(|a| sourced(peer, probe.dst, &a));
+        let evaluator_disagrees = (by_live.verdict != verdict.counter).then(|| {
+            format!(
+                "the evaluator on the live entries says {} ({}): a wgfence bug, please report it",
+                verdict_word(by_live.verdict),
+                by_live.verdict.name()
+            )
+        });
+        Self {
+            verdict: verdict_word(verdict.counter),
+            reason: verdict.counter.name(),
+            packet: describe(probe),
+            from: probe.src,
+            peer: peer.map(|(_, p)| p.name.clone()),
+            peer_place: peer.and_then(|(f, p)| f.sources.peer(&p.name)),
+            live: by_live,
+            allows,
+            matched,
+            evaluator_disagrees,
+            state_agrees: None,
+            differences: Vec::new(),
+            state: None,
+            state_file: file.map(|f| f.path.clone()),
+        }
+    }
+}
+
+/// The report as `explain` prints it.
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let head = if self.state_agrees == Some(false) {
             " — differs from the state file"
         } else {
             ""
         };
-        let _ = writeln!(s, "{} ({}){head}", self.verdict, self.reason);
-        let _ = writeln!(s, "  packet     {}", self.packet);
-        match (&self.live.peer, &self.peer) {
-            (Some(p), name) => {
-                let _ = writeln!(
-                    s,
-                    "  peer       {}{}: entry {} -> policy {}, slot {}, owner {}",
-                    name.as_deref().unwrap_or("(not in the state file)"),
-                    self.peer_place
-                        .as_deref()
-                        .map(|p| format!(" ({p})"))
-                        .unwrap_or_default(),
-                    p.addr,
-                    if p.policy == wgfence_common::UNRESTRICTED {
-                        "0 (unrestricted)".to_owned()
-                    } else {
-                        p.policy.to_string()
-                    },
-                    p.slot,
-                    p.owner
-                );
-            }
-            (None, _) => {
-                let _ = writeln!(
-                    s,
-                    "  peer       none: no peer entry for {} (unknown source)",
-                    self.from
-                );
-            }
-        }
+        writeln!(f, "{} ({}){head}", self.verdict, self.reason)?;
+        writeln!(f, "  packet     {}", self.packet)?;
+        self.fmt_peer(f)?;
         let restricted = self
             .live
             .peer
             .is_some_and(|p| p.policy != wgfence_common::UNRESTRICTED);
         if restricted {
-            match self.live.prefix {
-                Some(prefix) => {
-                    let _ = writeln!(s, "  prefix     {prefix}");
-                }
-                None => {
-                    let _ = writeln!(
-                        s,
-                        "  prefix     none: the policy has no trie entry for the destination"
-                    );
-                }
-            }
-            let rules = |r: &Sourced| {
-                if r.rules.is_empty() {
-                    "no state-file rule".to_owned()
-                } else {
-                    r.rules.join(", ")
-                }
-            };
-            match &self.matched {
-                Some(m) => {
-                    let _ = writeln!(s, "  matched    {} <- {}", m.allow, rules(m));
-                }
-                None if self.allows.is_empty() => {}
-                None => {
-                    let _ = writeln!(s, "  no match   among:");
-                    for a in &self.allows {
-                        let _ = writeln!(s, "               {} <- {}", a.allow, rules(a));
-                    }
-                }
-            }
-            let reply = match &self.live.reply {
-                Reply::NotAsked => "not needed: the policy allows it".to_owned(),
-                Reply::Off => "replies are off".to_owned(),
-                Reply::NotAReply => "this packet cannot answer a flow".to_owned(),
-                Reply::NoFlow { .. } => "no flow the network started matches it".to_owned(),
-                Reply::OtherOwner { .. } => {
-                    "a flow matches, recorded for another holder of the address".to_owned()
-                }
-                Reply::Expired { idle_ns, .. } => format!(
-                    "a flow matches, expired (idle {:.1}s)",
-                    *idle_ns as f64 / 1e9
-                ),
-                Reply::Live { idle_ns, .. } => format!(
-                    "a live flow the network started lets it pass (idle {:.1}s)",
-                    *idle_ns as f64 / 1e9
-                ),
-            };
-            let _ = writeln!(s, "  reply      {reply}");
+            self.fmt_policy(f)?;
+            writeln!(f, "  reply      {}", reply_text(&self.live.reply))?;
         }
         if let Some(bug) = &self.evaluator_disagrees {
-            let _ = writeln!(s, "  WARNING    {bug}");
+            writeln!(f, "  WARNING    {bug}")?;
         }
-        match (self.state_agrees, &self.state_file) {
-            (Some(true), Some(path)) => {
-                let _ = writeln!(s, "  state file {path}: agrees");
+        self.fmt_state_file(f)
+    }
+}
+
+impl Report {
+    /// The peer entry of the source, or that it has none.
+    fn fmt_peer(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(p) = &self.live.peer else {
+            return writeln!(
+                f,
+                "  peer       none: no peer entry for {} (unknown source)",
+                self.from
+            );
+        };
+        writeln!(
+            f,
+            "  peer       {}{}: entry {} -> policy {}, slot {}, owner {}",
+            self.peer.as_deref().unwrap_or("(not in the state file)"),
+            self.peer_place
+                .as_deref()
+                .map(|p| format!(" ({p})"))
+                .unwrap_or_default(),
+            p.addr,
+            if p.policy == wgfence_common::UNRESTRICTED {
+                "0 (unrestricted)".to_owned()
+            } else {
+                p.policy.to_string()
+            },
+            p.slot,
+            p.owner
+        )
+    }
+
+    /// A restricted peer's policy: the prefix that matched, and the allow entry that did (or
+    /// those that did not), with the rules they came from.
+    fn fmt_policy(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.live.prefix {
+            Some(prefix) => writeln!(f, "  prefix     {prefix}")?,
+            None => writeln!(
+                f,
+                "  prefix     none: the policy has no trie entry for the destination"
+            )?,
+        }
+        let rules = |r: &Sourced| {
+            if r.rules.is_empty() {
+                "no state-file rule".to_owned()
+            } else {
+                r.rules.join(", ")
             }
-            (Some(false), Some(path)) => {
-                let _ = writeln!(s, "  state file {path}: DIFFERS");
-                for d in &self.differences {
-                    let _ = writeln!(s, "               {d}");
+        };
+        match &self.matched {
+            Some(m) => writeln!(f, "  matched    {} <- {}", m.allow, rules(m))?,
+            None if self.allows.is_empty() => {}
+            None => {
+                writeln!(f, "  no match   among:")?;
+                for a in &self.allows {
+                    writeln!(f, "               {} <- {}", a.allow, rules(a))?;
                 }
             }
-            _ => {
-                let _ = writeln!(
-                    s,
-                    "  state file none (pass --state to compare with what it compiles to)"
-                );
-            }
         }
-        s
+        Ok(())
+    }
+
+    /// Whether the state file's entries decide the same.
+    fn fmt_state_file(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.state_agrees, &self.state_file) {
+            (Some(true), Some(path)) => writeln!(f, "  state file {path}: agrees"),
+            (Some(false), Some(path)) => {
+                writeln!(f, "  state file {path}: DIFFERS")?;
+                for d in &self.differences {
+                    writeln!(f, "               {d}")?;
+                }
+                Ok(())
+            }
+            _ => writeln!(
+                f,
+                "  state file none (pass --state to compare with what it compiles to)"
+            ),
+        }
+    }
+}
+
+/// Whether a reply flow lets the packet pass, in words.
+fn reply_text(reply: &Reply) -> String {
+    match reply {
+        Reply::NotAsked => "not needed: the policy allows it".to_owned(),
+        Reply::Off => "replies are off".to_owned(),
+        Reply::NotAReply => "this packet cannot answer a flow".to_owned(),
+        Reply::NoFlow { .. } => "no flow the network started matches it".to_owned(),
+        Reply::OtherOwner { .. } => {
+            "a flow matches, recorded for another holder of the address".to_owned()
+        }
+        Reply::Expired { idle_ns, .. } => format!(
+            "a flow matches, expired (idle {:.1}s)",
+            *idle_ns as f64 / 1e9
+        ),
+        Reply::Live { idle_ns, .. } => format!(
+            "a live flow the network started lets it pass (idle {:.1}s)",
+            *idle_ns as f64 / 1e9
+        ),
     }
 }

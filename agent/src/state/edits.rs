@@ -224,7 +224,17 @@ impl File {
             return true;
         }
         let (i, j) = (a % n.max(1), b % n.max(1));
-        match op % 18 {
+        if op % 18 < 8 {
+            self.reshape(op % 18, (a, b), (i, j), n);
+        } else {
+            self.break_or_swap(op % 18, b, (i, j));
+        }
+        true
+    }
+
+    /// Edits 0 to 7: peers added, removed, moved, their rules and options changed.
+    fn reshape(&mut self, op: u8, (a, b): (usize, usize), (i, j): (usize, usize), n: usize) {
+        match op {
             0 => {
                 // One peer, or ten at once.
                 for _ in 0..if b % 4 == 0 { 10 } else { 1 } {
@@ -261,6 +271,14 @@ impl File {
                     rules.reverse();
                 }
             }
+            _ => {}
+        }
+    }
+
+    /// Edits 8 to 17: fields broken or copied from another peer (duplicates), peers repeated
+    /// or replaced, the reply switch and the formatting changed.
+    fn break_or_swap(&mut self, op: u8, b: usize, (i, j): (usize, usize)) {
+        match op {
             8 => {
                 let (field, value) = match b % 7 {
                     0 => ("publicKey", json!("bad")),
@@ -288,7 +306,11 @@ impl File {
             15 => {
                 // A fresh address, or a fresh key: the same peer moved, or its key rotated.
                 let other = self.fresh();
-                let field = if b % 2 == 0 { "address" } else { "publicKey" };
+                let field = if b.is_multiple_of(2) {
+                    "address"
+                } else {
+                    "publicKey"
+                };
                 self.set(i, field, other[field].clone());
             }
             16 => self.pretty = !self.pretty,
@@ -304,7 +326,6 @@ impl File {
                 }
             }
         }
-        true
     }
 }
 

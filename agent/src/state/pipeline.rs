@@ -31,7 +31,7 @@ use std::{
 use ipnet::IpNet;
 use wgfence_common::MAX_POLICY_ENTRIES;
 
-use super::{fast, parse, Compiled, DesiredState, PeerSpec, StateError, WgKey};
+use super::{parse, typed, Compiled, DesiredState, PeerSpec, StateError, WgKey};
 use crate::policy::{CompiledPolicy, Rule};
 
 /// A peer's identity: a hash of what decides its spec.
@@ -216,8 +216,9 @@ impl Pipeline {
         self.index.restricted
     }
 
-    /// Distinct compiled policies of the accepted state.
-    pub fn distinct_policies(&self) -> usize {
+    /// Distinct rule sets (`egress` lists) of the accepted state; rule sets that compile the
+    /// same share one policy in the kernel.
+    pub fn rule_sets(&self) -> usize {
         self.compiled.len()
     }
 
@@ -260,7 +261,7 @@ impl Pipeline {
 
     /// A peer's identity: a hash of what decides its spec, its fields and its set of rules
     /// (so a peer whose rules are only reordered, or whose fields are, is the same peer).
-    fn peer_hash(&self, raw: &fast::RawPeer<'_>) -> Hash {
+    fn peer_hash(&self, raw: &typed::RawPeer<'_>) -> Hash {
         let (a, b) = &self.hashers;
         let (mut ha, mut hb) = (a.build_hasher(), b.build_hasher());
         raw.feed(
@@ -290,7 +291,7 @@ impl Pipeline {
         text: &str,
         max_peers: Option<usize>,
     ) -> Option<Result<Changes, Rejection>> {
-        let top = fast::top(text)?;
+        let top = typed::top(text)?;
         // Policy tests are run by the full parse, on the whole state: a state with tests takes
         // that path.
         if top.tests.is_some() {
@@ -299,7 +300,7 @@ impl Pipeline {
         let mut seen: HashSet<Hash, ByHash> =
             HashSet::with_capacity_and_hasher(top.peers.len(), ByHash::default());
         let mut new_texts = Vec::new();
-        for fast::Obj(raw) in &top.peers {
+        for typed::Obj(raw) in &top.peers {
             let hash = self.peer_hash(raw);
             if !seen.insert(hash) {
                 // The same peer twice: a duplicate the full parse names.
@@ -338,11 +339,14 @@ impl Pipeline {
 
     /// Parses the texts the last state did not have, each alone; `None` if one is not a valid
     /// peer on its own.
-    fn parse_arrivals<'a>(&mut self, texts: &[(Hash, &fast::RawPeer<'a>)]) -> Option<Vec<Arrival>> {
+    fn parse_arrivals<'a>(
+        &mut self,
+        texts: &[(Hash, &typed::RawPeer<'a>)],
+    ) -> Option<Vec<Arrival>> {
         let mut egress = HashMap::new();
         let mut arrivals = Vec::with_capacity(texts.len());
         for (hash, raw) in texts {
-            match fast::one_peer(raw, &mut egress, &mut self.compiled) {
+            match typed::one_peer(raw, &mut egress, &mut self.compiled) {
                 Some(spec) => arrivals.push(Arrival { hash: *hash, spec }),
                 None => {
                     drop(egress);
@@ -548,8 +552,8 @@ impl Pipeline {
         }
         // Each peer's text hash, by name.
         let mut by_name: HashMap<String, Hash> = HashMap::new();
-        if let Some(top) = fast::top(text) {
-            for fast::Obj(raw) in &top.peers {
+        if let Some(top) = typed::top(text) {
+            for typed::Obj(raw) in &top.peers {
                 by_name.insert(raw.name().to_owned(), self.peer_hash(raw));
             }
         }

@@ -1,6 +1,6 @@
 //! The value-tree walk over a state file: it reads the file as a JSON value tree and collects
 //! every error, each naming the peer and the field. It decides what is an error and says so;
-//! the typed pass (`fast`) only ever accepts what this walk accepts.
+//! the typed pass (`typed`) only ever accepts what this walk accepts.
 
 use std::{
     collections::{BTreeSet, HashMap},
@@ -59,6 +59,62 @@ impl Errors<'_> {
 /// every error. [`parse`] uses it for files its typed pass rejects; tests and the fuzzers use
 /// it as the reference the typed pass must agree with.
 pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
+    let root = root_object(text)?;
+    let mut errors = Vec::new();
+    let mut top = Errors {
+        all: &mut errors,
+        location: String::new(),
+    };
+    let (replies, tests, raw_peers) = top_fields(&root, &mut top);
+    let mut compiled: Compiled = HashMap::new();
+    let mut peers = Vec::with_capacity(raw_peers.len());
+    let mut uniques = Uniques::default();
+    for (index, raw) in raw_peers.iter().enumerate() {
+        let name = raw
+            .get("name")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty());
+        let location = match name {
+            Some(name) => format!("peer {name:?} (peers[{index}])"),
+            None => format!("peers[{index}]"),
+        };
+        let mut e = Errors {
+            all: &mut errors,
+            location,
+        };
+        uniques.check(index, raw, name, &mut e);
+        if let Some(peer) = parse_peer(raw, &mut e, &mut compiled) {
+            peers.push(peer);
+        }
+    }
+    let (v4_entries, v6_entries) = trie_entries(&compiled);
+    for (family, n) in [("IPv4", v4_entries), ("IPv6", v6_entries)] {
+        if n > MAX_POLICY_ENTRIES as usize {
+            Errors {
+                all: &mut errors,
+                location: String::new(),
+            }
+            .add(
+                "peers",
+                format!(
+                    "the distinct policies need {n} {family} trie entries, the map holds at most {MAX_POLICY_ENTRIES}"
+                ),
+            );
+        }
+    }
+    if !errors.is_empty() {
+        return Err(StateError { errors });
+    }
+    peers.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(DesiredState {
+        peers,
+        replies,
+        tests,
+    })
+}
+
+/// The file as a JSON object; an error if it is not JSON, repeats a key, or is not an object.
+fn root_object(text: &str) -> Result<serde_json::Map<String, Value>, StateError> {
     let fail = |field: &str, message: String| StateError {
         errors: vec![FieldError {
             location: String::new(),
@@ -84,11 +140,14 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
     let Value::Object(root) = root else {
         return Err(fail("(file)", "must be a JSON object".into()));
     };
-    let mut errors = Vec::new();
-    let mut top = Errors {
-        all: &mut errors,
-        location: String::new(),
-    };
+    Ok(root)
+}
+
+/// The top-level fields: `version` checked, `replies`, `tests`, and the raw `peers`.
+fn top_fields<'a>(
+    root: &'a serde_json::Map<String, Value>,
+    top: &mut Errors<'_>,
+) -> (bool, Vec<assertions::PolicyTest>, &'a [Value]) {
     for key in root.keys() {
         if !matches!(key.as_str(), "version" | "peers" | "replies" | "tests") {
             top.add(key.as_str(), "unknown field");
@@ -148,26 +207,21 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
             ),
         );
     }
+    (replies, tests, raw_peers)
+}
 
-    let mut compiled: Compiled = HashMap::new();
-    let mut peers = Vec::with_capacity(raw_peers.len());
-    let mut names: HashMap<String, usize> = HashMap::new();
-    let mut keys: HashMap<WgKey, usize> = HashMap::new();
-    let mut addrs: HashMap<IpAddr, usize> = HashMap::new();
-    for (index, raw) in raw_peers.iter().enumerate() {
-        let name = raw
-            .get("name")
-            .and_then(Value::as_str)
-            .filter(|n| !n.is_empty());
-        let location = match name {
-            Some(name) => format!("peer {name:?} (peers[{index}])"),
-            None => format!("peers[{index}]"),
-        };
-        let mut e = Errors {
-            all: &mut errors,
-            location,
-        };
-        // Uniqueness is checked on every field that parses, also in peers with other errors.
+/// The peers' names, keys and addresses seen so far, for the duplicates.
+#[derive(Default)]
+struct Uniques {
+    names: HashMap<String, usize>,
+    keys: HashMap<WgKey, usize>,
+    addrs: HashMap<IpAddr, usize>,
+}
+
+impl Uniques {
+    /// Peer `index` (`raw`, named `name`): each field that parses is checked, also in peers
+    /// with other errors.
+    fn check(&mut self, index: usize, raw: &Value, name: Option<&str>, e: &mut Errors<'_>) {
         let key = raw
             .get("publicKey")
             .and_then(Value::as_str)
@@ -181,7 +235,7 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
             .and_then(Value::as_str)
             .and_then(|s| s.parse::<Ipv6Addr>().ok());
         if let Some(name) = name {
-            if let Some(first) = names.insert(name.to_owned(), index) {
+            if let Some(first) = self.names.insert(name.to_owned(), index) {
                 e.add(
                     "name",
                     format!("duplicate: peers[{first}] has the same name"),
@@ -189,7 +243,7 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
             }
         }
         if let Some(key) = key {
-            if let Some(first) = keys.insert(key, index) {
+            if let Some(first) = self.keys.insert(key, index) {
                 e.add(
                     "publicKey",
                     format!("duplicate: peers[{first}] has the same key"),
@@ -201,7 +255,7 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
             ("addressV6", v6.map(IpAddr::V6)),
         ] {
             if let Some(addr) = addr {
-                if let Some(first) = addrs.insert(addr, index) {
+                if let Some(first) = self.addrs.insert(addr, index) {
                     e.add(
                         field,
                         format!("duplicate: {addr} is also peers[{first}]'s address"),
@@ -209,36 +263,7 @@ pub fn parse_value_tree(text: &str) -> Result<DesiredState, StateError> {
                 }
             }
         }
-        if let Some(peer) = parse_peer(raw, &mut e, &mut compiled) {
-            peers.push(peer);
-        }
     }
-
-    let (v4_entries, v6_entries) = trie_entries(&compiled);
-    for (family, n) in [("IPv4", v4_entries), ("IPv6", v6_entries)] {
-        if n > MAX_POLICY_ENTRIES as usize {
-            Errors {
-                all: &mut errors,
-                location: String::new(),
-            }
-            .add(
-                "peers",
-                format!(
-                    "the distinct policies need {n} {family} trie entries, the map holds at most {MAX_POLICY_ENTRIES}"
-                ),
-            );
-        }
-    }
-
-    if !errors.is_empty() {
-        return Err(StateError { errors });
-    }
-    peers.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(DesiredState {
-        peers,
-        replies,
-        tests,
-    })
 }
 
 fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Option<PeerSpec> {
@@ -259,7 +284,50 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
             e.add(key.as_str(), "unknown field");
         }
     }
-    let name = match obj.get("name") {
+    let name = name_field(obj, e);
+    let public_key = key_field(obj, "publicKey", true, e);
+    let preshared_key = key_field(obj, "presharedKey", false, e);
+    let address: Option<Ipv4Addr> = addr_field(obj, "address", e);
+    let address_v6: Option<Ipv6Addr> = addr_field(obj, "addressV6", e);
+    if !obj.contains_key("address") && !obj.contains_key("addressV6") {
+        e.add(
+            "address",
+            "missing: a peer needs address, addressV6 or both",
+        );
+    }
+    let endpoint = endpoint_field(obj, e);
+    let persistent_keepalive = keepalive_field(obj, e);
+    let rules = egress_field(obj, e);
+    let mode = mode_field(obj, e);
+    let window = window_field(obj, e);
+    if e.all.len() > before {
+        return None;
+    }
+    let (rules, policy) = match share(rules, compiled) {
+        Ok(shared) => shared.unzip(),
+        Err(err) => {
+            e.add("egress", err.to_string());
+            return None;
+        }
+    };
+    Some(PeerSpec {
+        name: name?,
+        public_key: public_key?,
+        address,
+        address_v6,
+        endpoint,
+        preshared_key,
+        persistent_keepalive,
+        rules,
+        policy,
+        mode,
+        window,
+    })
+}
+
+/// `name`: a valid name, else an error.
+fn name_field(obj: &Map<String, Value>, e: &mut Errors<'_>) -> Option<String> {
+    match obj.get("name") {
         Some(Value::String(s)) if valid_name(s) => Some(s.clone()),
         Some(Value::String(s)) if s.is_empty() => {
             e.add("name", "must not be empty");
@@ -281,18 +349,12 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
             e.add("name", "missing");
             None
         }
-    };
-    let public_key = key_field(obj, "publicKey", true, e);
-    let preshared_key = key_field(obj, "presharedKey", false, e);
-    let address: Option<Ipv4Addr> = addr_field(obj, "address", e);
-    let address_v6: Option<Ipv6Addr> = addr_field(obj, "addressV6", e);
-    if !obj.contains_key("address") && !obj.contains_key("addressV6") {
-        e.add(
-            "address",
-            "missing: a peer needs address, addressV6 or both",
-        );
     }
-    let endpoint = match obj.get("endpoint") {
+}
+
+/// `endpoint`: IP:port, if given.
+fn endpoint_field(obj: &Map<String, Value>, e: &mut Errors<'_>) -> Option<std::net::SocketAddr> {
+    match obj.get("endpoint") {
         None => None,
         Some(Value::Null) => {
             e.add("endpoint", NULL);
@@ -314,8 +376,12 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
             e.add("endpoint", "must be a string");
             None
         }
-    };
-    let persistent_keepalive = match obj.get("persistentKeepalive") {
+    }
+}
+
+/// `persistentKeepalive`: seconds, if given (0: off).
+fn keepalive_field(obj: &Map<String, Value>, e: &mut Errors<'_>) -> Option<u16> {
+    match obj.get("persistentKeepalive") {
         None => None,
         Some(Value::Null) => {
             e.add("persistentKeepalive", NULL);
@@ -331,8 +397,12 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
                 None
             }
         },
-    };
-    let rules = match obj.get("egress") {
+    }
+}
+
+/// `egress`: the rules, canonical (sorted, without repeats); `None`: unrestricted.
+fn egress_field(obj: &Map<String, Value>, e: &mut Errors<'_>) -> Option<Vec<Rule>> {
+    match obj.get("egress") {
         None => None,
         Some(Value::Null) => {
             e.add(
@@ -363,8 +433,12 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
             e.add("egress", "must be an array of rules");
             None
         }
-    };
-    let mode = match obj.get("mode") {
+    }
+}
+
+/// `mode`: enforce (the default) or audit.
+fn mode_field(obj: &Map<String, Value>, e: &mut Errors<'_>) -> Mode {
+    match obj.get("mode") {
         None => Mode::Enforce,
         Some(Value::Null) => {
             e.add("mode", NULL);
@@ -378,7 +452,11 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
             e.add("mode", "must be a string: \"enforce\" or \"audit\"");
             Mode::Enforce
         }
-    };
+    }
+}
+
+/// `notBefore` and `expires`: the peer's window.
+fn window_field(obj: &Map<String, Value>, e: &mut Errors<'_>) -> Window {
     let mut time = |field: &str| match obj.get(field) {
         None => None,
         Some(Value::Null) => {
@@ -407,29 +485,7 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
     if let Some(message) = window_error(&window) {
         e.add("expires", message);
     }
-    if e.all.len() > before {
-        return None;
-    }
-    let (rules, policy) = match share(rules, compiled) {
-        Ok(shared) => shared.unzip(),
-        Err(err) => {
-            e.add("egress", err.to_string());
-            return None;
-        }
-    };
-    Some(PeerSpec {
-        name: name?,
-        public_key: public_key?,
-        address,
-        address_v6,
-        endpoint,
-        preshared_key,
-        persistent_keepalive,
-        rules,
-        policy,
-        mode,
-        window,
-    })
+    window
 }
 
 fn key_field(
@@ -512,7 +568,23 @@ fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
             e.add(format!("{path}.{key}"), "unknown field");
         }
     }
-    let cidr = match obj.get("cidr") {
+    let cidr = cidr_field(obj, path, e);
+    let protocol = protocol_field(obj, path, e);
+    let mut ports = Vec::new();
+    ports_field(obj, path, protocol, &mut ports, e);
+    types_field(obj, path, (protocol, cidr), &mut ports, e);
+    let except = except_field(obj, path, cidr, e);
+    if e.all.len() > before {
+        return None;
+    }
+    ports.sort_unstable();
+    ports.dedup();
+    Some(Rule::new(cidr?, protocol?, ports).with_except(except))
+}
+
+/// A rule's `cidr`: a prefix without host bits.
+fn cidr_field(obj: &Map<String, Value>, path: &str, e: &mut Errors<'_>) -> Option<IpNet> {
+    match obj.get("cidr") {
         Some(Value::String(s)) => match s.parse::<IpNet>() {
             Ok(net) if net.trunc() == net => Some(net),
             Ok(net) => {
@@ -542,8 +614,12 @@ fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
             e.add(format!("{path}.cidr"), "missing");
             None
         }
-    };
-    let protocol = match obj.get("protocol") {
+    }
+}
+
+/// A rule's `protocol` (left out: any).
+fn protocol_field(obj: &Map<String, Value>, path: &str, e: &mut Errors<'_>) -> Option<Protocol> {
+    match obj.get("protocol") {
         None => Some(Protocol::Any),
         Some(Value::Null) => {
             e.add(
@@ -569,8 +645,17 @@ fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
             );
             None
         }
-    };
-    let mut ports = Vec::new();
+    }
+}
+
+/// A rule's `ports` (tcp and udp), added to `ports`.
+fn ports_field(
+    obj: &Map<String, Value>,
+    path: &str,
+    protocol: Option<Protocol>,
+    ports: &mut Vec<PortRange>,
+    e: &mut Errors<'_>,
+) {
     match obj.get("ports") {
         None => {}
         Some(Value::Null) => e.add(
@@ -602,6 +687,16 @@ fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
             "must be an array of ports and \"lo-hi\" ranges",
         ),
     }
+}
+
+/// A rule's ICMP `types` (icmp), added to `ports`: of ICMPv6 for an IPv6 `cidr`.
+fn types_field(
+    obj: &Map<String, Value>,
+    path: &str,
+    (protocol, cidr): (Option<Protocol>, Option<IpNet>),
+    ports: &mut Vec<PortRange>,
+    e: &mut Errors<'_>,
+) {
     match obj.get("types") {
         None => {}
         Some(Value::Array(list)) => {
@@ -642,6 +737,15 @@ fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
             "must be an array of ICMP types, \"lo-hi\" ranges and type names",
         ),
     }
+}
+
+/// A rule's `except`: prefixes inside its `cidr`.
+fn except_field(
+    obj: &Map<String, Value>,
+    path: &str,
+    cidr: Option<IpNet>,
+    e: &mut Errors<'_>,
+) -> Vec<IpNet> {
     let mut except = Vec::new();
     match obj.get("except") {
         None => {}
@@ -672,12 +776,7 @@ fn parse_rule(raw: &Value, path: &str, e: &mut Errors<'_>) -> Option<Rule> {
             "must be an array of CIDR prefixes",
         ),
     }
-    if e.all.len() > before {
-        return None;
-    }
-    ports.sort_unstable();
-    ports.dedup();
-    Some(Rule::new(cidr?, protocol?, ports).with_except(except))
+    except
 }
 
 fn parse_port(raw: &Value) -> Result<PortRange, String> {

@@ -1,0 +1,59 @@
+//! `wgfence monitor`: the datapath's drop events, one a line.
+
+use std::{io::Write as _, path::PathBuf, process::ExitCode, time::Duration};
+
+use anyhow::Result;
+use wgfence::monitor::Watch;
+
+use super::Target;
+
+#[derive(Debug, clap::Args)]
+pub struct Monitor {
+    #[command(flatten)]
+    pub target: Target,
+    /// Only events from this peer (by name, from the state file).
+    #[arg(long, short)]
+    peer: Option<String>,
+    /// One JSON object per line.
+    #[arg(long)]
+    json: bool,
+    /// State file to name peers by (default: the running agent's).
+    #[arg(long, short)]
+    state: Option<PathBuf>,
+    /// Exit after this many events.
+    #[arg(long, value_name = "N")]
+    count: Option<u64>,
+}
+
+impl Monitor {
+    pub fn execute(self) -> Result<ExitCode> {
+        let Target { interface, bpffs } = &self.target;
+        let mut watch = Watch::open(
+            bpffs,
+            interface,
+            self.state.as_deref(),
+            self.peer.as_deref(),
+        )?;
+        // On stderr, so stdout stays one event per line; scripts can wait for it.
+        eprintln!("monitoring drop events on {interface}; Ctrl-C stops");
+        let mut seen = 0u64;
+        let stdout = std::io::stdout();
+        loop {
+            let views = watch.next(Duration::from_secs(1))?;
+            let mut out = stdout.lock();
+            for view in &views {
+                if self.json {
+                    writeln!(out, "{}", serde_json::to_string(view)?)?;
+                } else {
+                    writeln!(out, "{}", view.line())?;
+                }
+                seen += 1;
+                if self.count.is_some_and(|n| seen >= n) {
+                    out.flush()?;
+                    return Ok(ExitCode::SUCCESS);
+                }
+            }
+            out.flush()?;
+        }
+    }
+}
