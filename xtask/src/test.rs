@@ -33,7 +33,7 @@ pub struct Options {
     /// Skip `image --run` (the container image built and run as the DaemonSet runs it).
     #[arg(long)]
     pub no_image: bool,
-    /// Skip `vm-test` (Debian's 5.10, 6.1 and 6.12 kernels under qemu, about a minute each).
+    /// Skip `vm-test` (Debian's 5.10, 6.1 and 6.12 kernels under qemu, 5 to 7 minutes each).
     #[arg(long)]
     pub no_vm: bool,
     /// Seconds each fuzz target runs.
