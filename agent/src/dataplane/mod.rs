@@ -499,6 +499,7 @@ impl Dataplane {
         // switch of --attach) goes, after, so no packet meets neither.
         remove_other_hook(kind, &pin_dir, interface, ifindex)?;
         // The quota counts as the tables are now (nothing else reconciles them).
+        let recount = std::time::Instant::now();
         let mut maps = maps;
         match maps.recount_flow_quota() {
             Ok(slots) if slots.is_empty() => {}
@@ -513,6 +514,7 @@ impl Dataplane {
                 "could not recount the flow quota; it is recounted at the next start"
             ),
         }
+        let recount = recount.elapsed();
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         tracing::debug!(
             interface,
@@ -523,6 +525,7 @@ impl Dataplane {
             switch_ms = ms(switched - verified),
             programs_adopted = !adopted.is_empty(),
             after_ms = ms(started.elapsed() - switched),
+            recount_ms = ms(recount),
             "datapath attach phases"
         );
         tracing::info!(
