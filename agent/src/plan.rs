@@ -150,6 +150,8 @@ struct Index {
     free_slots: BTreeSet<u32>,
     /// One past the highest slot an entry has used.
     slot_high: u32,
+    /// The policy ids that are free: neither a trie entry nor a peer entry uses them.
+    free_ids: FreeIds,
     /// Policy ids by their (complete or partial) content; an id that peer entries point at
     /// and the tries have no entry for holds [`NOTHING`] (`"egress": []`).
     by_content: BTreeMap<CompiledPolicy, BTreeSet<u32>>,
@@ -264,6 +266,9 @@ impl Actual {
                 index.holders.insert(*ip, *key);
             }
         }
+        for id in maps.policies.keys().chain(index.policy_refs.keys()) {
+            index.free_ids.take(*id);
+        }
         Self {
             maps,
             wg,
@@ -341,6 +346,16 @@ impl Actual {
         if without_entries {
             self.index_content(entry.policy);
         }
+        self.sync_id(entry.policy);
+    }
+
+    /// Marks `id` used or free in the index, as the trie and peer entries have it now.
+    fn sync_id(&mut self, id: u32) {
+        if self.maps.policies.contains_key(&id) || self.index.policy_refs.contains_key(&id) {
+            self.index.free_ids.take(id);
+        } else {
+            self.index.free_ids.give(id);
+        }
     }
 
     /// What `op` does to the kernel. The agent keeps its view of the kernel current with this
@@ -359,6 +374,7 @@ impl Actual {
                     .or_default()
                     .insert_entry(*prefix, allows.clone());
                 self.index_content(*policy);
+                self.sync_id(*policy);
             }
             Op::ResetPeerCounters { .. }
             | Op::ResetRuleCounters { .. }
@@ -423,6 +439,7 @@ impl Actual {
                     }
                 }
                 self.index_content(*policy);
+                self.sync_id(*policy);
             }
         }
     }
@@ -691,39 +708,93 @@ pub enum PlanError {
     OwnersExhausted,
 }
 
-/// Hands out the smallest values of `from..=max` that are not used, in increasing order. The
-/// used set is only gathered on the first allocation: most plans allocate nothing.
-struct Allocator<F: FnOnce() -> BTreeSet<u32>> {
-    used: Option<BTreeSet<u32>>,
-    gather: Option<F>,
-    next: u32,
-    max: u32,
+/// The policy ids `1..EMPTY_POLICY` that nothing uses, as ranges, kept current as ids are
+/// used and freed: the lowest free id costs O(log #ranges), not a copy of every used id.
+#[derive(Debug, Clone, Default)]
+struct FreeIds {
+    /// Free ranges below `high`, `start -> end` (exclusive), disjoint and not adjacent.
+    below: BTreeMap<u32, u32>,
+    /// One past the highest id ever used (at least 1): every id from here on is free.
+    high: u32,
 }
 
-impl<F: FnOnce() -> BTreeSet<u32>> Allocator<F> {
-    fn new(from: u32, max: u32, gather: F) -> Self {
-        Self {
-            used: None,
-            gather: Some(gather),
-            next: from,
-            max,
+impl FreeIds {
+    fn in_range(id: u32) -> bool {
+        id != UNRESTRICTED && id != EMPTY_POLICY
+    }
+
+    /// `id` is used now.
+    fn take(&mut self, id: u32) {
+        if !Self::in_range(id) {
+            return;
+        }
+        let high = self.high.max(1);
+        if id >= high {
+            if id > high {
+                // Joined to a free range that ends at the old high mark.
+                let start = match self.below.range(..high).next_back() {
+                    Some((&start, &end)) if end == high => start,
+                    _ => high,
+                };
+                self.below.insert(start, id);
+            }
+            self.high = id + 1;
+            return;
+        }
+        let Some((&start, &end)) = self.below.range(..=id).next_back() else {
+            return;
+        };
+        if id >= end {
+            return;
+        }
+        self.below.remove(&start);
+        if start < id {
+            self.below.insert(start, id);
+        }
+        if id + 1 < end {
+            self.below.insert(id + 1, end);
         }
     }
 
-    fn allocate(&mut self) -> Option<u32> {
-        if self.used.is_none() {
-            self.used = Some(self.gather.take().map(|g| g()).unwrap_or_default());
+    /// `id` is used no more.
+    fn give(&mut self, id: u32) {
+        if !Self::in_range(id) || id >= self.high {
+            return;
         }
-        let used = self.used.as_mut()?;
-        while used.contains(&self.next) {
-            self.next = self.next.checked_add(1)?;
+        let mut start = id;
+        let mut end = id + 1;
+        if let Some((&s, &e)) = self.below.range(..=id).next_back() {
+            if e > id {
+                return;
+            }
+            if e == id {
+                self.below.remove(&s);
+                start = s;
+            }
         }
-        if self.next > self.max {
-            return None;
+        if let Some(e) = self.below.remove(&end) {
+            end = e;
         }
-        let value = self.next;
-        used.insert(value);
-        Some(value)
+        self.below.insert(start, end);
+    }
+
+    /// The lowest free id that `taken` (this plan's own) does not hold, up to `max`.
+    fn lowest(&self, taken: &BTreeSet<u32>, max: u32) -> Option<u32> {
+        let ranges = self
+            .below
+            .iter()
+            .map(|(s, e)| (*s, *e))
+            .chain(std::iter::once((self.high.max(1), u32::MAX)));
+        for (start, end) in ranges {
+            let mut id = start;
+            while id < end && taken.contains(&id) {
+                id += 1;
+            }
+            if id < end {
+                return (id <= max).then_some(id);
+            }
+        }
+        None
     }
 }
 
@@ -1081,12 +1152,14 @@ impl<'a> Planner<'a> {
     /// whose trie entries are written (step 4). `"egress": []` always has the one id
     /// [`EMPTY_POLICY`], without entries.
     fn policy_ids(&self, ops: &mut Vec<Op>) -> Result<PolicyIds<'a>, PlanError> {
-        let (maps, index) = (&self.actual.maps, &self.actual.index);
-        let mut new_ids = Allocator::new(1, EMPTY_POLICY - 1, || {
-            let mut used: BTreeSet<u32> = maps.policies.keys().copied().collect();
-            used.extend(index.policy_refs.keys().copied());
-            used
-        });
+        let index = &self.actual.index;
+        // Ids this plan hands out; with the index's used ones, what is not free.
+        let mut allocated = BTreeSet::new();
+        let mut new_id = || {
+            let id = index.free_ids.lowest(&allocated, EMPTY_POLICY - 1)?;
+            allocated.insert(id);
+            Some(id)
+        };
         let mut ids = PolicyIds::default();
         for policy in self.touched.iter().filter_map(|p| p.policy.as_deref()) {
             if ids.known(policy) {
@@ -1103,7 +1176,7 @@ impl<'a> Planner<'a> {
             let id = match existing {
                 Some(id) => id,
                 None => {
-                    let id = new_ids.allocate().ok_or(PlanError::PolicyIdsExhausted)?;
+                    let id = new_id().ok_or(PlanError::PolicyIdsExhausted)?;
                     for (prefix, allows) in policy.entries() {
                         ops.push(Op::PutPolicyEntry {
                             policy: id,
@@ -1529,6 +1602,21 @@ mod tests {
                 .filter(|s| !index.slot_refs.contains_key(s))
                 .collect();
             assert_eq!(index.free_slots, free, "after {op}");
+            // The free-id index gives the lowest id no trie or peer entry uses.
+            let used: BTreeSet<u32> = self
+                .0
+                .maps
+                .policies
+                .keys()
+                .chain(index.policy_refs.keys())
+                .copied()
+                .collect();
+            let lowest = (1..EMPTY_POLICY).find(|id| !used.contains(id));
+            assert_eq!(
+                index.free_ids.lowest(&BTreeSet::new(), EMPTY_POLICY - 1),
+                lowest,
+                "after {op}"
+            );
             assert!(index.slot_refs.keys().all(|s| *s < index.slot_high));
         }
     }
@@ -1698,6 +1786,38 @@ mod tests {
         for op in &plan.ops {
             kernel.apply(op);
             assert_safe_midway(kernel, old, new);
+        }
+    }
+
+    proptest! {
+        /// The free-id index, over any sequence of ids used and freed, gives what a scan of
+        /// the used ids would: the lowest free id not taken by the plan, within the bound.
+        #[test]
+        fn free_ids_give_the_lowest_unused_id(
+            steps in proptest::collection::vec((any::<bool>(), 0u32..40), 0..80),
+            taken in proptest::collection::btree_set(1u32..45, 0..6),
+            max in 1u32..50,
+        ) {
+            let mut free = FreeIds::default();
+            let mut used = BTreeSet::new();
+            for (take, id) in steps {
+                if take {
+                    free.take(id);
+                    used.insert(id);
+                } else {
+                    free.give(id);
+                    used.remove(&id);
+                }
+                let mut ranges = free.below.iter().peekable();
+                while let Some((start, end)) = ranges.next() {
+                    prop_assert!(start < end && *end <= free.high);
+                    if let Some((next, _)) = ranges.peek() {
+                        prop_assert!(end < *next, "ranges overlap or touch");
+                    }
+                }
+            }
+            let naive = (1..=max).find(|id| !used.contains(id) && !taken.contains(id));
+            prop_assert_eq!(free.lowest(&taken, max), naive);
         }
     }
 
