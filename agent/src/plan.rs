@@ -111,10 +111,97 @@ impl ActualMaps {
     }
 }
 
+/// A WireGuard peer's allowed IPs: a set, sorted. Held inline for the one or two a wgfence
+/// peer has (a peer's tunnel addresses), where a `BTreeSet` would allocate a 224-byte node
+/// per peer: at 60,000 peers that was a quarter of the agent's view of the kernel.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct AllowedIps(smallvec::SmallVec<[IpNet; 2]>);
+
+impl AllowedIps {
+    /// Adds `ip`; `false` if it was there.
+    pub fn insert(&mut self, ip: IpNet) -> bool {
+        match self.0.binary_search(&ip) {
+            Ok(_) => false,
+            Err(at) => {
+                self.0.insert(at, ip);
+                true
+            }
+        }
+    }
+
+    /// Removes `ip`; `false` if it was not there.
+    pub fn remove(&mut self, ip: &IpNet) -> bool {
+        match self.0.binary_search(ip) {
+            Ok(at) => {
+                self.0.remove(at);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    pub fn contains(&self, ip: &IpNet) -> bool {
+        self.0.binary_search(ip).is_ok()
+    }
+
+    /// In order.
+    pub fn iter(&self) -> std::slice::Iter<'_, IpNet> {
+        self.0.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl fmt::Debug for AllowedIps {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set().entries(self.0.iter()).finish()
+    }
+}
+
+impl Extend<IpNet> for AllowedIps {
+    fn extend<I: IntoIterator<Item = IpNet>>(&mut self, ips: I) {
+        for ip in ips {
+            self.insert(ip);
+        }
+    }
+}
+
+impl FromIterator<IpNet> for AllowedIps {
+    fn from_iter<I: IntoIterator<Item = IpNet>>(ips: I) -> Self {
+        let mut set = Self::default();
+        set.extend(ips);
+        set
+    }
+}
+
+impl IntoIterator for AllowedIps {
+    type Item = IpNet;
+    type IntoIter = smallvec::IntoIter<[IpNet; 2]>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter()
+    }
+}
+
+impl<'a> IntoIterator for &'a AllowedIps {
+    type Item = &'a IpNet;
+    type IntoIter = std::slice::Iter<'a, IpNet>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
 /// One WireGuard peer as the device reports it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WgPeer {
-    pub allowed_ips: BTreeSet<IpNet>,
+    pub allowed_ips: AllowedIps,
     pub endpoint: Option<SocketAddr>,
     pub preshared_key: Option<WgKey>,
     pub persistent_keepalive: Option<u16>,
@@ -154,14 +241,33 @@ struct Index {
     free_ids: FreeIds,
     /// Policy ids by their (complete or partial) content; an id that peer entries point at
     /// and the tries have no entry for holds [`NOTHING`] (`"egress": []`).
-    by_content: BTreeMap<CompiledPolicy, BTreeSet<u32>>,
+    ///
+    /// Keyed by a hash of the content, ids in increasing order, the content itself compared
+    /// with the maps' on lookup ([`Actual::ids_of`]): no second copy of every policy.
+    by_content: HashMap<u64, smallvec::SmallVec<[u32; 2]>>,
     /// The WireGuard peer each allowed IP is routed to.
     holders: BTreeMap<IpNet, WgKey>,
     /// The highest owner handed out: the kernel's high-water mark, or a higher entry's owner.
     owner_high: u64,
 }
 
+/// The key of a policy's content in [`Index::by_content`].
+fn content_hash(content: &CompiledPolicy) -> u64 {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut hasher = std::hash::DefaultHasher::new();
+    content.hash(&mut hasher);
+    hasher.finish()
+}
+
 impl Index {
+    /// Notes that `id` holds `content`.
+    fn index_content(&mut self, content: &CompiledPolicy, id: u32) {
+        let ids = self.by_content.entry(content_hash(content)).or_default();
+        if let Err(at) = ids.binary_search(&id) {
+            ids.insert(at, id);
+        }
+    }
+
     fn slot_up(&mut self, slot: u32) {
         count_up(&mut self.slot_refs, slot);
         if slot >= self.slot_high {
@@ -246,20 +352,16 @@ impl Actual {
             index.owner_high = index.owner_high.max(entry.owner);
         }
         for (id, content) in &maps.policies {
-            index
-                .by_content
-                .entry(content.clone())
-                .or_default()
-                .insert(*id);
+            index.index_content(content, *id);
         }
-        for id in index.policy_refs.keys() {
-            if *id != UNRESTRICTED && !maps.policies.contains_key(id) {
-                index
-                    .by_content
-                    .entry(NOTHING.clone())
-                    .or_default()
-                    .insert(*id);
-            }
+        let empty: Vec<u32> = index
+            .policy_refs
+            .keys()
+            .copied()
+            .filter(|id| *id != UNRESTRICTED && !maps.policies.contains_key(id))
+            .collect();
+        for id in empty {
+            index.index_content(&NOTHING, id);
         }
         for (key, peer) in &wg.peers {
             for ip in &peer.allowed_ips {
@@ -309,10 +411,11 @@ impl Actual {
 
     fn unindex_content(&mut self, id: u32) {
         if let Some(content) = content_of(&self.maps, &self.index.policy_refs, id) {
-            if let Some(ids) = self.index.by_content.get_mut(content) {
-                ids.remove(&id);
+            let hash = content_hash(content);
+            if let Some(ids) = self.index.by_content.get_mut(&hash) {
+                ids.retain(|i| *i != id);
                 if ids.is_empty() {
-                    self.index.by_content.remove(content);
+                    self.index.by_content.remove(&hash);
                 }
             }
         }
@@ -320,12 +423,19 @@ impl Actual {
 
     fn index_content(&mut self, id: u32) {
         if let Some(content) = content_of(&self.maps, &self.index.policy_refs, id) {
-            self.index
-                .by_content
-                .entry(content.clone())
-                .or_default()
-                .insert(id);
+            self.index.index_content(content, id);
         }
+    }
+
+    /// The ids whose content is `content`, in increasing order.
+    fn ids_of<'s>(&'s self, content: &'s CompiledPolicy) -> impl Iterator<Item = u32> + 's {
+        self.index
+            .by_content
+            .get(&content_hash(content))
+            .into_iter()
+            .flatten()
+            .copied()
+            .filter(move |id| content_of(&self.maps, &self.index.policy_refs, *id) == Some(content))
     }
 
     /// Counts a peer entry's references; an id without trie entries holds [`NOTHING`] while
@@ -1168,10 +1278,7 @@ impl<'a> Planner<'a> {
             let existing = if policy.is_empty() {
                 Some(EMPTY_POLICY)
             } else {
-                index
-                    .by_content
-                    .get(policy)
-                    .and_then(|ids| ids.iter().find(|id| **id != EMPTY_POLICY).copied())
+                self.actual.ids_of(policy).find(|id| *id != EMPTY_POLICY)
             };
             let id = match existing {
                 Some(id) => id,

@@ -18,7 +18,7 @@ use wgfence_common::{Allow, UNRESTRICTED};
 
 use crate::{
     explain::AllowText,
-    plan::Actual,
+    plan::{Actual, AllowedIps},
     policy::{CompiledPolicy, NOTHING},
     state::{DesiredState, PeerSpec},
 };
@@ -127,14 +127,14 @@ pub fn drift_of(desired: &DesiredState, actual: &Actual) -> Vec<Drift> {
     for peer in &desired.peers {
         keys.insert(peer.public_key);
         let entry = format!("WireGuard peer {}", peer.name);
-        let want: BTreeSet<IpNet> = peer.addrs().map(IpNet::from).collect();
+        let want: AllowedIps = peer.addrs().map(IpNet::from).collect();
         match actual.wg().peers.get(&peer.public_key) {
             None => out.push(drift(
                 entry,
                 format!("missing (public key {})", peer.public_key.to_base64()),
             )),
             Some(have) if have.allowed_ips != want => {
-                let list = |s: &BTreeSet<IpNet>| {
+                let list = |s: &AllowedIps| {
                     s.iter()
                         .map(ToString::to_string)
                         .collect::<Vec<_>>()
