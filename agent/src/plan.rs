@@ -1156,6 +1156,9 @@ impl<'a> PolicyIds<'a> {
     }
 }
 
+/// A peer's tunnel addresses (one or two), without an allocation.
+type Addrs = smallvec::SmallVec<[IpAddr; 2]>;
+
 /// An address entry the plan writes: the peer's name and key, and the entry.
 type Wanted<'a> = BTreeMap<IpAddr, (&'a str, WgKey, PeerEntry)>;
 
@@ -1339,7 +1342,8 @@ impl<'a> Planner<'a> {
         self.touched
             .iter()
             .map(|peer| {
-                let own: Vec<IpAddr> = peer.addrs().collect();
+                // Inline: a full plan passes here for every peer.
+                let own: Addrs = peer.addrs().collect();
                 let previous = self
                     .actual
                     .wg
@@ -1347,8 +1351,10 @@ impl<'a> Planner<'a> {
                     .get(&peer.public_key)
                     .into_iter()
                     .flat_map(|p| p.allowed_ips.iter().map(|net| net.addr()));
-                let (staying, leaving): (Vec<IpAddr>, Vec<IpAddr>) =
-                    own.iter().partition(|a| !self.lead_deleted.contains(a));
+                let (staying, leaving): (Addrs, Addrs) = own
+                    .iter()
+                    .copied()
+                    .partition(|a| !self.lead_deleted.contains(a));
                 let kept = staying
                     .into_iter()
                     .chain(leaving)
@@ -1644,7 +1650,7 @@ impl<'a> Planner<'a> {
 
 /// The change that makes WireGuard's peer `have` (if the device has it) what `peer` asks.
 fn wg_change(peer: &PeerSpec, have: Option<&WgPeer>) -> Option<WgPeerChange> {
-    let want_ips: Vec<IpNet> = peer.addrs().map(IpNet::from).collect();
+    let want_ips: smallvec::SmallVec<[IpNet; 2]> = peer.addrs().map(IpNet::from).collect();
     let Some(have) = have else {
         return Some(WgPeerChange {
             key: peer.public_key,
@@ -1653,7 +1659,7 @@ fn wg_change(peer: &PeerSpec, have: Option<&WgPeer>) -> Option<WgPeerChange> {
             endpoint: peer.endpoint,
             preshared_key: peer.preshared_key.map(Some),
             persistent_keepalive: peer.persistent_keepalive.map(Some),
-            add_allowed_ips: want_ips,
+            add_allowed_ips: want_ips.into_vec(),
         });
     };
     let keepalive_now = have.persistent_keepalive.filter(|s| *s != 0);
