@@ -239,6 +239,9 @@ struct Index {
     slot_high: u32,
     /// The policy ids that are free: neither a trie entry nor a peer entry uses them.
     free_ids: FreeIds,
+    /// Peer entries per (policy id, rule counter base), for entries that count their rules:
+    /// a policy's block is its lowest base ([`rule_blocks`]).
+    rule_refs: BTreeMap<(u32, u32), usize>,
     /// Policy ids by their (complete or partial) content; an id that peer entries point at
     /// and the tries have no entry for holds [`NOTHING`] (`"egress": []`).
     ///
@@ -266,6 +269,42 @@ impl Index {
         if let Err(at) = ids.binary_search(&id) {
             ids.insert(at, id);
         }
+    }
+
+    fn rule_up(&mut self, entry: &PeerEntry) {
+        if entry.rules != NO_RULES {
+            *self
+                .rule_refs
+                .entry((entry.policy, entry.rules))
+                .or_insert(0) += 1;
+        }
+    }
+
+    fn rule_down(&mut self, entry: &PeerEntry) {
+        let key = (entry.policy, entry.rules);
+        if let Some(n) = self.rule_refs.get_mut(&key) {
+            *n -= 1;
+            if *n == 0 {
+                self.rule_refs.remove(&key);
+            }
+        }
+    }
+
+    /// The rule counter block the entries of policy `id` carry (their lowest base), if any.
+    fn rule_base(&self, id: u32) -> Option<u32> {
+        self.rule_refs
+            .range((id, 0)..=(id, u32::MAX))
+            .next()
+            .map(|((_, base), _)| *base)
+    }
+
+    /// Every policy's block base, by policy id: O(#policies), for a new block only.
+    fn rule_bases(&self) -> BTreeMap<u32, u32> {
+        let mut bases = BTreeMap::new();
+        for (policy, base) in self.rule_refs.keys() {
+            bases.entry(*policy).or_insert(*base);
+        }
+        bases
     }
 
     fn slot_up(&mut self, slot: u32) {
@@ -348,6 +387,7 @@ impl Actual {
         };
         for entry in maps.peers.values() {
             count_up(&mut index.policy_refs, entry.policy);
+            index.rule_up(entry);
             index.slot_up(entry.slot);
             index.owner_high = index.owner_high.max(entry.owner);
         }
@@ -448,9 +488,11 @@ impl Actual {
         }
         if up {
             count_up(&mut self.index.policy_refs, entry.policy);
+            self.index.rule_up(&entry);
             self.index.slot_up(entry.slot);
         } else {
             count_down(&mut self.index.policy_refs, entry.policy);
+            self.index.rule_down(&entry);
             self.index.slot_down(entry.slot);
         }
         if without_entries {
@@ -1015,14 +1057,10 @@ fn peer_entry(
 fn rule_blocks(
     touched: &[&PeerSpec],
     id_of: impl Fn(&CompiledPolicy) -> Option<u32>,
-    maps: &ActualMaps,
+    actual: &Actual,
     ops: &mut Vec<Op>,
 ) -> BTreeMap<u32, u32> {
-    let mut bases: BTreeMap<u32, u32> = BTreeMap::new();
-    for entry in maps.peers.values().filter(|e| e.rules != NO_RULES) {
-        let base = bases.entry(entry.policy).or_insert(entry.rules);
-        *base = (*base).min(entry.rules);
-    }
+    let (maps, index) = (&actual.maps, &actual.index);
     let mut want: BTreeMap<u32, u32> = BTreeMap::new();
     for peer in touched {
         if let (Some(policy), Some(rules)) = (peer.policy.as_deref(), &peer.rules) {
@@ -1034,7 +1072,7 @@ fn rule_blocks(
         }
     }
     // The ranges in use: a kept block is as long as its policy has rules (the highest rule
-    // index its entries carry, plus one).
+    // index its entries carry, plus one). Gathered only when a policy needs a new block.
     let kernel_len = |id: u32| -> u32 {
         maps.policies.get(&id).map_or(0, |p| {
             p.entries()
@@ -1043,19 +1081,24 @@ fn rule_blocks(
                 .unwrap_or(0)
         })
     };
-    let mut used: Vec<(u32, u32)> = bases
-        .iter()
-        .map(|(id, base)| {
-            let len = want.get(id).copied().unwrap_or_else(|| kernel_len(*id));
-            (*base, len.max(1))
-        })
-        .collect();
+    let mut used: Option<Vec<(u32, u32)>> = None;
     let mut blocks = BTreeMap::new();
-    for (id, len) in want {
-        if let Some(base) = bases.get(&id) {
-            blocks.insert(id, *base);
+    for (id, len) in &want {
+        if let Some(base) = index.rule_base(*id) {
+            blocks.insert(*id, base);
             continue;
         }
+        let used = used.get_or_insert_with(|| {
+            index
+                .rule_bases()
+                .into_iter()
+                .map(|(id, base)| {
+                    let len = want.get(&id).copied().unwrap_or_else(|| kernel_len(id));
+                    (base, len.max(1))
+                })
+                .collect()
+        });
+        let len = *len;
         used.sort_unstable();
         let mut start = 0u32;
         let mut found = None;
@@ -1069,7 +1112,7 @@ fn rule_blocks(
         if let Some(base) = found {
             ops.push(Op::ResetRuleCounters { base, len });
             used.push((base, len));
-            blocks.insert(id, base);
+            blocks.insert(*id, base);
         }
     }
     blocks
@@ -1463,7 +1506,7 @@ impl<'a> Planner<'a> {
         ops: &mut Vec<Op>,
     ) -> Result<Wanted<'a>, PlanError> {
         let (maps, index) = (&self.actual.maps, &self.actual.index);
-        let rule_bases = rule_blocks(&self.touched, |p| ids.get(p), maps, ops);
+        let rule_bases = rule_blocks(&self.touched, |p| ids.get(p), self.actual, ops);
         let mut owner_high = index.owner_high;
         let mut wanted = Wanted::new();
         for (peer, &slot) in self.touched.iter().zip(slots) {
@@ -1715,6 +1758,12 @@ mod tests {
                 .filter(|s| !index.slot_refs.contains_key(s))
                 .collect();
             assert_eq!(index.free_slots, free, "after {op}");
+            // The rule-block index counts the entries as they are.
+            let mut rule_refs = BTreeMap::new();
+            for e in self.0.maps.peers.values().filter(|e| e.rules != NO_RULES) {
+                *rule_refs.entry((e.policy, e.rules)).or_insert(0usize) += 1;
+            }
+            assert_eq!(index.rule_refs, rule_refs, "after {op}");
             // The free-id index gives the lowest id no trie or peer entry uses.
             let used: BTreeSet<u32> = self
                 .0
