@@ -323,24 +323,6 @@ impl Index {
             self.free_slots.insert(slot);
         }
     }
-
-    /// The lowest slot up to `max` that no entry uses and `taken` does not hold: what a scan
-    /// up from 0 over every used slot would find, at O(log N + |taken|).
-    fn lowest_free_slot(&self, taken: &BTreeSet<u32>, max: u32) -> Option<u32> {
-        let mut beyond = self.slot_high;
-        let slot = self
-            .free_slots
-            .iter()
-            .copied()
-            .find(|s| !taken.contains(s))
-            .or_else(|| {
-                while taken.contains(&beyond) {
-                    beyond = beyond.checked_add(1)?;
-                }
-                Some(beyond)
-            })?;
-        (slot <= max).then_some(slot)
-    }
 }
 
 fn count_up(map: &mut BTreeMap<u32, usize>, key: u32) {
@@ -930,23 +912,20 @@ impl FreeIds {
         self.below.insert(start, end);
     }
 
-    /// The lowest free id that `taken` (this plan's own) does not hold, up to `max`.
-    fn lowest(&self, taken: &BTreeSet<u32>, max: u32) -> Option<u32> {
-        let ranges = self
-            .below
+    /// The free ids, lowest first (then every id from the high mark on).
+    fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.below
             .iter()
-            .map(|(s, e)| (*s, *e))
-            .chain(std::iter::once((self.high.max(1), u32::MAX)));
-        for (start, end) in ranges {
-            let mut id = start;
-            while id < end && taken.contains(&id) {
-                id += 1;
-            }
-            if id < end {
-                return (id <= max).then_some(id);
-            }
-        }
-        None
+            .flat_map(|(start, end)| *start..*end)
+            .chain(self.high.max(1)..=u32::MAX)
+    }
+
+    /// The lowest free id that `taken` does not hold, up to `max`.
+    #[cfg(test)]
+    fn lowest(&self, taken: &BTreeSet<u32>, max: u32) -> Option<u32> {
+        self.iter()
+            .find(|id| !taken.contains(id))
+            .filter(|id| *id <= max)
     }
 }
 
@@ -1309,13 +1288,10 @@ impl<'a> Planner<'a> {
     /// [`EMPTY_POLICY`], without entries.
     fn policy_ids(&self, ops: &mut Vec<Op>) -> Result<PolicyIds<'a>, PlanError> {
         let index = &self.actual.index;
-        // Ids this plan hands out; with the index's used ones, what is not free.
-        let mut allocated = BTreeSet::new();
-        let mut new_id = || {
-            let id = index.free_ids.lowest(&allocated, EMPTY_POLICY - 1)?;
-            allocated.insert(id);
-            Some(id)
-        };
+        // The ids this plan hands out, lowest free first: a cursor, so that a plan writing P
+        // new policies (a cold load) costs O(P).
+        let mut free_ids = index.free_ids.iter();
+        let mut new_id = || free_ids.next().filter(|id| *id < EMPTY_POLICY);
         let mut ids = PolicyIds::default();
         for policy in self.touched.iter().filter_map(|p| p.policy.as_deref()) {
             if ids.known(policy) {
@@ -1421,12 +1397,21 @@ impl<'a> Planner<'a> {
         let kept = self.kept_slots(&deleted);
         let index = &self.actual.index;
         let max = self.actual.slots().saturating_sub(1);
-        // Slots this plan hands out; with the entries' slots, what is not free.
-        let mut allocated = BTreeSet::new();
+        // The slots this plan hands out, lowest first: the free ones below the high mark in
+        // order, then those above it. A cursor each, so that a plan handing out N slots (a
+        // cold load) costs O(N), not a scan past every slot it already handed out.
+        let mut below = index.free_slots.iter().copied();
+        let mut beyond = index.slot_high;
         let mut free = || {
-            let slot = index.lowest_free_slot(&allocated, max)?;
-            allocated.insert(slot);
-            Some(slot)
+            let slot = match below.next() {
+                Some(slot) => slot,
+                None => {
+                    let slot = beyond;
+                    beyond = beyond.checked_add(1)?;
+                    slot
+                }
+            };
+            (slot <= max).then_some(slot)
         };
         let taken: BTreeSet<u32> = kept.iter().flatten().copied().collect();
         let mut released: BTreeSet<u32> = deleted
