@@ -112,10 +112,97 @@ impl ActualMaps {
     }
 }
 
+/// A WireGuard peer's allowed IPs: a set, sorted. Held inline for the one or two a wgfence
+/// peer has (a peer's tunnel addresses), where a `BTreeSet` would allocate a 224-byte node
+/// per peer: at 60,000 peers that was a quarter of the agent's view of the kernel.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct AllowedIps(smallvec::SmallVec<[IpNet; 2]>);
+
+impl AllowedIps {
+    /// Adds `ip`; `false` if it was there.
+    pub fn insert(&mut self, ip: IpNet) -> bool {
+        match self.0.binary_search(&ip) {
+            Ok(_) => false,
+            Err(at) => {
+                self.0.insert(at, ip);
+                true
+            }
+        }
+    }
+
+    /// Removes `ip`; `false` if it was not there.
+    pub fn remove(&mut self, ip: &IpNet) -> bool {
+        match self.0.binary_search(ip) {
+            Ok(at) => {
+                self.0.remove(at);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    pub fn contains(&self, ip: &IpNet) -> bool {
+        self.0.binary_search(ip).is_ok()
+    }
+
+    /// In order.
+    pub fn iter(&self) -> std::slice::Iter<'_, IpNet> {
+        self.0.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl fmt::Debug for AllowedIps {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set().entries(self.0.iter()).finish()
+    }
+}
+
+impl Extend<IpNet> for AllowedIps {
+    fn extend<I: IntoIterator<Item = IpNet>>(&mut self, ips: I) {
+        for ip in ips {
+            self.insert(ip);
+        }
+    }
+}
+
+impl FromIterator<IpNet> for AllowedIps {
+    fn from_iter<I: IntoIterator<Item = IpNet>>(ips: I) -> Self {
+        let mut set = Self::default();
+        set.extend(ips);
+        set
+    }
+}
+
+impl IntoIterator for AllowedIps {
+    type Item = IpNet;
+    type IntoIter = smallvec::IntoIter<[IpNet; 2]>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter()
+    }
+}
+
+impl<'a> IntoIterator for &'a AllowedIps {
+    type Item = &'a IpNet;
+    type IntoIter = std::slice::Iter<'a, IpNet>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
 /// One WireGuard peer as the device reports it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WgPeer {
-    pub allowed_ips: BTreeSet<IpNet>,
+    pub allowed_ips: AllowedIps,
     pub endpoint: Option<SocketAddr>,
     pub preshared_key: Option<WgKey>,
     pub persistent_keepalive: Option<u16>,
@@ -151,16 +238,76 @@ struct Index {
     free_slots: BTreeSet<u32>,
     /// One past the highest slot an entry has used.
     slot_high: u32,
+    /// The policy ids that are free: neither a trie entry nor a peer entry uses them.
+    free_ids: FreeIds,
+    /// Peer entries per (policy id, rule counter base), for entries that count their rules:
+    /// a policy's block is its lowest base ([`rule_blocks`]).
+    rule_refs: BTreeMap<(u32, u32), usize>,
     /// Policy ids by their (complete or partial) content; an id that peer entries point at
     /// and the tries have no entry for holds [`NOTHING`] (`"egress": []`).
-    by_content: BTreeMap<CompiledPolicy, BTreeSet<u32>>,
+    ///
+    /// Keyed by a hash of the content, ids in increasing order, the content itself compared
+    /// with the maps' on lookup ([`Actual::ids_of`]): no second copy of every policy.
+    by_content: HashMap<u64, smallvec::SmallVec<[u32; 2]>>,
     /// The WireGuard peer each allowed IP is routed to.
     holders: BTreeMap<IpNet, WgKey>,
     /// The highest owner handed out: the kernel's high-water mark, or a higher entry's owner.
     owner_high: u64,
 }
 
+/// The key of a policy's content in [`Index::by_content`].
+fn content_hash(content: &CompiledPolicy) -> u64 {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut hasher = std::hash::DefaultHasher::new();
+    content.hash(&mut hasher);
+    hasher.finish()
+}
+
 impl Index {
+    /// Notes that `id` holds `content`.
+    fn index_content(&mut self, content: &CompiledPolicy, id: u32) {
+        let ids = self.by_content.entry(content_hash(content)).or_default();
+        if let Err(at) = ids.binary_search(&id) {
+            ids.insert(at, id);
+        }
+    }
+
+    fn rule_up(&mut self, entry: &PeerEntry) {
+        if entry.rules != NO_RULES {
+            *self
+                .rule_refs
+                .entry((entry.policy, entry.rules))
+                .or_insert(0) += 1;
+        }
+    }
+
+    fn rule_down(&mut self, entry: &PeerEntry) {
+        let key = (entry.policy, entry.rules);
+        if let Some(n) = self.rule_refs.get_mut(&key) {
+            *n -= 1;
+            if *n == 0 {
+                self.rule_refs.remove(&key);
+            }
+        }
+    }
+
+    /// The rule counter block the entries of policy `id` carry (their lowest base), if any.
+    fn rule_base(&self, id: u32) -> Option<u32> {
+        self.rule_refs
+            .range((id, 0)..=(id, u32::MAX))
+            .next()
+            .map(|((_, base), _)| *base)
+    }
+
+    /// Every policy's block base, by policy id: O(#policies), for a new block only.
+    fn rule_bases(&self) -> BTreeMap<u32, u32> {
+        let mut bases = BTreeMap::new();
+        for (policy, base) in self.rule_refs.keys() {
+            bases.entry(*policy).or_insert(*base);
+        }
+        bases
+    }
+
     fn slot_up(&mut self, slot: u32) {
         count_up(&mut self.slot_refs, slot);
         if slot >= self.slot_high {
@@ -176,24 +323,6 @@ impl Index {
         if !self.slot_refs.contains_key(&slot) && slot < self.slot_high {
             self.free_slots.insert(slot);
         }
-    }
-
-    /// The lowest slot up to `max` that no entry uses and `taken` does not hold: what a scan
-    /// up from 0 over every used slot would find, at O(log N + |taken|).
-    fn lowest_free_slot(&self, taken: &BTreeSet<u32>, max: u32) -> Option<u32> {
-        let mut beyond = self.slot_high;
-        let slot = self
-            .free_slots
-            .iter()
-            .copied()
-            .find(|s| !taken.contains(s))
-            .or_else(|| {
-                while taken.contains(&beyond) {
-                    beyond = beyond.checked_add(1)?;
-                }
-                Some(beyond)
-            })?;
-        (slot <= max).then_some(slot)
     }
 }
 
@@ -241,29 +370,29 @@ impl Actual {
         };
         for entry in maps.peers.values() {
             count_up(&mut index.policy_refs, entry.policy);
+            index.rule_up(entry);
             index.slot_up(entry.slot);
             index.owner_high = index.owner_high.max(entry.owner);
         }
         for (id, content) in &maps.policies {
-            index
-                .by_content
-                .entry(content.clone())
-                .or_default()
-                .insert(*id);
+            index.index_content(content, *id);
         }
-        for id in index.policy_refs.keys() {
-            if *id != UNRESTRICTED && !maps.policies.contains_key(id) {
-                index
-                    .by_content
-                    .entry(NOTHING.clone())
-                    .or_default()
-                    .insert(*id);
-            }
+        let empty: Vec<u32> = index
+            .policy_refs
+            .keys()
+            .copied()
+            .filter(|id| *id != UNRESTRICTED && !maps.policies.contains_key(id))
+            .collect();
+        for id in empty {
+            index.index_content(&NOTHING, id);
         }
         for (key, peer) in &wg.peers {
             for ip in &peer.allowed_ips {
                 index.holders.insert(*ip, *key);
             }
+        }
+        for id in maps.policies.keys().chain(index.policy_refs.keys()) {
+            index.free_ids.take(*id);
         }
         Self {
             maps,
@@ -306,10 +435,11 @@ impl Actual {
 
     fn unindex_content(&mut self, id: u32) {
         if let Some(content) = content_of(&self.maps, &self.index.policy_refs, id) {
-            if let Some(ids) = self.index.by_content.get_mut(content) {
-                ids.remove(&id);
+            let hash = content_hash(content);
+            if let Some(ids) = self.index.by_content.get_mut(&hash) {
+                ids.retain(|i| *i != id);
                 if ids.is_empty() {
-                    self.index.by_content.remove(content);
+                    self.index.by_content.remove(&hash);
                 }
             }
         }
@@ -317,12 +447,19 @@ impl Actual {
 
     fn index_content(&mut self, id: u32) {
         if let Some(content) = content_of(&self.maps, &self.index.policy_refs, id) {
-            self.index
-                .by_content
-                .entry(content.clone())
-                .or_default()
-                .insert(id);
+            self.index.index_content(content, id);
         }
+    }
+
+    /// The ids whose content is `content`, in increasing order.
+    fn ids_of<'s>(&'s self, content: &'s CompiledPolicy) -> impl Iterator<Item = u32> + 's {
+        self.index
+            .by_content
+            .get(&content_hash(content))
+            .into_iter()
+            .flatten()
+            .copied()
+            .filter(move |id| content_of(&self.maps, &self.index.policy_refs, *id) == Some(content))
     }
 
     /// Counts a peer entry's references; an id without trie entries holds [`NOTHING`] while
@@ -335,13 +472,25 @@ impl Actual {
         }
         if up {
             count_up(&mut self.index.policy_refs, entry.policy);
+            self.index.rule_up(&entry);
             self.index.slot_up(entry.slot);
         } else {
             count_down(&mut self.index.policy_refs, entry.policy);
+            self.index.rule_down(&entry);
             self.index.slot_down(entry.slot);
         }
         if without_entries {
             self.index_content(entry.policy);
+        }
+        self.sync_id(entry.policy);
+    }
+
+    /// Marks `id` used or free in the index, as the trie and peer entries have it now.
+    fn sync_id(&mut self, id: u32) {
+        if self.maps.policies.contains_key(&id) || self.index.policy_refs.contains_key(&id) {
+            self.index.free_ids.take(id);
+        } else {
+            self.index.free_ids.give(id);
         }
     }
 
@@ -361,6 +510,7 @@ impl Actual {
                     .or_default()
                     .insert_entry(*prefix, allows.clone());
                 self.index_content(*policy);
+                self.sync_id(*policy);
             }
             Op::ResetPeerCounters { .. }
             | Op::ResetRuleCounters { .. }
@@ -425,6 +575,7 @@ impl Actual {
                     }
                 }
                 self.index_content(*policy);
+                self.sync_id(*policy);
             }
         }
     }
@@ -693,39 +844,90 @@ pub enum PlanError {
     OwnersExhausted,
 }
 
-/// Hands out the smallest values of `from..=max` that are not used, in increasing order. The
-/// used set is only gathered on the first allocation: most plans allocate nothing.
-struct Allocator<F: FnOnce() -> BTreeSet<u32>> {
-    used: Option<BTreeSet<u32>>,
-    gather: Option<F>,
-    next: u32,
-    max: u32,
+/// The policy ids `1..EMPTY_POLICY` that nothing uses, as ranges, kept current as ids are
+/// used and freed: the lowest free id costs O(log #ranges), not a copy of every used id.
+#[derive(Debug, Clone, Default)]
+struct FreeIds {
+    /// Free ranges below `high`, `start -> end` (exclusive), disjoint and not adjacent.
+    below: BTreeMap<u32, u32>,
+    /// One past the highest id ever used (at least 1): every id from here on is free.
+    high: u32,
 }
 
-impl<F: FnOnce() -> BTreeSet<u32>> Allocator<F> {
-    fn new(from: u32, max: u32, gather: F) -> Self {
-        Self {
-            used: None,
-            gather: Some(gather),
-            next: from,
-            max,
+impl FreeIds {
+    fn in_range(id: u32) -> bool {
+        id != UNRESTRICTED && id != EMPTY_POLICY
+    }
+
+    /// `id` is used now.
+    fn take(&mut self, id: u32) {
+        if !Self::in_range(id) {
+            return;
+        }
+        let high = self.high.max(1);
+        if id >= high {
+            if id > high {
+                // Joined to a free range that ends at the old high mark.
+                let start = match self.below.range(..high).next_back() {
+                    Some((&start, &end)) if end == high => start,
+                    _ => high,
+                };
+                self.below.insert(start, id);
+            }
+            self.high = id + 1;
+            return;
+        }
+        let Some((&start, &end)) = self.below.range(..=id).next_back() else {
+            return;
+        };
+        if id >= end {
+            return;
+        }
+        self.below.remove(&start);
+        if start < id {
+            self.below.insert(start, id);
+        }
+        if id + 1 < end {
+            self.below.insert(id + 1, end);
         }
     }
 
-    fn allocate(&mut self) -> Option<u32> {
-        if self.used.is_none() {
-            self.used = Some(self.gather.take().map(|g| g()).unwrap_or_default());
+    /// `id` is used no more.
+    fn give(&mut self, id: u32) {
+        if !Self::in_range(id) || id >= self.high {
+            return;
         }
-        let used = self.used.as_mut()?;
-        while used.contains(&self.next) {
-            self.next = self.next.checked_add(1)?;
+        let mut start = id;
+        let mut end = id + 1;
+        if let Some((&s, &e)) = self.below.range(..=id).next_back() {
+            if e > id {
+                return;
+            }
+            if e == id {
+                self.below.remove(&s);
+                start = s;
+            }
         }
-        if self.next > self.max {
-            return None;
+        if let Some(e) = self.below.remove(&end) {
+            end = e;
         }
-        let value = self.next;
-        used.insert(value);
-        Some(value)
+        self.below.insert(start, end);
+    }
+
+    /// The free ids, lowest first (then every id from the high mark on).
+    fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.below
+            .iter()
+            .flat_map(|(start, end)| *start..*end)
+            .chain(self.high.max(1)..=u32::MAX)
+    }
+
+    /// The lowest free id that `taken` does not hold, up to `max`.
+    #[cfg(test)]
+    fn lowest(&self, taken: &BTreeSet<u32>, max: u32) -> Option<u32> {
+        self.iter()
+            .find(|id| !taken.contains(id))
+            .filter(|id| *id <= max)
     }
 }
 
@@ -836,14 +1038,10 @@ fn peer_entry(
 fn rule_blocks(
     touched: &[&PeerSpec],
     id_of: impl Fn(&CompiledPolicy) -> Option<u32>,
-    maps: &ActualMaps,
+    actual: &Actual,
     ops: &mut Vec<Op>,
 ) -> BTreeMap<u32, u32> {
-    let mut bases: BTreeMap<u32, u32> = BTreeMap::new();
-    for entry in maps.peers.values().filter(|e| e.rules != NO_RULES) {
-        let base = bases.entry(entry.policy).or_insert(entry.rules);
-        *base = (*base).min(entry.rules);
-    }
+    let (maps, index) = (&actual.maps, &actual.index);
     let mut want: BTreeMap<u32, u32> = BTreeMap::new();
     for peer in touched {
         if let (Some(policy), Some(rules)) = (peer.policy.as_deref(), &peer.rules) {
@@ -855,7 +1053,7 @@ fn rule_blocks(
         }
     }
     // The ranges in use: a kept block is as long as its policy has rules (the highest rule
-    // index its entries carry, plus one).
+    // index its entries carry, plus one). Gathered only when a policy needs a new block.
     let kernel_len = |id: u32| -> u32 {
         maps.policies.get(&id).map_or(0, |p| {
             p.entries()
@@ -864,19 +1062,24 @@ fn rule_blocks(
                 .unwrap_or(0)
         })
     };
-    let mut used: Vec<(u32, u32)> = bases
-        .iter()
-        .map(|(id, base)| {
-            let len = want.get(id).copied().unwrap_or_else(|| kernel_len(*id));
-            (*base, len.max(1))
-        })
-        .collect();
+    let mut used: Option<Vec<(u32, u32)>> = None;
     let mut blocks = BTreeMap::new();
-    for (id, len) in want {
-        if let Some(base) = bases.get(&id) {
-            blocks.insert(id, *base);
+    for (id, len) in &want {
+        if let Some(base) = index.rule_base(*id) {
+            blocks.insert(*id, base);
             continue;
         }
+        let used = used.get_or_insert_with(|| {
+            index
+                .rule_bases()
+                .into_iter()
+                .map(|(id, base)| {
+                    let len = want.get(&id).copied().unwrap_or_else(|| kernel_len(id));
+                    (base, len.max(1))
+                })
+                .collect()
+        });
+        let len = *len;
         used.sort_unstable();
         let mut start = 0u32;
         let mut found = None;
@@ -890,7 +1093,7 @@ fn rule_blocks(
         if let Some(base) = found {
             ops.push(Op::ResetRuleCounters { base, len });
             used.push((base, len));
-            blocks.insert(id, base);
+            blocks.insert(*id, base);
         }
     }
     blocks
@@ -976,6 +1179,9 @@ impl<'a> PolicyIds<'a> {
         self.by_address.get(&address).copied()
     }
 }
+
+/// A peer's tunnel addresses (one or two), without an allocation.
+type Addrs = smallvec::SmallVec<[IpAddr; 2]>;
 
 /// An address entry the plan writes: the peer's name and key, and the entry.
 type Wanted<'a> = BTreeMap<IpAddr, (&'a str, WgKey, PeerEntry)>;
@@ -1083,12 +1289,11 @@ impl<'a> Planner<'a> {
     /// whose trie entries are written (step 4). `"egress": []` always has the one id
     /// [`EMPTY_POLICY`], without entries.
     fn policy_ids(&self, ops: &mut Vec<Op>) -> Result<PolicyIds<'a>, PlanError> {
-        let (maps, index) = (&self.actual.maps, &self.actual.index);
-        let mut new_ids = Allocator::new(1, EMPTY_POLICY - 1, || {
-            let mut used: BTreeSet<u32> = maps.policies.keys().copied().collect();
-            used.extend(index.policy_refs.keys().copied());
-            used
-        });
+        let index = &self.actual.index;
+        // The ids this plan hands out, lowest free first: a cursor, so that a plan writing P
+        // new policies (a cold load) costs O(P).
+        let mut free_ids = index.free_ids.iter();
+        let mut new_id = || free_ids.next().filter(|id| *id < EMPTY_POLICY);
         let mut ids = PolicyIds::default();
         for policy in self.touched.iter().filter_map(|p| p.policy.as_deref()) {
             if ids.known(policy) {
@@ -1097,15 +1302,12 @@ impl<'a> Planner<'a> {
             let existing = if policy.is_empty() {
                 Some(EMPTY_POLICY)
             } else {
-                index
-                    .by_content
-                    .get(policy)
-                    .and_then(|ids| ids.iter().find(|id| **id != EMPTY_POLICY).copied())
+                self.actual.ids_of(policy).find(|id| *id != EMPTY_POLICY)
             };
             let id = match existing {
                 Some(id) => id,
                 None => {
-                    let id = new_ids.allocate().ok_or(PlanError::PolicyIdsExhausted)?;
+                    let id = new_id().ok_or(PlanError::PolicyIdsExhausted)?;
                     for (prefix, allows) in policy.entries() {
                         ops.push(Op::PutPolicyEntry {
                             policy: id,
@@ -1161,7 +1363,8 @@ impl<'a> Planner<'a> {
         self.touched
             .iter()
             .map(|peer| {
-                let own: Vec<IpAddr> = peer.addrs().collect();
+                // Inline: a full plan passes here for every peer.
+                let own: Addrs = peer.addrs().collect();
                 let previous = self
                     .actual
                     .wg
@@ -1169,8 +1372,10 @@ impl<'a> Planner<'a> {
                     .get(&peer.public_key)
                     .into_iter()
                     .flat_map(|p| p.allowed_ips.iter().map(|net| net.addr()));
-                let (staying, leaving): (Vec<IpAddr>, Vec<IpAddr>) =
-                    own.iter().partition(|a| !self.lead_deleted.contains(a));
+                let (staying, leaving): (Addrs, Addrs) = own
+                    .iter()
+                    .copied()
+                    .partition(|a| !self.lead_deleted.contains(a));
                 let kept = staying
                     .into_iter()
                     .chain(leaving)
@@ -1194,12 +1399,21 @@ impl<'a> Planner<'a> {
         let kept = self.kept_slots(&deleted);
         let index = &self.actual.index;
         let max = self.actual.slots().saturating_sub(1);
-        // Slots this plan hands out; with the entries' slots, what is not free.
-        let mut allocated = BTreeSet::new();
+        // The slots this plan hands out, lowest first: the free ones below the high mark in
+        // order, then those above it. A cursor each, so that a plan handing out N slots (a
+        // cold load) costs O(N), not a scan past every slot it already handed out.
+        let mut below = index.free_slots.iter().copied();
+        let mut beyond = index.slot_high;
         let mut free = || {
-            let slot = index.lowest_free_slot(&allocated, max)?;
-            allocated.insert(slot);
-            Some(slot)
+            let slot = match below.next() {
+                Some(slot) => slot,
+                None => {
+                    let slot = beyond;
+                    beyond = beyond.checked_add(1)?;
+                    slot
+                }
+            };
+            (slot <= max).then_some(slot)
         };
         let taken: BTreeSet<u32> = kept.iter().flatten().copied().collect();
         let mut released: BTreeSet<u32> = deleted
@@ -1279,7 +1493,7 @@ impl<'a> Planner<'a> {
         ops: &mut Vec<Op>,
     ) -> Result<Wanted<'a>, PlanError> {
         let (maps, index) = (&self.actual.maps, &self.actual.index);
-        let rule_bases = rule_blocks(&self.touched, |p| ids.get(p), maps, ops);
+        let rule_bases = rule_blocks(&self.touched, |p| ids.get(p), self.actual, ops);
         let mut owner_high = index.owner_high;
         let mut wanted = Wanted::new();
         for (peer, &slot) in self.touched.iter().zip(slots) {
@@ -1466,7 +1680,7 @@ impl<'a> Planner<'a> {
 
 /// The change that makes WireGuard's peer `have` (if the device has it) what `peer` asks.
 fn wg_change(peer: &PeerSpec, have: Option<&WgPeer>) -> Option<WgPeerChange> {
-    let want_ips: Vec<IpNet> = peer.addrs().map(IpNet::from).collect();
+    let want_ips: smallvec::SmallVec<[IpNet; 2]> = peer.addrs().map(IpNet::from).collect();
     let Some(have) = have else {
         return Some(WgPeerChange {
             key: peer.public_key,
@@ -1475,7 +1689,7 @@ fn wg_change(peer: &PeerSpec, have: Option<&WgPeer>) -> Option<WgPeerChange> {
             endpoint: peer.endpoint,
             preshared_key: peer.preshared_key.map(Some),
             persistent_keepalive: peer.persistent_keepalive.map(Some),
-            add_allowed_ips: want_ips,
+            add_allowed_ips: want_ips.into_vec(),
         });
     };
     let keepalive_now = have.persistent_keepalive.filter(|s| *s != 0);
@@ -1531,6 +1745,27 @@ mod tests {
                 .filter(|s| !index.slot_refs.contains_key(s))
                 .collect();
             assert_eq!(index.free_slots, free, "after {op}");
+            // The rule-block index counts the entries as they are.
+            let mut rule_refs = BTreeMap::new();
+            for e in self.0.maps.peers.values().filter(|e| e.rules != NO_RULES) {
+                *rule_refs.entry((e.policy, e.rules)).or_insert(0usize) += 1;
+            }
+            assert_eq!(index.rule_refs, rule_refs, "after {op}");
+            // The free-id index gives the lowest id no trie or peer entry uses.
+            let used: BTreeSet<u32> = self
+                .0
+                .maps
+                .policies
+                .keys()
+                .chain(index.policy_refs.keys())
+                .copied()
+                .collect();
+            let lowest = (1..EMPTY_POLICY).find(|id| !used.contains(id));
+            assert_eq!(
+                index.free_ids.lowest(&BTreeSet::new(), EMPTY_POLICY - 1),
+                lowest,
+                "after {op}"
+            );
             assert!(index.slot_refs.keys().all(|s| *s < index.slot_high));
         }
     }
@@ -1700,6 +1935,38 @@ mod tests {
         for op in &plan.ops {
             kernel.apply(op);
             assert_safe_midway(kernel, old, new);
+        }
+    }
+
+    proptest! {
+        /// The free-id index, over any sequence of ids used and freed, gives what a scan of
+        /// the used ids would: the lowest free id not taken by the plan, within the bound.
+        #[test]
+        fn free_ids_give_the_lowest_unused_id(
+            steps in proptest::collection::vec((any::<bool>(), 0u32..40), 0..80),
+            taken in proptest::collection::btree_set(1u32..45, 0..6),
+            max in 1u32..50,
+        ) {
+            let mut free = FreeIds::default();
+            let mut used = BTreeSet::new();
+            for (take, id) in steps {
+                if take {
+                    free.take(id);
+                    used.insert(id);
+                } else {
+                    free.give(id);
+                    used.remove(&id);
+                }
+                let mut ranges = free.below.iter().peekable();
+                while let Some((start, end)) = ranges.next() {
+                    prop_assert!(start < end && *end <= free.high);
+                    if let Some((next, _)) = ranges.peek() {
+                        prop_assert!(end < *next, "ranges overlap or touch");
+                    }
+                }
+            }
+            let naive = (1..=max).find(|id| !used.contains(id) && !taken.contains(id));
+            prop_assert_eq!(free.lowest(&taken, max), naive);
         }
     }
 

@@ -377,8 +377,15 @@ impl Reconciler {
         // A peer whose window is over is revoked, which a plan of the changes alone would not
         // do (the peer need not have changed): the whole state is compared without it, for as
         // long as the state file keeps it.
-        if let std::borrow::Cow::Owned(unexpired) = desired.unexpired(crate::clock::unix_secs()) {
-            return self.reconcile(unexpired);
+        let now = crate::clock::unix_secs();
+        // The pipeline says when the first window ends: no pass over the peers before then.
+        let may_expire = changes
+            .earliest_expiry
+            .is_none_or(|first| first.is_some_and(|end| end <= now));
+        if may_expire {
+            if let std::borrow::Cow::Owned(unexpired) = desired.unexpired(now) {
+                return self.reconcile(unexpired);
+            }
         }
         let start = Instant::now();
         let plan = match self.plan(desired, Some(changes))? {

@@ -19,7 +19,7 @@ use wgfence_common::{Allow, UNRESTRICTED};
 
 use crate::{
     explain::AllowText,
-    plan::{Actual, ActualMaps},
+    plan::{Actual, ActualMaps, AllowedIps},
     policy::{CompiledPolicy, NOTHING},
     state::{DesiredState, PeerSpec},
 };
@@ -139,14 +139,14 @@ fn wireguard_drift(desired: &DesiredState, actual: &Actual, out: &mut Vec<Drift>
     for peer in &desired.peers {
         keys.insert(peer.public_key);
         let entry = format!("WireGuard peer {}", peer.name);
-        let want: BTreeSet<IpNet> = peer.addrs().map(IpNet::from).collect();
+        let want: AllowedIps = peer.addrs().map(IpNet::from).collect();
         match actual.wg().peers.get(&peer.public_key) {
             None => out.push(drift(
                 entry,
                 format!("missing (public key {})", peer.public_key.to_base64()),
             )),
             Some(have) if have.allowed_ips != want => {
-                let list = |s: &BTreeSet<IpNet>| {
+                let list = |s: &AllowedIps| {
                     s.iter()
                         .map(ToString::to_string)
                         .collect::<Vec<_>>()

@@ -13,7 +13,6 @@
 //! wireguard-go for a missing socket; that is refused here).
 
 use std::{
-    collections::BTreeSet,
     fmt::Write as _,
     io::{self, BufRead, BufReader, Write as _},
     os::unix::net::UnixStream,
@@ -25,7 +24,7 @@ use ipnet::IpNet;
 use wireguard_control::{Backend, Device, DeviceUpdate, InterfaceName, Key, PeerConfigBuilder};
 
 use crate::{
-    plan::{ActualWg, WgPeer, WgPeerChange},
+    plan::{ActualWg, AllowedIps, WgPeer, WgPeerChange},
     state::WgKey,
 };
 
@@ -132,7 +131,7 @@ impl WireGuard {
         let mut actual = ActualWg::default();
         for info in device.peers {
             let config = info.config;
-            let mut allowed_ips = BTreeSet::new();
+            let mut allowed_ips = AllowedIps::default();
             for ip in &config.allowed_ips {
                 let net =
                     IpNet::new(ip.address, ip.cidr).map_err(|_| WgError::InvalidAllowedIp {

@@ -5,12 +5,14 @@
 use std::{
     collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    os::fd::AsFd as _,
     path::Path,
 };
 
 use aya::{
     maps::{
-        lpm_trie::Key, Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, PerCpuValues,
+        lpm_trie::Key, Array, HashMap, IterableMap, LpmTrie, Map, MapData, MapError, PerCpuArray,
+        PerCpuValues,
     },
     Ebpf,
 };
@@ -18,12 +20,12 @@ use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use wgfence_common::{
     map_names, Config, Counter, FlowKeyV4, FlowKeyV6, FlowValue, PeerCounters, PeerEntry,
     PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, RuleCounters, RuleSeen,
-    COUNTERS_LEN, POLICY_ID_BITS,
+    COUNTERS_LEN, MAX_PEERS, POLICY_ID_BITS,
 };
 
 use super::{
     error::{DataplaneError, Result},
-    layout,
+    layout, sys,
 };
 
 /// One policy trie entry as stored in the kernel.
@@ -95,6 +97,30 @@ pub struct Maps {
     rule_stats: PerCpuArray<MapData, RuleCounters>,
     rule_seen: Array<MapData, RuleSeen>,
     writes: u64,
+}
+
+/// Every (key, value) of a hash or array map: batched reads ([`sys::lookup_batch`]) where the
+/// kernel has them for the map, else `iter`'s two calls per entry.
+fn entries<K, V, M, I>(map: &M, name: &'static str, iter: impl FnOnce() -> I) -> Result<Vec<(K, V)>>
+where
+    K: aya::Pod,
+    V: aya::Pod,
+    M: IterableMap<K, V>,
+    I: Iterator<Item = std::result::Result<(K, V), MapError>>,
+{
+    let syscall_err = |io_error| DataplaneError::Map {
+        map: name,
+        source: MapError::SyscallError(aya::sys::SyscallError {
+            call: "bpf_map_lookup_batch",
+            io_error,
+        }),
+    };
+    match sys::lookup_batch::<K, V>(map.map().fd().as_fd()).map_err(syscall_err)? {
+        Some(all) => Ok(all),
+        None => iter()
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(map_err(name)),
+    }
 }
 
 fn map_err(map: &'static str) -> impl Fn(MapError) -> DataplaneError {
@@ -232,16 +258,24 @@ impl Maps {
 
     /// All peer entries, sorted by address.
     pub fn peers(&self) -> Result<Vec<(IpAddr, PeerEntry)>> {
-        let mut peers = Vec::new();
-        for item in self.peers_v4.iter() {
-            let (key, entry) = item.map_err(map_err(map_names::PEERS_V4))?;
-            peers.push((IpAddr::V4(Ipv4Addr::from(key.addr)), entry));
-        }
-        for item in self.peers_v6.iter() {
-            let (key, entry) = item.map_err(map_err(map_names::PEERS_V6))?;
-            peers.push((IpAddr::V6(Ipv6Addr::from(key.addr)), entry));
-        }
+        let mut peers = self.peers_unsorted()?;
         peers.sort_unstable_by_key(|(addr, _)| *addr);
+        Ok(peers)
+    }
+
+    /// All peer entries, in the tables' order (batched reads: see [`entries`]).
+    fn peers_unsorted(&self) -> Result<Vec<(IpAddr, PeerEntry)>> {
+        let v4 = entries(&self.peers_v4, map_names::PEERS_V4, || self.peers_v4.iter())?;
+        let v6 = entries(&self.peers_v6, map_names::PEERS_V6, || self.peers_v6.iter())?;
+        let mut peers = Vec::with_capacity(v4.len() + v6.len());
+        peers.extend(
+            v4.into_iter()
+                .map(|(key, entry)| (IpAddr::V4(Ipv4Addr::from(key.addr)), entry)),
+        );
+        peers.extend(
+            v6.into_iter()
+                .map(|(key, entry)| (IpAddr::V6(Ipv6Addr::from(key.addr)), entry)),
+        );
         Ok(peers)
     }
 
@@ -387,15 +421,11 @@ impl Maps {
 
     /// Every recorded reply flow, in the tables' order (what [`Maps::flows`] sorts).
     pub fn flows_unsorted(&self) -> Result<Vec<Flow>> {
-        let mut flows = Vec::new();
-        for item in self.flows_v4.iter() {
-            let (key, value) = item.map_err(map_err(map_names::FLOWS_V4))?;
-            flows.push(flow_v4(&key, value));
-        }
-        for item in self.flows_v6.iter() {
-            let (key, value) = item.map_err(map_err(map_names::FLOWS_V6))?;
-            flows.push(flow_v6(&key, value));
-        }
+        let v4 = entries(&self.flows_v4, map_names::FLOWS_V4, || self.flows_v4.iter())?;
+        let v6 = entries(&self.flows_v6, map_names::FLOWS_V6, || self.flows_v6.iter())?;
+        let mut flows = Vec::with_capacity(v4.len() + v6.len());
+        flows.extend(v4.iter().map(|(key, value)| flow_v4(key, *value)));
+        flows.extend(v6.iter().map(|(key, value)| flow_v6(key, *value)));
         Ok(flows)
     }
 
@@ -457,39 +487,31 @@ impl Maps {
     /// datapath adds meanwhile can only make the slot look fuller (fewer replies, never
     /// more); a slot with more flows than `made` says is left alone. Returns the slots changed.
     pub fn recount_flow_quota(&mut self) -> Result<Vec<u32>> {
-        let mut slots: BTreeMap<u32, u64> = BTreeMap::new();
-        for (_, entry) in self.peers()? {
-            if let std::collections::btree_map::Entry::Vacant(e) = slots.entry(entry.slot) {
-                let made = self
-                    .flow_made
-                    .get(&entry.slot, 0)
-                    .map_err(map_err(map_names::FLOW_MADE))?;
-                e.insert(made);
-            }
-        }
+        // Both arrays whole, in a few batched reads, `made` before the tables are counted.
+        let made = self.slot_counts(true)?;
         let mut live: BTreeMap<u32, u64> = BTreeMap::new();
-        for flow in self.flows()? {
+        for flow in self.flows_unsorted()? {
             *live.entry(flow.value.slot).or_default() += 1;
         }
-        for slot in live.keys() {
-            if let std::collections::btree_map::Entry::Vacant(e) = slots.entry(*slot) {
-                let made = self
-                    .flow_made
-                    .get(slot, 0)
-                    .map_err(map_err(map_names::FLOW_MADE))?;
-                e.insert(made);
-            }
-        }
+        let mut slots: Vec<u32> = self
+            .peers_unsorted()?
+            .into_iter()
+            .map(|(_, entry)| entry.slot)
+            .chain(live.keys().copied())
+            .collect();
+        slots.sort_unstable();
+        slots.dedup();
+        let freed_now = self.slot_counts(false)?;
         let mut changed = Vec::new();
-        for (slot, made) in slots {
+        for slot in slots {
+            let Some(made) = made.get(slot as usize).copied() else {
+                continue;
+            };
             let live = live.get(&slot).copied().unwrap_or_default();
             let Some(freed) = made.checked_sub(live) else {
                 continue;
             };
-            let was = self
-                .flow_freed
-                .get(&slot, 0)
-                .map_err(map_err(map_names::FLOW_FREED))?;
+            let was = freed_now.get(slot as usize).copied().unwrap_or_default();
             if was != freed {
                 self.writes += 1;
                 self.flow_freed
@@ -499,6 +521,27 @@ impl Maps {
             }
         }
         Ok(changed)
+    }
+
+    /// Every slot's `made` (or `freed`) count, indexed by slot.
+    fn slot_counts(&self, made: bool) -> Result<Vec<u64>> {
+        let (map, name) = if made {
+            (&self.flow_made, map_names::FLOW_MADE)
+        } else {
+            (&self.flow_freed, map_names::FLOW_FREED)
+        };
+        let mut counts = vec![0; MAX_PEERS as usize];
+        let iter = || {
+            map.iter()
+                .zip(0u32..)
+                .map(|(count, slot)| count.map(|count| (slot, count)))
+        };
+        for (slot, count) in entries(map, name, iter)? {
+            if let Some(c) = counts.get_mut(slot as usize) {
+                *c = count;
+            }
+        }
+        Ok(counts)
     }
 
     /// Inserts a reply flow as the egress program would (for tests and benchmarks), counting

@@ -386,13 +386,17 @@ impl Dataplane {
         // The programs run on the chosen hook now: what the agent left on the other one (a
         // switch of --attach) goes, after, so no packet meets neither.
         remove_other_hook(kind, &pin_dir, interface, ifindex)?;
+        // The quota counts as the tables are now (nothing else reconciles them).
+        let recount = Instant::now();
         recount_flow_quota(&mut maps, interface);
+        let recount = recount.elapsed();
         let phases = Phases {
             prelude,
             object,
             maps_opened,
             verified,
             switched,
+            recount,
             total: started.elapsed(),
         };
         phases.log(interface, !adopted.is_empty());
@@ -1139,6 +1143,7 @@ struct Phases {
     maps_opened: Duration,
     verified: Duration,
     switched: Duration,
+    recount: Duration,
     total: Duration,
 }
 
@@ -1154,6 +1159,7 @@ impl Phases {
             switch_ms = ms(self.switched - self.verified),
             programs_adopted,
             after_ms = ms(self.total - self.switched),
+            recount_ms = ms(self.recount),
             "datapath attach phases"
         );
     }

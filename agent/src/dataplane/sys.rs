@@ -12,12 +12,16 @@
 //!
 //! Which programs run on a tcx hook: `BPF_PROG_QUERY` gives their ids, which is all the check
 //! needs (aya's `query_tcx` opens each by id, CAP_SYS_ADMIN again).
+//!
+//! Reading a whole map: `BPF_MAP_LOOKUP_BATCH` (aya 0.14 has no batch API) copies thousands of
+//! entries per call where aya's iterator makes two calls per entry. Hash and array maps have it
+//! from Linux 5.6; a map type without it (the LPM tries) says so, and the caller iterates.
 
 use std::{
     ffi::CString,
     io,
     os::{
-        fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+        fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
         unix::ffi::OsStrExt as _,
     },
     path::Path,
@@ -29,6 +33,7 @@ use super::{DataplaneError, Result};
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_PROG_QUERY: libc::c_long = 16;
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
 /// `enum bpf_attach_type`.
 pub(crate) const BPF_TCX_INGRESS: u32 = 46;
@@ -102,6 +107,95 @@ pub(crate) fn tcx_program_ids(ifindex: u32, attach_type: u32) -> io::Result<Vec<
             }
             Err(e) => return Err(e),
         }
+    }
+}
+
+/// The `BPF_MAP_*_BATCH` member of `union bpf_attr`.
+#[repr(C)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// `ENOTSUPP`: what the kernel returns (its own code, not in libc) for a map type without
+/// batch operations.
+const ENOTSUPP: i32 = 524;
+
+/// Entries asked for per batch call: 4096 peer entries are 80 KiB of keys and values.
+const BATCH: usize = 4096;
+
+/// Every (key, value) of the map behind `fd`, read with `BPF_MAP_LOOKUP_BATCH`; `Ok(None)` if
+/// the kernel has no batch lookup for this map (type or kernel too old): iterate instead.
+/// `K` and `V` must have the map's key and value sizes (not for per-CPU maps). Like an
+/// iteration, it sees each entry that stays in the map throughout exactly once.
+pub(crate) fn lookup_batch<K: aya::Pod, V: aya::Pod>(
+    fd: BorrowedFd<'_>,
+) -> io::Result<Option<Vec<(K, V)>>> {
+    let mut keys: Vec<K> = Vec::with_capacity(BATCH);
+    let mut values: Vec<V> = Vec::with_capacity(BATCH);
+    let mut out = Vec::new();
+    // The position between calls: a bucket index (hash maps) or a key (arrays), at most the
+    // key's size; u64s keep it aligned.
+    let words = std::mem::size_of::<K>().div_ceil(8).max(1);
+    let mut token = vec![0u64; words];
+    let mut next = vec![0u64; words];
+    let mut first = true;
+    let mut room = BATCH;
+    loop {
+        keys.reserve(room);
+        values.reserve(room);
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { token.as_mut_ptr() as u64 },
+            out_batch: next.as_mut_ptr() as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: u32::try_from(room).unwrap_or(u32::MAX),
+            map_fd: fd.as_raw_fd() as u32,
+            elem_flags: 0,
+            flags: 0,
+        };
+        // SAFETY: `attr` is the BPF_MAP_*_BATCH member; `keys` and `values` have room for
+        // `count` elements of the map's key and value sizes (the caller's contract), the
+        // tokens for a key, and all outlive the call.
+        let result = unsafe { bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) };
+        let done = match result {
+            Ok(_) => false,
+            // The end of the map: `count` says how many this last call filled.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
+            Err(e)
+                if first
+                    && matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP)
+                    ) =>
+            {
+                return Ok(None);
+            }
+            // One hash bucket holds more entries than `room`: ask again with more.
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && attr.count == 0 => {
+                room *= 2;
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        let filled = (attr.count as usize).min(room);
+        // SAFETY: the kernel wrote `filled` keys and values (Pod: any bytes are valid).
+        unsafe {
+            keys.set_len(filled);
+            values.set_len(filled);
+        }
+        out.extend(keys.drain(..).zip(values.drain(..)));
+        if done {
+            return Ok(Some(out));
+        }
+        std::mem::swap(&mut token, &mut next);
+        first = false;
     }
 }
 

@@ -22,7 +22,7 @@
 //! root (see [`crate::trust`]), not by an adversary searching for collisions.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     hash::{BuildHasher, Hasher},
     net::IpAddr,
     sync::Arc,
@@ -68,6 +68,10 @@ pub struct Changes {
     pub gone: Vec<PeerSpec>,
     /// `replies` changed.
     pub replies: bool,
+    /// When the first window of the state these changes led to ends (seconds since the
+    /// epoch): `Some(None)` when no peer's does, `None` when not known (then the caller
+    /// looks at every peer).
+    pub earliest_expiry: Option<Option<u64>>,
 }
 
 impl Changes {
@@ -133,12 +137,17 @@ struct Index {
     /// Trie entries of the distinct policies, per family (IPv4, IPv6).
     trie: (usize, usize),
     restricted: usize,
+    /// Peers per window end: the first one says when a peer expires next, without a pass.
+    expiries: BTreeMap<u64, usize>,
 }
 
 impl Index {
     fn add(&mut self, spec: &PeerSpec) {
         self.keys.insert(spec.public_key);
         self.addrs.extend(spec.addrs());
+        if let Some(end) = spec.window.expires {
+            *self.expiries.entry(end).or_insert(0) += 1;
+        }
         if let (Some(rules), Some(policy)) = (&spec.rules, &spec.policy) {
             self.restricted += 1;
             let uses = self.uses.entry(rules_id(rules)).or_insert(0);
@@ -155,6 +164,14 @@ impl Index {
         self.keys.remove(&spec.public_key);
         for addr in spec.addrs() {
             self.addrs.remove(&addr);
+        }
+        if let Some(end) = spec.window.expires {
+            if let Some(n) = self.expiries.get_mut(&end) {
+                *n -= 1;
+                if *n == 0 {
+                    self.expiries.remove(&end);
+                }
+            }
         }
         if let (Some(rules), Some(policy)) = (&spec.rules, &spec.policy) {
             self.restricted -= 1;
@@ -279,10 +296,12 @@ impl Pipeline {
     /// are exactly those of [`super::parse`]. `max_peers`: more peers are refused (after
     /// validation: an invalid file is named as such first).
     pub fn update(&mut self, text: &str, max_peers: Option<usize>) -> Result<Changes, Rejection> {
-        match self.incremental(text, max_peers) {
+        let mut changes = match self.incremental(text, max_peers) {
             Some(result) => result,
             None => self.parse_whole(text, max_peers),
-        }
+        }?;
+        changes.earliest_expiry = Some(self.index.expiries.keys().next().copied());
+        Ok(changes)
     }
 
     /// The incremental pass; `None` where it cannot decide alone.
@@ -596,6 +615,7 @@ impl Pipeline {
 pub(super) fn diff(previous: &DesiredState, desired: &DesiredState) -> Changes {
     let mut changes = Changes {
         replies: previous.replies != desired.replies,
+        earliest_expiry: Some(desired.peers.iter().filter_map(|p| p.window.expires).min()),
         ..Changes::default()
     };
     for pair in super::by_name(previous, desired) {
