@@ -387,9 +387,7 @@ impl Dataplane {
         // switch of --attach) goes, after, so no packet meets neither.
         remove_other_hook(kind, &pin_dir, interface, ifindex)?;
         // The quota counts as the tables are now (nothing else reconciles them).
-        let recount = Instant::now();
-        recount_flow_quota(&mut maps, interface);
-        let recount = recount.elapsed();
+        let recount = recount_flow_quota(&mut maps, interface);
         let phases = Phases {
             prelude,
             object,
@@ -1402,7 +1400,10 @@ fn tidy_old_layouts(pin_dir: &Path) {
 
 /// Recounts the flow quota of every slot from the flows the tables hold (nothing else
 /// reconciles them); a failure is logged, and repaired at the next start.
-fn recount_flow_quota(maps: &mut Maps, interface: &str) {
+/// Recounts the flow quota of every slot from the flow tables (logging what did not match);
+/// returns how long it took.
+fn recount_flow_quota(maps: &mut Maps, interface: &str) -> Duration {
+    let started = Instant::now();
     match maps.recount_flow_quota() {
         Ok(slots) if slots.is_empty() => {}
         Ok(slots) => tracing::warn!(
@@ -1416,6 +1417,7 @@ fn recount_flow_quota(maps: &mut Maps, interface: &str) {
             "could not recount the flow quota; it is recounted at the next start"
         ),
     }
+    started.elapsed()
 }
 
 pub(crate) fn classifier<'a>(
