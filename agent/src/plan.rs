@@ -1073,10 +1073,9 @@ fn rule_blocks(
             index
                 .rule_bases()
                 .into_iter()
-                .map(|(id, base)| {
-                    let len = want.get(&id).copied().unwrap_or_else(|| kernel_len(id));
-                    (base, len.max(1))
-                })
+                // A kept block's length as the kernel holds it, whether or not its peers are
+                // touched: a full plan and one of the changes alone place a new block alike.
+                .map(|(id, base)| (base, kernel_len(id).max(1)))
                 .collect()
         });
         let len = *len;
