@@ -1008,7 +1008,9 @@ fn runs_on(gw: &Gateway, device: &str, direction: &str, prog: u32) -> bool {
 }
 
 /// `bpftool link detach` on `link` (link id, program id), then waits until the program runs on
-/// that hook of the interface again (the agent checks once a second).
+/// that hook of the interface again and the hook's pin names the new link (the agent checks
+/// once a second; it attaches the new link first and pins it over the old pin just after, so
+/// the pin is the last thing to change).
 #[track_caller]
 fn detach_and_wait_back(gw: &Gateway, agent: &Agent, direction: &str, link: (u32, u32)) {
     let out = Command::new("bpftool")
@@ -1016,8 +1018,16 @@ fn detach_and_wait_back(gw: &Gateway, agent: &Agent, direction: &str, link: (u32
         .output()
         .expect("bpftool");
     assert!(out.status.success(), "{out:?}");
+    let pinned = |gw: &Gateway| {
+        let (ingress, egress) = links(gw);
+        if direction == "ingress" {
+            ingress
+        } else {
+            egress
+        }
+    };
     let back = wait_for(Duration::from_millis(1500), || {
-        runs_on(gw, gw.interface(), direction, link.1)
+        runs_on(gw, gw.interface(), direction, link.1) && pinned(gw).0 != link.0
     });
     assert!(
         back.is_some(),
