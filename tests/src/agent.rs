@@ -10,7 +10,7 @@ use std::{
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::atomic::{AtomicU32, Ordering},
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use crate::{
@@ -292,23 +292,31 @@ impl Agent {
         self.spawn(gw, extra);
     }
 
-    /// Replaces the state file the way its layout is updated in production.
-    pub fn write_state(&self, state: &str) {
+    /// Replaces the state file the way its layout is updated in production. Returns when the
+    /// new state became visible at the path: just before the rename that publishes it (or,
+    /// written in place, when the write began), so a latency is the agent's, not the writer's.
+    pub fn write_state(&self, state: &str) -> SystemTime {
         let n = self.generation.fetch_add(1, Ordering::Relaxed);
         match self.layout {
             Layout::Plain => {
                 let tmp = self.dir.join(format!(".state.json.{n}"));
                 fs::write(&tmp, state).unwrap();
+                let at = SystemTime::now();
                 fs::rename(&tmp, &self.state).unwrap();
+                at
             }
             Layout::InPlace => {
+                let at = SystemTime::now();
                 fs::write(&self.state, state).unwrap();
+                at
             }
             Layout::LinkElsewhere => {
                 let elsewhere = self.dir.join("elsewhere");
                 let tmp = elsewhere.join(format!(".state.json.{n}"));
                 fs::write(&tmp, state).unwrap();
+                let at = SystemTime::now();
                 fs::rename(&tmp, elsewhere.join("state.json")).unwrap();
+                at
             }
             Layout::ParentLink => {
                 let release = format!("release.{n}");
@@ -316,7 +324,9 @@ impl Agent {
                 fs::write(self.dir.join(&release).join("state.json"), state).unwrap();
                 let tmp = self.dir.join("current.tmp");
                 symlink(&release, &tmp).unwrap();
+                let at = SystemTime::now();
                 fs::rename(&tmp, self.dir.join("current")).unwrap();
+                at
             }
             Layout::Kubernetes => {
                 // What kubelet's AtomicWriter does.
@@ -328,10 +338,12 @@ impl Agent {
                 let _ = fs::remove_file(&tmp);
                 symlink(&data, &tmp).unwrap();
                 let old = fs::read_link(self.dir.join("..data")).ok();
+                let at = SystemTime::now();
                 fs::rename(&tmp, self.dir.join("..data")).unwrap();
                 if let Some(old) = old {
                     let _ = fs::remove_dir_all(self.dir.join(old));
                 }
+                at
             }
         }
     }

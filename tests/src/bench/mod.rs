@@ -62,8 +62,12 @@ impl Config {
 }
 
 pub fn now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
+    unix_secs(SystemTime::now())
+}
+
+/// `t` in seconds since the epoch, as `ping -D` prints its timestamps.
+pub fn unix_secs(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs_f64())
         .unwrap_or_default()
 }
