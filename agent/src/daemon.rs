@@ -453,7 +453,7 @@ impl Core {
         let rows = rule_rows(desired, |a| peers.get(&a).copied());
         let now = crate::clock::now_ns(libc::CLOCK_BOOTTIME);
         let maps = self.reconciler.dataplane_mut().maps_mut();
-        if let Err(e) = maps.observe_rule_hits(rows.iter().map(|r| r.counter), now) {
+        if let Err(e) = maps.observe_rule_hits(rows.iter().filter_map(|r| r.counter), now) {
             tracing::warn!(error = %crate::error_chain(&e), "noting the rule hits failed");
         }
     }

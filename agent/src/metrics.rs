@@ -33,7 +33,7 @@ use prometheus_client::{
     registry::Registry,
 };
 use tokio::{net::TcpListener, sync::Semaphore};
-use wgfence_common::Counter as DatapathCounter;
+use wgfence_common::{Counter as DatapathCounter, RuleCounters};
 
 use crate::{
     dataplane::{Counters, Dataplane, Maps, Repair},
@@ -333,7 +333,11 @@ fn encode_rule_hits(
     let mut hits = Vec::with_capacity(rules.len());
     let mut bytes = Vec::with_capacity(rules.len());
     for row in rules.iter() {
-        if let Ok(c) = maps.rule_counters(row.counter) {
+        // A rule without a counter (no packet can count for it) is a series at 0.
+        let counted = row
+            .counter
+            .map_or(Ok(RuleCounters::default()), |i| maps.rule_counters(i));
+        if let Ok(c) = counted {
             let policy = row.policy.to_string();
             hits.push((
                 [("policy", policy.clone()), ("rule", row.rule.clone())],

@@ -243,6 +243,10 @@ struct Index {
     /// Peer entries per (policy id, rule counter base), for entries that count their rules:
     /// a policy's block is its lowest base ([`rule_blocks`]).
     rule_refs: BTreeMap<(u32, u32), usize>,
+    /// Trie entries per (policy id, the rules the entry counts for): a policy's block is as
+    /// long as its highest ([`CompiledPolicy::counted_rules`]), found without a pass over
+    /// its entries.
+    rule_ends: BTreeMap<(u32, u32), usize>,
     /// Policy ids by their (complete or partial) content; an id that peer entries point at
     /// and the tries have no entry for holds [`NOTHING`] (`"egress": []`).
     ///
@@ -291,6 +295,28 @@ impl Index {
         }
     }
 
+    /// Notes that policy `id` has one trie entry more (`up`) or less with `allows`.
+    fn count_rule_end(&mut self, id: u32, allows: &[Allow], up: bool) {
+        let end = crate::policy::counted_rules(allows);
+        if end == 0 {
+            return;
+        }
+        if up {
+            count_up(&mut self.rule_ends, (id, end));
+        } else {
+            count_down(&mut self.rule_ends, (id, end));
+        }
+    }
+
+    /// The length of policy `id`'s rule counter block: the rules its trie entries count for.
+    #[cfg(test)]
+    fn rule_len(&self, id: u32) -> u32 {
+        self.rule_ends
+            .range((id, 0)..=(id, u32::MAX))
+            .next_back()
+            .map_or(0, |((_, end), _)| *end)
+    }
+
     /// The rule counter block the entries of policy `id` carry (their lowest base), if any.
     fn rule_base(&self, id: u32) -> Option<u32> {
         self.rule_refs
@@ -299,13 +325,31 @@ impl Index {
             .map(|((_, base), _)| *base)
     }
 
-    /// Every policy's block base, by policy id: O(#policies), for a new block only.
-    fn rule_bases(&self) -> BTreeMap<u32, u32> {
-        let mut bases = BTreeMap::new();
-        for (policy, base) in self.rule_refs.keys() {
-            bases.entry(*policy).or_insert(*base);
+    /// Every block in use, as (base, length): each policy's lowest base, as long as its
+    /// entries' counted rules (at least 1). One merged pass over both indexes, O(#policies),
+    /// for a new block only.
+    fn rule_blocks_in_use(&self) -> Vec<(u32, u32)> {
+        let mut ends = self.rule_ends.keys().peekable();
+        let mut blocks = Vec::new();
+        let mut last = None;
+        for &(id, base) in self.rule_refs.keys() {
+            if last == Some(id) {
+                continue;
+            }
+            last = Some(id);
+            let mut len = 0;
+            while let Some(&&(end_id, end)) = ends.peek() {
+                if end_id > id {
+                    break;
+                }
+                if end_id == id {
+                    len = end;
+                }
+                ends.next();
+            }
+            blocks.push((base, len.max(1)));
         }
-        bases
+        blocks
     }
 
     fn slot_up(&mut self, slot: u32) {
@@ -326,11 +370,11 @@ impl Index {
     }
 }
 
-fn count_up(map: &mut BTreeMap<u32, usize>, key: u32) {
+fn count_up<K: Ord>(map: &mut BTreeMap<K, usize>, key: K) {
     *map.entry(key).or_insert(0) += 1;
 }
 
-fn count_down(map: &mut BTreeMap<u32, usize>, key: u32) {
+fn count_down<K: Ord>(map: &mut BTreeMap<K, usize>, key: K) {
     if let Some(n) = map.get_mut(&key) {
         *n -= 1;
         if *n == 0 {
@@ -376,6 +420,9 @@ impl Actual {
         }
         for (id, content) in &maps.policies {
             index.index_content(content, *id);
+            for (_, allows) in content.entries() {
+                index.count_rule_end(*id, allows, true);
+            }
         }
         let empty: Vec<u32> = index
             .policy_refs
@@ -504,11 +551,16 @@ impl Actual {
                 allows,
             } => {
                 self.unindex_content(*policy);
-                self.maps
+                let replaced = self
+                    .maps
                     .policies
                     .entry(*policy)
                     .or_default()
                     .insert_entry(*prefix, allows.clone());
+                if let Some(old) = replaced {
+                    self.index.count_rule_end(*policy, &old, false);
+                }
+                self.index.count_rule_end(*policy, allows, true);
                 self.index_content(*policy);
                 self.sync_id(*policy);
             }
@@ -569,7 +621,9 @@ impl Actual {
             Op::DeletePolicyEntry { policy, prefix } => {
                 self.unindex_content(*policy);
                 if let Some(content) = self.maps.policies.get_mut(policy) {
-                    content.remove_entry(prefix);
+                    if let Some(old) = content.remove_entry(prefix) {
+                        self.index.count_rule_end(*policy, &old, false);
+                    }
                     if content.is_empty() {
                         self.maps.policies.remove(policy);
                     }
@@ -1041,7 +1095,7 @@ fn rule_blocks(
     actual: &Actual,
     ops: &mut Vec<Op>,
 ) -> BTreeMap<u32, u32> {
-    let (maps, index) = (&actual.maps, &actual.index);
+    let index = &actual.index;
     let mut want: BTreeMap<u32, u32> = BTreeMap::new();
     for peer in touched {
         if let (Some(policy), Some(rules)) = (peer.policy.as_deref(), &peer.rules) {
@@ -1052,16 +1106,9 @@ fn rule_blocks(
             }
         }
     }
-    // The ranges in use: a kept block is as long as its policy has rules (the highest rule
-    // index its entries carry, plus one). Gathered only when a policy needs a new block.
-    let kernel_len = |id: u32| -> u32 {
-        maps.policies.get(&id).map_or(0, |p| {
-            p.entries()
-                .flat_map(|(_, allows)| allows.iter().map(|a| u32::from(a.rule) + 1))
-                .max()
-                .unwrap_or(0)
-        })
-    };
+    // The ranges in use: a kept block is as long as its policy has counted rules (the
+    // highest rule index its entries carry, plus one: the index keeps it). Gathered only when
+    // a policy needs a new block, in O(#policies).
     let mut used: Option<Vec<(u32, u32)>> = None;
     let mut blocks = BTreeMap::new();
     for (id, len) in &want {
@@ -1069,15 +1116,9 @@ fn rule_blocks(
             blocks.insert(*id, base);
             continue;
         }
-        let used = used.get_or_insert_with(|| {
-            index
-                .rule_bases()
-                .into_iter()
-                // A kept block's length as the kernel holds it, whether or not its peers are
-                // touched: a full plan and one of the changes alone place a new block alike.
-                .map(|(id, base)| (base, kernel_len(id).max(1)))
-                .collect()
-        });
+        // A kept block's length as the kernel holds it, whether or not its peers are touched:
+        // a full plan and one of the changes alone place a new block alike.
+        let used = used.get_or_insert_with(|| index.rule_blocks_in_use());
         let len = *len;
         used.sort_unstable();
         let mut start = 0u32;
@@ -1750,6 +1791,29 @@ mod tests {
                 *rule_refs.entry((e.policy, e.rules)).or_insert(0usize) += 1;
             }
             assert_eq!(index.rule_refs, rule_refs, "after {op}");
+            // ... and each block's length as the trie entries have it.
+            for (id, content) in &self.0.maps.policies {
+                assert_eq!(index.rule_len(*id), content.counted_rules(), "after {op}");
+            }
+            assert!(
+                index
+                    .rule_ends
+                    .keys()
+                    .all(|(id, _)| self.0.maps.policies.contains_key(id)),
+                "after {op}"
+            );
+            let mut blocks = BTreeMap::new();
+            for (id, base) in rule_refs.keys() {
+                blocks.entry(*id).or_insert(*base);
+            }
+            let blocks: Vec<(u32, u32)> = blocks
+                .iter()
+                .map(|(id, base)| {
+                    let len = self.0.maps.policies.get(id).map_or(0, |p| p.counted_rules());
+                    (*base, len.max(1))
+                })
+                .collect();
+            assert_eq!(index.rule_blocks_in_use(), blocks, "after {op}");
             // The free-id index gives the lowest id no trie or peer entry uses.
             let used: BTreeSet<u32> = self
                 .0

@@ -252,6 +252,15 @@ pub struct CompiledPolicy {
     entries: BTreeMap<IpNet, Vec<Allow>>,
 }
 
+/// The rules one trie entry counts for: its highest rule index, plus one (0 for no allow).
+pub fn counted_rules(allows: &[Allow]) -> u32 {
+    allows
+        .iter()
+        .map(|a| u32::from(a.rule) + 1)
+        .max()
+        .unwrap_or(0)
+}
+
 /// The policy of `"egress": []`: no entry, so every packet is denied. As the kernel holds it:
 /// a restricted policy id that peer entries point at and the tries have no entry for.
 pub static NOTHING: CompiledPolicy = CompiledPolicy {
@@ -281,14 +290,27 @@ impl CompiledPolicy {
         value
     }
 
-    /// Sets one entry (the kernel's view of a policy while it is being written).
-    pub fn insert_entry(&mut self, prefix: IpNet, allows: Vec<Allow>) {
-        self.entries.insert(prefix, allows);
+    /// Sets one entry (the kernel's view of a policy while it is being written); the entry it
+    /// replaced, if any.
+    pub fn insert_entry(&mut self, prefix: IpNet, allows: Vec<Allow>) -> Option<Vec<Allow>> {
+        self.entries.insert(prefix, allows)
     }
 
-    /// Removes one entry; `false` if there was none.
-    pub fn remove_entry(&mut self, prefix: &IpNet) -> bool {
-        self.entries.remove(prefix).is_some()
+    /// Removes one entry; the entry, if there was one.
+    pub fn remove_entry(&mut self, prefix: &IpNet) -> Option<Vec<Allow>> {
+        self.entries.remove(prefix)
+    }
+
+    /// How many of the policy's rules (in canonical order) have a counter: the highest rule
+    /// index its entries carry, plus one. A later rule compiles to no entry (everything it
+    /// allows, earlier rules allow or `except` took away), so no packet can count for it, and
+    /// the policy's rule-counter block ([`crate::plan`]) ends before it.
+    pub fn counted_rules(&self) -> u32 {
+        self.entries
+            .values()
+            .map(|allows| counted_rules(allows))
+            .max()
+            .unwrap_or(0)
     }
 
     /// Rebuilds a policy from trie entries read back from the kernel.
