@@ -132,6 +132,38 @@ struct Core {
     wg_updates_seen: u64,
     /// The last dataplane check found the interface gone, the pins detached or an error.
     dataplane_fault: bool,
+    /// The state file as read and parsed at start-up, for the first load.
+    prepared: Option<Prepared>,
+}
+
+/// The state file read and parsed while the datapath was being attached (start-up, on a
+/// thread of its own): the first load takes its result if the file still hashes alike.
+struct Prepared {
+    hash: u128,
+    result: Result<Changes, Rejection>,
+}
+
+/// Reads and parses the state file into a new pipeline, on a thread: the parse is the largest
+/// part of a restart at scale after the verifier's, and does not need the kernel. WireGuard's
+/// capacity is checked by the first load. Any read problem is left to the first load too.
+fn prepare(
+    state_file: StateFile,
+) -> Option<std::thread::JoinHandle<(Pipeline, Option<Prepared>)>> {
+    let parse = move || {
+        let mut pipeline = Pipeline::new();
+        let prepared = state_file.read().ok().and_then(|bytes| {
+            let hash = pipeline.hash(&bytes);
+            let text = std::str::from_utf8(&bytes).ok()?;
+            let result = pipeline.update(text, None);
+            Some(Prepared { hash, result })
+        });
+        (pipeline, prepared)
+    };
+    // No thread to spare: the first load reads the file itself.
+    std::thread::Builder::new()
+        .name("wgfence-parse".into())
+        .spawn(parse)
+        .ok()
 }
 
 /// Counts of the accepted state, kept by the pipeline: no pass over the peers.
@@ -170,10 +202,24 @@ impl Core {
             return Next::Idle;
         }
         let capacity = self.reconciler.wireguard().max_peers();
+        let mut hash = hash;
+        let parsed = match self.prepared.take().filter(|p| p.hash == hash) {
+            Some(prepared) => {
+                let result = self.within_capacity(prepared.result, capacity);
+                if matches!(result, Err(Rejection::TooMany { .. })) {
+                    // Refused with a new pipeline: its hash of the same bytes.
+                    hash = self.pipeline.hash(&bytes);
+                }
+                Ok(result)
+            }
+            None => std::str::from_utf8(&bytes)
+                .map(|text| self.pipeline.update(text, capacity))
+                .map_err(|e| format!("state file is not UTF-8: {e}")),
+        };
         // Failing policy tests are named in /readyz, not only in the log.
         let mut failed_tests = Vec::new();
-        let updated = match std::str::from_utf8(&bytes) {
-            Ok(text) => self.pipeline.update(text, capacity).map_err(|e| match e {
+        let updated = parsed.and_then(|result| {
+            result.map_err(|e| match e {
                 Rejection::Invalid(errors) => {
                     failed_tests = crate::state::assertions::failed(&errors);
                     errors.to_string()
@@ -184,9 +230,8 @@ impl Core {
                      (wireguard-go), which holds at most {max}",
                     self.reconciler.dataplane().interface()
                 ),
-            }),
-            Err(e) => Err(format!("state file is not UTF-8: {e}")),
-        };
+            })
+        });
         drop(bytes);
         let changes = match updated {
             Ok(changes) => changes,
@@ -204,6 +249,23 @@ impl Core {
             trim_heap();
         }
         next
+    }
+
+    /// The start-up parse's result, held to WireGuard's capacity (`max`): parsed without it,
+    /// a state with more peers is refused now, and the pipeline that accepted it starts over.
+    fn within_capacity(
+        &mut self,
+        result: Result<Changes, Rejection>,
+        max: Option<usize>,
+    ) -> Result<Changes, Rejection> {
+        let peers = self.pipeline.state().peers.len();
+        match (result, max) {
+            (Ok(_), Some(max)) if peers > max => {
+                self.pipeline = Pipeline::new();
+                Err(Rejection::TooMany { peers, max })
+            }
+            (result, _) => result,
+        }
     }
 
     /// The state file's bytes; if it cannot be read, what the loop does next (the reason is
@@ -507,7 +569,15 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     // Bind before touching the kernel: a second agent started by mistake on the same node
     // fails here, before it could replace the running one's program.
     let listeners = bind(&options).await?;
+    let state_file = StateFile::new(&options.state, !options.allow_insecure_state);
+    let parsing = prepare(state_file.clone());
     let reconciler = adopt(&options, &metrics)?;
+    let (pipeline, prepared) = match parsing {
+        Some(parsing) => parsing
+            .join()
+            .map_err(|_| io::Error::other("the thread parsing the state file panicked"))?,
+        None => (Pipeline::new(), None),
+    };
     let closed = reconciler.shutdown_handle();
     for (listener, endpoints) in listeners {
         // Each on its own thread: nothing a client of one endpoint does can delay this loop
@@ -524,8 +594,8 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     let shutdown = shutdown_on_signal(Arc::clone(&closed))?;
     let core = Core {
         reconciler,
-        state_file: StateFile::new(&options.state, !options.allow_insecure_state),
-        pipeline: Pipeline::new(),
+        state_file,
+        pipeline,
         applied: None,
         rejected: None,
         metrics,
@@ -536,6 +606,7 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         flows_freed_seen: 0,
         wg_updates_seen: 0,
         dataplane_fault: false,
+        prepared,
     };
     let mut core = Some(core);
     follow(&mut core, source, shutdown, &closed, options.resync).await?;

@@ -608,6 +608,33 @@ fn a_state_beyond_wireguard_go_capacity_is_rejected_whole() {
     );
 }
 
+/// The same at start-up, where the state file is parsed while the datapath is attached (before
+/// WireGuard's capacity is known to the parse): refused whole, nothing added to WireGuard, and
+/// the next good state is applied from scratch.
+#[test]
+fn a_state_beyond_wireguard_go_capacity_at_start_is_refused_and_the_next_good_one_applies() {
+    let gw = Gateway::new(1);
+    let mut big = wgfence_tests::bench::gen::state(wgfence::wg::WIREGUARD_GO_MAX_PEERS, 9);
+    if let Some(peers) = big["peers"].as_array_mut() {
+        peers.push(gw.peer_json(0, None));
+    }
+    let before = gw.wg_peers();
+    let agent = Agent::start(&gw, Layout::Plain, &big.to_string(), &[]);
+    // Serving (not ready) before the metrics are read.
+    agent.wait_readyz_for(&gw, 503, Duration::from_secs(60));
+    agent.wait_rejected(&gw, "wireguard-go), which holds at most 65536");
+    assert_eq!(agent.metric(&gw, "wgfence_bpf_map_writes_total"), 0.0);
+    assert_eq!(gw.wg_peers(), before, "WireGuard's peers changed");
+
+    agent.write_state(&state(vec![gw.peer_json(0, None)]));
+    agent.wait_ready(&gw);
+    assert_eq!(gw.wg_peers().len(), 1);
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Tcp(80), ip("10.2.3.4")),
+        Reach::Reached
+    );
+}
+
 /// Runs `wgfence <args> --state <text>` in the node's namespace: (success, stdout, stderr).
 fn cli(gw: &Gateway, agent: &Agent, args: &[&str], text: &str) -> (bool, String, String) {
     let path = agent.dir.join("cli.json");
