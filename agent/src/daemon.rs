@@ -146,9 +146,7 @@ struct Prepared {
 /// Reads and parses the state file into a new pipeline, on a thread: the parse is the largest
 /// part of a restart at scale after the verifier's, and does not need the kernel. WireGuard's
 /// capacity is checked by the first load. Any read problem is left to the first load too.
-fn prepare(
-    state_file: StateFile,
-) -> Option<std::thread::JoinHandle<(Pipeline, Option<Prepared>)>> {
+fn prepare(state_file: StateFile) -> Option<std::thread::JoinHandle<(Pipeline, Option<Prepared>)>> {
     let parse = move || {
         let mut pipeline = Pipeline::new();
         let prepared = state_file.read().ok().and_then(|bytes| {

@@ -1809,7 +1809,12 @@ mod tests {
             let blocks: Vec<(u32, u32)> = blocks
                 .iter()
                 .map(|(id, base)| {
-                    let len = self.0.maps.policies.get(id).map_or(0, |p| p.counted_rules());
+                    let len = self
+                        .0
+                        .maps
+                        .policies
+                        .get(id)
+                        .map_or(0, |p| p.counted_rules());
                     (*base, len.max(1))
                 })
                 .collect();
