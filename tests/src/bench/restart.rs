@@ -99,7 +99,8 @@ pub fn run(report: &mut Report, config: &Config) {
             progress(&format!("  restart at N={n}: {line}"));
         }
         // From the agent's start to the datapath attached (the programs loaded and verified,
-        // the device read meanwhile), and from there to the first load done.
+        // the device read and the file parsed meanwhile), and from there to the first load
+        // done.
         let at = |what: &str| {
             restart_log
                 .lines()
@@ -181,9 +182,10 @@ pub fn run(report: &mut Report, config: &Config) {
         let secs = |n: usize, k: &str| at(n, k).map_or("n/a".to_owned(), |s| format!("{s:.2} s"));
         let line = format!(
             "ready after restart ≤ 1 s at 60k: {} ({ready:.2} s). From the agent's log: \
-             loading and verifying the datapath's programs, the WireGuard device read \
-             meanwhile, took {} at 1k and {} at 60k (it hardly depends on N); then reading the \
-             maps, parsing the file and a full plan that finds nothing to write took {} at 60k.",
+             loading and verifying the datapath's programs (the WireGuard device read and the \
+             state file parsed meanwhile, on threads of their own) took {} at 1k and {} at 60k; \
+             then reading the maps, waiting for the parse if it took longer, and a full plan \
+             that finds nothing to write took {} at 60k.",
             verdict(ready <= 1.0),
             secs(1_000, "attach_s"),
             secs(60_000, "attach_s"),
