@@ -15,8 +15,11 @@ use crate::plan::{plan_changes, plan_update, Actual};
 /// went wrong, if anything.
 pub fn check_edits(bytes: &[u8]) -> Result<(), String> {
     let mut input = Input(bytes.iter());
-    let mut file = File::new(input.byte() % 12);
-    let mut pipeline = Pipeline::new();
+    let first = input.byte();
+    let mut file = File::new(first % 12);
+    // Files compared by blocks of the agent's size, or of a few bytes (so that a small file
+    // has many, and a change is found between two of them).
+    let mut pipeline = Pipeline::with_block([4096, 16, 64, 5][usize::from(first / 12 % 4)]);
     let mut good = DesiredState::default();
     let mut kernel = Actual::default();
     let mut step = 0usize;
@@ -40,6 +43,9 @@ fn check_step(
     let reference = parse(text);
     let result = pipeline.update(text, None);
     pipeline.check_indexes()?;
+    if result.is_ok() {
+        pipeline.check_layout(text)?;
+    }
     match (reference, result) {
         (Ok(state), Ok(changes)) => {
             if pipeline.state() != &state {
@@ -114,6 +120,63 @@ fn check_plan(
         Ok(p) if p.is_empty() => Ok(()),
         other => Err(format!("not converged: {other:?}")),
     }
+}
+
+/// Reads byte-level edits from `bytes`, each made to the last file the parse accepted (a
+/// run of the text deleted, replaced by JSON punctuation, by another run of the file, or by a
+/// peer), and checks every step as [`check_edits`] does: the splices a pipeline finds between
+/// two files must hold for any bytes, not only for edits of whole peers.
+pub fn check_splices(bytes: &[u8]) -> Result<(), String> {
+    const PIECES: [&str; 14] = [
+        ",",
+        "{",
+        "}",
+        "[",
+        "]",
+        "\"",
+        " ",
+        "\\",
+        ":",
+        "null",
+        "1",
+        "{}",
+        ",{}",
+        "],\"peers\":[",
+    ];
+    let mut input = Input(bytes.iter());
+    let first = input.byte();
+    let mut file = File::new(first % 8 + 2);
+    let mut pipeline = Pipeline::with_block(usize::from(first / 8 % 24) + 1);
+    let mut good = DesiredState::default();
+    let mut kernel = Actual::default();
+    let mut accepted = file.text();
+    check_step(&mut pipeline, &mut good, &mut kernel, &accepted)?;
+    let mut step = 1usize;
+    while !input.done() {
+        let op = input.byte();
+        let [a, b, c, d] = [0; 4].map(|_| usize::from(input.byte()));
+        let len = accepted.len();
+        let (at, end) = (a * len / 256, (a * len / 256 + b % 24).min(len));
+        let piece = match op % 4 {
+            0 => String::new(),
+            1 => PIECES[usize::from(op / 4) % PIECES.len()].to_owned(),
+            2 => {
+                let from = c * len / 256;
+                accepted[from..(from + d).min(len)].to_owned()
+            }
+            _ => format!("{},", file.fresh()),
+        };
+        // Generated files are ASCII: any offset is a character boundary.
+        let mut text = accepted.clone();
+        text.replace_range(at..end, &piece);
+        check_step(&mut pipeline, &mut good, &mut kernel, &text)
+            .map_err(|e| format!("step {step}: {e}\nfile:\n{text}"))?;
+        if parse(&text).is_ok() {
+            accepted = text;
+        }
+        step += 1;
+    }
+    Ok(())
 }
 
 struct Input<'a>(std::slice::Iter<'a, u8>);
@@ -344,6 +407,21 @@ mod tests {
             bytes in prop::collection::vec(any::<u8>(), 0..120),
         ) {
             if let Err(e) = check_edits(&bytes) {
+                panic!("{e}");
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Random byte-level edits: whatever a file's bytes, the pipeline decides it as a
+        /// parse from scratch (a splice it finds between two files is one only if it is).
+        #[test]
+        fn the_pipeline_decides_every_byte_edit_as_a_parse_from_scratch(
+            bytes in prop::collection::vec(any::<u8>(), 0..200),
+        ) {
+            if let Err(e) = check_splices(&bytes) {
                 panic!("{e}");
             }
         }

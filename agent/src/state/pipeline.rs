@@ -1,14 +1,18 @@
 //! The incremental state pipeline: a push costs what changed.
 //!
-//! Reading the file is the only work proportional to the peer count that every push pays:
-//! one typed pass reads the top level and each peer's fields as borrowed text, and hashes each
-//! peer. A peer that asks exactly what a peer of the last accepted state asked (the same
-//! fields, and the same set of rules, in whatever order) keeps that [`PeerSpec`]: no
-//! validation, no compiling, no planning. The other peers are validated alone, and the
-//! cross-peer rules (unique names, keys and addresses; the capacity of the peer map and of the
-//! policy tries) are checked against indexes kept up to date with each accepted state, not
-//! rebuilt. The state itself is changed in place: nothing is copied, and nothing proportional
-//! to the peer count is freed, on the way to the kernel.
+//! Hashing the file's bytes is the only work proportional to its size that every push pays
+//! (beside it, a push that adds or removes peers makes a pass over plain arrays of offsets and
+//! hashes). A file that is the last accepted one with one run of peers replaced (a few peers
+//! added, removed or changed in a file written in the same order) has only that run read
+//! ([`splice`]); any other file has every peer read, in one typed pass over the top level and
+//! each peer's fields as borrowed text. Each peer read is hashed. A peer that asks exactly
+//! what a peer of the last accepted state asked (the same fields, and the same set of rules,
+//! in whatever order) keeps that [`PeerSpec`]: no validation, no compiling, no planning. The
+//! other peers are validated alone, and the cross-peer rules (unique names, keys and
+//! addresses; the capacity of the peer map and of the policy tries) are checked against
+//! indexes kept up to date with each accepted state, not rebuilt. The state itself is changed
+//! in place: nothing is copied, and nothing proportional to the peer count is freed, on the
+//! way to the kernel.
 //!
 //! Whatever the pipeline cannot decide alone (an invalid peer, a duplicate, a full trie, an
 //! unusual top level) goes to [`super::parse`], the full parse, which decides: an invalid file
@@ -29,9 +33,13 @@ use std::{
 };
 
 use ipnet::IpNet;
-use wgfence_common::MAX_POLICY_ENTRIES;
+use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 
-use super::{parse, typed, Compiled, DesiredState, PeerSpec, StateError, WgKey};
+use super::{
+    parse,
+    splice::{self, Layout},
+    typed, Compiled, DesiredState, PeerSpec, StateError, WgKey,
+};
 use crate::policy::{CompiledPolicy, Rule};
 
 /// A peer's identity: a hash of what decides its spec.
@@ -115,6 +123,13 @@ pub struct Pipeline {
     /// Each distinct rule set, with its shared copy and compiled policy.
     compiled: Compiled,
     index: Index,
+    /// Where each peer is in the accepted state's file, to find what the next file changed
+    /// from its bytes ([`splice`]); `None` when the typed pass could not read that file.
+    layout: Option<Layout>,
+    /// The block size files are compared by ([`splice::BLOCK`]; smaller in the tests).
+    block: usize,
+    /// Peers whose fields the last update read.
+    read: usize,
     hashers: (
         foldhash::quality::RandomState,
         foldhash::quality::RandomState,
@@ -219,6 +234,9 @@ impl Pipeline {
             known: HashSet::default(),
             compiled: HashMap::new(),
             index: Index::default(),
+            layout: None,
+            block: splice::BLOCK,
+            read: 0,
             hashers: Default::default(),
         }
     }
@@ -231,6 +249,12 @@ impl Pipeline {
     /// Peers with an `egress`.
     pub fn restricted_peers(&self) -> usize {
         self.index.restricted
+    }
+
+    /// Peers whose fields the last update read: those of the run a file changed, when it is
+    /// the last file with one run of peers replaced; otherwise every peer.
+    pub fn peers_read(&self) -> usize {
+        self.read
     }
 
     /// Distinct rule sets (`egress` lists) of the accepted state; rule sets that compile the
@@ -296,7 +320,10 @@ impl Pipeline {
     /// are exactly those of [`super::parse`]. `max_peers`: more peers are refused (after
     /// validation: an invalid file is named as such first).
     pub fn update(&mut self, text: &str, max_peers: Option<usize>) -> Result<Changes, Rejection> {
-        let mut changes = match self.incremental(text, max_peers) {
+        let mut changes = match self
+            .spliced(text, max_peers)
+            .or_else(|| self.incremental(text, max_peers))
+        {
             Some(result) => result,
             None => self.parse_whole(text, max_peers),
         }?;
@@ -304,39 +331,82 @@ impl Pipeline {
         Ok(changes)
     }
 
-    /// The incremental pass; `None` where it cannot decide alone.
+    /// The pass for a file that is the last one with one run of peers replaced
+    /// ([`splice`]); `None` where the file is not that, or the pass cannot decide alone.
+    fn spliced(
+        &mut self,
+        text: &str,
+        max_peers: Option<usize>,
+    ) -> Option<Result<Changes, Rejection>> {
+        let layout = self.layout.as_ref()?;
+        let mut splice = splice::find(layout, text, self.block, &|bytes| self.hash(bytes))?;
+        // A run of every peer (a file in another order) replaces the whole state.
+        let replaced: Option<HashSet<Hash, ByHash>> = (splice.from > 0
+            || splice.to < layout.peers())
+        .then(|| splice.replaced(layout).iter().copied().collect());
+        let peers = splice.peers(layout);
+        if peers > MAX_PEERS as usize {
+            return None;
+        }
+        let run = std::mem::take(&mut splice.run);
+        let offsets = run.iter().map(|(at, _)| *at).collect();
+        let replies = self.state.replies;
+        let (result, ids) = self.replace(run, replaced.as_ref(), peers, replies, max_peers)?;
+        if let (Ok(_), Some(layout)) = (&result, &mut self.layout) {
+            splice.apply(layout, offsets, ids);
+        }
+        Some(result)
+    }
+
+    /// The pass over every peer; `None` where it cannot decide alone.
     fn incremental(
         &mut self,
         text: &str,
         max_peers: Option<usize>,
     ) -> Option<Result<Changes, Rejection>> {
         let top = typed::top(text)?;
-        // Policy tests are run by the full parse, on the whole state: a state with tests takes
-        // that path.
-        if top.tests.is_some() {
-            return None;
+        let starts = top.peers.iter().map(|(at, _)| *at).collect();
+        let peers = top.peers.len();
+        let replies = top.replies.unwrap_or(true);
+        let (result, ids) = self.replace(top.peers, None, peers, replies, max_peers)?;
+        if result.is_ok() {
+            let layout = Layout::new(text, starts, ids, top.end, self.block, &|b| self.hash(b));
+            self.layout = Some(layout);
         }
+        Some(result)
+    }
+
+    /// The accepted state with the peers `run` (of a new file) in place of those whose
+    /// identities are `replaced` (`None`: every peer), leading to a state of `peers` peers;
+    /// with the run's identities. Only the peers of the run that the state does not have are
+    /// parsed, validated and compiled. `None` where it cannot decide alone.
+    fn replace(
+        &mut self,
+        run: Vec<(usize, typed::RawPeer<'_>)>,
+        replaced: Option<&HashSet<Hash, ByHash>>,
+        peers: usize,
+        replies: bool,
+        max_peers: Option<usize>,
+    ) -> Option<(Result<Changes, Rejection>, Vec<Hash>)> {
+        self.read = run.len();
         let mut seen: HashSet<Hash, ByHash> =
-            HashSet::with_capacity_and_hasher(top.peers.len(), ByHash::default());
+            HashSet::with_capacity_and_hasher(run.len(), ByHash::default());
+        let mut ids = Vec::with_capacity(run.len());
         let mut new_texts = Vec::new();
-        for typed::Obj(raw) in &top.peers {
-            let hash = self.peer_hash(raw);
-            if !seen.insert(hash) {
-                // The same peer twice: a duplicate the full parse names.
+        for (_, raw) in run {
+            let hash = self.peer_hash(&raw);
+            // The same peer twice, or again beside itself where it is kept: a duplicate the
+            // full parse names.
+            let known = self.known.contains(&hash);
+            if !seen.insert(hash) || (known && replaced.is_some_and(|r| !r.contains(&hash))) {
                 return None;
             }
-            if !self.known.contains(&hash) {
+            if !known {
                 new_texts.push((hash, raw));
             }
+            ids.push(hash);
         }
-        // Every text known and as many as before: the same peers (hashes are distinct).
-        let leaving: Vec<usize> = if new_texts.is_empty() && top.peers.len() == self.hashes.len() {
-            Vec::new()
-        } else {
-            (0..self.hashes.len())
-                .filter(|i| !seen.contains(&self.hashes[*i]))
-                .collect()
-        };
+        let leaving = self.leaving(&seen, replaced, new_texts.is_empty());
         drop(seen);
         let arrivals = self.parse_arrivals(&new_texts)?;
         if !self.cross_peer_checks(&arrivals, &leaving) {
@@ -344,24 +414,44 @@ impl Pipeline {
             return None;
         }
         if let Some(max) = max_peers {
-            if top.peers.len() > max {
+            if peers > max {
                 self.forget_unused_policies();
-                return Some(Err(Rejection::TooMany {
-                    peers: top.peers.len(),
-                    max,
-                }));
+                return Some((Err(Rejection::TooMany { peers, max }), ids));
             }
         }
-        let replies = top.replies.unwrap_or(true);
-        Some(Ok(self.commit(arrivals, leaving, replies)))
+        Some((Ok(self.commit(arrivals, leaving, replies)), ids))
+    }
+
+    /// Where in the state the peers are that leave: those `replaced` (every peer for `None`)
+    /// that the new file does not have (`seen`).
+    fn leaving(
+        &self,
+        seen: &HashSet<Hash, ByHash>,
+        replaced: Option<&HashSet<Hash, ByHash>>,
+        none_new: bool,
+    ) -> Vec<usize> {
+        let at = |leaves: &dyn Fn(&Hash) -> bool| {
+            (0..self.hashes.len())
+                .filter(|i| leaves(&self.hashes[*i]))
+                .collect()
+        };
+        match replaced {
+            // Every text known and as many as before: the same peers (hashes are distinct).
+            None if none_new && seen.len() == self.hashes.len() => Vec::new(),
+            None => at(&|hash| !seen.contains(hash)),
+            Some(replaced) => {
+                let gone: HashSet<Hash, ByHash> = replaced.difference(seen).copied().collect();
+                if gone.is_empty() {
+                    return Vec::new();
+                }
+                at(&|hash| gone.contains(hash))
+            }
+        }
     }
 
     /// Parses the texts the last state did not have, each alone; `None` if one is not a valid
     /// peer on its own.
-    fn parse_arrivals<'a>(
-        &mut self,
-        texts: &[(Hash, &typed::RawPeer<'a>)],
-    ) -> Option<Vec<Arrival>> {
+    fn parse_arrivals<'a>(&mut self, texts: &[(Hash, typed::RawPeer<'a>)]) -> Option<Vec<Arrival>> {
         let mut egress = HashMap::new();
         let mut arrivals = Vec::with_capacity(texts.len());
         for (hash, raw) in texts {
@@ -561,6 +651,7 @@ impl Pipeline {
     /// incremental pass could not decide alone, valid after all).
     fn parse_whole(&mut self, text: &str, max_peers: Option<usize>) -> Result<Changes, Rejection> {
         let desired = parse(text)?;
+        self.read = desired.peers.len();
         if let Some(max) = max_peers {
             if desired.peers.len() > max {
                 return Err(Rejection::TooMany {
@@ -569,14 +660,25 @@ impl Pipeline {
                 });
             }
         }
-        // Each peer's text hash, by name.
+        // Each peer's text hash, by name, and the file's layout.
         let mut by_name: HashMap<String, Hash> = HashMap::new();
+        let mut layout = None;
         if let Some(top) = typed::top(text) {
-            for typed::Obj(raw) in &top.peers {
-                by_name.insert(raw.name().to_owned(), self.peer_hash(raw));
+            let ids: Vec<Hash> = top
+                .peers
+                .iter()
+                .map(|(_, raw)| self.peer_hash(raw))
+                .collect();
+            for ((_, raw), id) in top.peers.iter().zip(&ids) {
+                by_name.insert(raw.name().to_owned(), *id);
             }
+            let starts = top.peers.iter().map(|(at, _)| *at).collect();
+            layout = Some(Layout::new(text, starts, ids, top.end, self.block, &|b| {
+                self.hash(b)
+            }));
         }
-        let previous = std::mem::replace(self, Self::new_with(self.hashers.clone()));
+        let previous = std::mem::replace(self, Self::new_with(self.hashers.clone(), self.block));
+        self.layout = layout;
         for peer in &desired.peers {
             // A peer without a hash of its text (none found) is parsed again next time.
             let hash = by_name.get(&peer.name).copied().unwrap_or_else(|| {
@@ -603,10 +705,44 @@ impl Pipeline {
             foldhash::quality::RandomState,
             foldhash::quality::RandomState,
         ),
+        block: usize,
     ) -> Self {
         Self {
             hashers,
+            block,
             ..Self::new()
+        }
+    }
+
+    /// A pipeline that compares files by blocks of `block` bytes: small files have several.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn with_block(block: usize) -> Self {
+        Self {
+            block: block.max(1),
+            ..Self::new()
+        }
+    }
+
+    /// The layout kept for the accepted file is the one `text` (that file) has; what differs.
+    #[cfg(any(test, feature = "testing"))]
+    pub(super) fn check_layout(&self, text: &str) -> Result<(), String> {
+        let Some(layout) = &self.layout else {
+            return Ok(());
+        };
+        let top = typed::top(text).ok_or("a layout kept for a file the typed pass cannot read")?;
+        let ids = top
+            .peers
+            .iter()
+            .map(|(_, raw)| self.peer_hash(raw))
+            .collect();
+        let starts = top.peers.iter().map(|(at, _)| *at).collect();
+        let rebuilt = Layout::new(text, starts, ids, top.end, self.block, &|b| self.hash(b));
+        if &rebuilt == layout {
+            Ok(())
+        } else {
+            Err(format!(
+                "the layout kept differs from the file's:\n kept: {layout:?}\n file: {rebuilt:?}"
+            ))
         }
     }
 }
@@ -628,4 +764,92 @@ pub(super) fn diff(previous: &DesiredState, desired: &DesiredState) -> Changes {
         }
     }
     changes
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+
+    use super::*;
+    use crate::state::WgKey;
+
+    fn peer(n: u32) -> Value {
+        let mut key = [9u8; 32];
+        key[..4].copy_from_slice(&n.to_le_bytes());
+        json!({
+            "name": format!("peer-{n:05}"),
+            "publicKey": WgKey(key).to_base64(),
+            "address": format!("10.9.{}.{}", n / 250, n % 250 + 1),
+            "egress": [{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] }],
+        })
+    }
+
+    fn file(peers: &[Value]) -> String {
+        json!({ "version": 1, "peers": peers }).to_string()
+    }
+
+    /// A push that changes a few peers of a file in the same order reads those few, and ends
+    /// in the state a parse from scratch gives; a file in another order is read whole.
+    #[test]
+    fn a_change_to_a_few_peers_reads_only_the_peers_around_it() {
+        let mut peers: Vec<Value> = (0..2000).map(peer).collect();
+        let mut pipeline = Pipeline::new();
+        pipeline.update(&file(&peers), None).unwrap();
+        assert_eq!(pipeline.peers_read(), 2000);
+
+        let push = |peers: &[Value], pipeline: &mut Pipeline| {
+            let text = file(peers);
+            let changes = pipeline.update(&text, None).unwrap();
+            assert_eq!(pipeline.state(), &parse(&text).unwrap());
+            pipeline.check_layout(&text).unwrap();
+            changes
+        };
+        // A revocation: one peer gone.
+        peers.remove(1234);
+        let changes = push(&peers, &mut pipeline);
+        let gone: Vec<&str> = changes.gone.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(gone, ["peer-01234"]);
+        assert!(pipeline.peers_read() < 40, "read {}", pipeline.peers_read());
+        // One peer changed, one added in the middle, the last one removed.
+        peers[10]["address"] = json!("10.200.0.1");
+        push(&peers, &mut pipeline);
+        assert!(pipeline.peers_read() < 40, "read {}", pipeline.peers_read());
+        peers.insert(700, peer(5000));
+        push(&peers, &mut pipeline);
+        assert!(pipeline.peers_read() < 40, "read {}", pipeline.peers_read());
+        peers.pop();
+        push(&peers, &mut pipeline);
+        assert!(pipeline.peers_read() < 40, "read {}", pipeline.peers_read());
+        // The same peers in another order: every peer is read, nothing changes.
+        peers.reverse();
+        let changes = push(&peers, &mut pipeline);
+        assert!(changes.is_empty());
+        assert_eq!(pipeline.peers_read(), peers.len());
+    }
+
+    /// A file that is the last one with a peer duplicated, or a change outside the peers
+    /// array, is decided by the full parse, with its errors.
+    #[test]
+    fn a_splice_that_is_not_a_valid_file_is_rejected_as_the_parse_rejects_it() {
+        let peers: Vec<Value> = (0..300).map(peer).collect();
+        let text = file(&peers);
+        let mut pipeline = Pipeline::new();
+        pipeline.update(&text, None).unwrap();
+        let mut twice = peers.clone();
+        twice.insert(150, peers[3].clone());
+        let bad = [
+            file(&twice),
+            text.replacen("\"version\":1", "\"version\":2", 1),
+            text.replacen("],\"version\"", "],,\"version\"", 1),
+            text.replacen("},{", "},,{", 1),
+        ];
+        for bad in bad {
+            let expected = parse(&bad).unwrap_err();
+            match pipeline.update(&bad, None) {
+                Err(Rejection::Invalid(errors)) => assert_eq!(errors, expected),
+                other => panic!("{other:?} for {bad}"),
+            }
+            pipeline.check_layout(&text).unwrap();
+        }
+    }
 }

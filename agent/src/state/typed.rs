@@ -216,11 +216,148 @@ struct RawRule<'a> {
     except: Option<Vec<Str<'a>>>,
 }
 
-/// The top level of `text`, each peer read into borrowed fields (not validated); `None` if it
-/// is not what a valid state file has there.
-pub(super) fn top(text: &str) -> Option<RawState<'_>> {
-    let Obj(top) = serde_json::from_str::<Obj<RawState<'_>>>(text).ok()?;
-    (top.version == SCHEMA_VERSION && top.peers.len() <= MAX_PEERS as usize).then_some(top)
+/// The top level of a state file, each peer read into borrowed fields (not validated), with
+/// where its text starts.
+pub(super) struct Top<'a> {
+    pub replies: Option<bool>,
+    /// Each peer's offset in the text, and its fields, in file order.
+    pub peers: Vec<(usize, RawPeer<'a>)>,
+    /// The offset of the `]` that closes `peers`.
+    pub end: usize,
+}
+
+/// The top level of `text`; `None` if it is not what a valid state file has there, or if it
+/// has policy tests (the full parse runs them). One pass: each value is read by serde_json
+/// where it starts, so that each peer's offset is known.
+pub(super) fn top(text: &str) -> Option<Top<'_>> {
+    let mut at = Cursor { text, at: 0 };
+    at.ws();
+    at.expect(b'{')?;
+    let (mut version, mut replies, mut peers) = (None, None, None);
+    loop {
+        at.ws();
+        let Str(key) = at.value::<Str<'_>>()?;
+        at.ws();
+        at.expect(b':')?;
+        at.ws();
+        match key.as_ref() {
+            "version" if version.is_none() => version = Some(at.value::<u64>()?),
+            "replies" if replies.is_none() => replies = Some(at.value::<bool>()?),
+            "peers" if peers.is_none() => peers = Some(at.peers()?),
+            // Tests, a field repeated or unknown: the full parse decides.
+            _ => return None,
+        }
+        at.ws();
+        match at.next()? {
+            b',' => {}
+            b'}' => break,
+            _ => return None,
+        }
+    }
+    at.ws();
+    let (peers, end) = peers?;
+    (at.at == text.len() && version? == SCHEMA_VERSION && peers.len() <= MAX_PEERS as usize)
+        .then_some(Top {
+            replies,
+            peers,
+            end,
+        })
+}
+
+/// A position in a state file's text, read forward.
+pub(super) struct Cursor<'a> {
+    pub text: &'a str,
+    pub at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    /// Skips JSON whitespace.
+    pub fn ws(&mut self) {
+        let bytes = self.text.as_bytes();
+        while matches!(bytes.get(self.at), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.at += 1;
+        }
+    }
+
+    /// The next byte, taken.
+    pub fn next(&mut self) -> Option<u8> {
+        let byte = *self.text.as_bytes().get(self.at)?;
+        self.at += 1;
+        Some(byte)
+    }
+
+    fn expect(&mut self, byte: u8) -> Option<()> {
+        (self.next()? == byte).then_some(())
+    }
+
+    /// One JSON value, read where the cursor is.
+    fn value<T: Deserialize<'a>>(&mut self) -> Option<T> {
+        let mut values =
+            serde_json::Deserializer::from_str(self.text.get(self.at..)?).into_iter::<T>();
+        let value = values.next()?.ok()?;
+        self.at += values.byte_offset();
+        Some(value)
+    }
+
+    /// One peer object, read where the cursor is.
+    pub fn peer(&mut self) -> Option<RawPeer<'a>> {
+        self.value::<Obj<RawPeer<'a>>>().map(|Obj(peer)| peer)
+    }
+
+    /// The peers of the array that starts at the cursor (its `[`), and the offset of its `]`.
+    fn peers(&mut self) -> Option<(Vec<(usize, RawPeer<'a>)>, usize)> {
+        self.expect(b'[')?;
+        self.ws();
+        let mut peers = Vec::new();
+        if self.text.as_bytes().get(self.at) == Some(&b']') {
+            self.at += 1;
+            return Some((peers, self.at - 1));
+        }
+        loop {
+            peers.push((self.at, self.peer()?));
+            self.ws();
+            match self.next()? {
+                b',' => self.ws(),
+                b']' => return Some((peers, self.at - 1)),
+                _ => return None,
+            }
+        }
+    }
+
+    /// The peers from the cursor, where a peer starts, up to `until`: where the next peer
+    /// starts or, with `closes`, where the array's `]` is. `first`: the cursor is at the
+    /// array's first element (after `[`, not after a comma). `None` unless the text from the
+    /// cursor to `until` is exactly that: values, each followed by a comma, or by the `]` at
+    /// `until` for the last one.
+    pub fn run(
+        &mut self,
+        until: usize,
+        closes: bool,
+        first: bool,
+    ) -> Option<Vec<(usize, RawPeer<'a>)>> {
+        let mut peers = Vec::new();
+        // Nothing between: the array goes on (a peer follows), or it ends right after `[`.
+        if self.at == until {
+            return (!closes || first).then_some(peers);
+        }
+        loop {
+            peers.push((self.at, self.peer()?));
+            self.ws();
+            match self.next()? {
+                b',' => {
+                    self.ws();
+                    if self.at == until && !closes {
+                        return Some(peers);
+                    }
+                }
+                b']' if closes && self.at - 1 == until => return Some(peers),
+                _ => return None,
+            }
+            if self.at >= until {
+                return None;
+            }
+        }
+    }
 }
 
 /// One peer, validated alone: its spec, if it is valid on its own; `None` if anything is wrong
