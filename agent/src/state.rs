@@ -288,8 +288,19 @@ impl PeerSpec {
 }
 
 /// A rule in one short line, as `wgfence status --rules` and the `rule` label of
-/// `wgfence_rule_hits_total` name it: `tcp 10.0.0.0/8:443,8000-8100`, `any fd00::/8`.
+/// `wgfence_rule_hits_total` name it: `tcp 10.0.0.0/8:443,8000-8100`, `any fd00::/8`,
+/// `any 10.0.0.0/8 except 10.1.0.0/16,10.2.0.0/16`. Distinct rules of a policy read apart.
 pub fn rule_text(rule: &Rule) -> String {
+    let text = rule_head(rule);
+    if rule.except.is_empty() {
+        return text;
+    }
+    let except: Vec<String> = rule.except.iter().map(ToString::to_string).collect();
+    format!("{text} except {}", except.join(","))
+}
+
+/// A rule's protocol, prefix and ports.
+fn rule_head(rule: &Rule) -> String {
     let protocol = protocol_text(rule.protocol);
     let ports: Vec<String> = rule
         .ports

@@ -211,4 +211,23 @@ mod tests {
             assert_eq!(row.counter, want, "{}", row.rule);
         }
     }
+
+    /// Rules that differ only in what they carve out are distinct rules: their labels (the
+    /// metric's `rule`, the rows of `status --rules`) differ too.
+    #[test]
+    fn rules_that_differ_only_in_except_are_named_apart() {
+        let s = one_peer(
+            r#"[{"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]},
+                {"cidr": "10.0.0.0/8", "except": ["10.2.0.0/16", "10.3.0.0/16"]}]"#,
+        );
+        let rows = rule_rows(&s, entry(40));
+        let names: Vec<&str> = rows.iter().map(|r| r.rule.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "any 10.0.0.0/8 except 10.1.0.0/16",
+                "any 10.0.0.0/8 except 10.2.0.0/16,10.3.0.0/16"
+            ]
+        );
+    }
 }
