@@ -109,6 +109,8 @@ pub enum Target {
 pub struct Pushed {
     /// Hash + `Pipeline::update`: reading the file, the only O(N) work of a push.
     pub parse: Duration,
+    /// Peers whose fields the pipeline read (`Pipeline::peers_read`).
+    pub read: usize,
     /// Plan + apply.
     pub outcome: Outcome,
 }
@@ -123,6 +125,7 @@ impl Target {
         std::hint::black_box(pipeline.hash(text.as_bytes()));
         let changes = pipeline.update(text, max_peers).unwrap();
         let parse = t.elapsed();
+        let read = pipeline.peers_read();
         let outcome = match self {
             Target::Device(node) => node
                 .reconciler
@@ -131,7 +134,11 @@ impl Target {
             Target::Maps(maps) => maps.reconcile_changes(pipeline.state(), &changes),
         };
         drop(changes);
-        Pushed { parse, outcome }
+        Pushed {
+            parse,
+            read,
+            outcome,
+        }
     }
 
     pub fn interface(&self) -> String {
