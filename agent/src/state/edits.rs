@@ -157,14 +157,23 @@ pub fn check_splices(bytes: &[u8]) -> Result<(), String> {
         let [a, b, c, d] = [0; 4].map(|_| usize::from(input.byte()));
         let len = accepted.len();
         let (at, end) = (a * len / 256, (a * len / 256 + b % 24).min(len));
-        let piece = match op % 4 {
-            0 => String::new(),
-            1 => PIECES[usize::from(op / 4) % PIECES.len()].to_owned(),
+        let (at, end, piece) = match op % 5 {
+            0 => (at, end, String::new()),
+            1 => (
+                at,
+                end,
+                PIECES[usize::from(op / 4) % PIECES.len()].to_owned(),
+            ),
             2 => {
                 let from = c * len / 256;
-                accepted[from..(from + d).min(len)].to_owned()
+                (at, end, accepted[from..(from + d).min(len)].to_owned())
             }
-            _ => format!("{},", file.fresh()),
+            3 => (at, end, format!("{},", file.fresh())),
+            _ => {
+                // Whitespace before the next object: between peers, or before the first.
+                let brace = accepted[at..].find('{').map_or(len, |i| at + i);
+                (brace, brace, [" ", "\n", "\t ", "\r\n"][b % 4].to_owned())
+            }
         };
         // Generated files are ASCII: any offset is a character boundary.
         let mut text = accepted.clone();

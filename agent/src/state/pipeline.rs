@@ -546,6 +546,9 @@ impl Pipeline {
             ..Changes::default()
         };
         self.state.replies = replies;
+        // The passes that commit take only files without policy tests (those go to the full
+        // parse, which runs them): the last file's tests are gone with it.
+        self.state.tests.clear();
         // Every departure out of the indexes before any arrival goes in (a peer may keep its
         // key or its addresses).
         for &i in &leaving {
@@ -825,6 +828,42 @@ mod tests {
         let changes = push(&peers, &mut pipeline);
         assert!(changes.is_empty());
         assert_eq!(pipeline.peers_read(), peers.len());
+    }
+
+    /// Whitespace where a run starts is no part of the first peer's text: the layout kept is
+    /// the file's, and the next splice there is found.
+    #[test]
+    fn a_run_that_starts_with_whitespace_keeps_the_files_layout() {
+        let peers: Vec<Value> = (0..3).map(peer).collect();
+        let text = file(&peers);
+        let mut pipeline = Pipeline::new();
+        pipeline.update(&text, None).unwrap();
+        for spaced in [
+            text.replacen("[{", "[ \n{", 1),
+            text.replacen("},{", "}, {", 1),
+        ] {
+            pipeline.update(&spaced, None).unwrap();
+            assert_eq!(pipeline.state(), &parse(&spaced).unwrap());
+            pipeline.check_layout(&spaced).unwrap();
+            pipeline.update(&text, None).unwrap();
+            pipeline.check_layout(&text).unwrap();
+        }
+    }
+
+    /// A file with policy tests, then the same peers without them: the tests are gone, as
+    /// from a parse from scratch.
+    #[test]
+    fn tests_removed_from_the_file_are_gone_from_the_state() {
+        let peers: Vec<Value> = (0..3).map(peer).collect();
+        let with = json!({ "version": 1, "peers": peers,
+            "tests": [{ "peer": "peer-00000", "accept": ["10.1.2.3:443/tcp"] }] })
+        .to_string();
+        let mut pipeline = Pipeline::new();
+        pipeline.update(&with, None).unwrap();
+        assert_eq!(pipeline.state().tests.len(), 1);
+        let without = file(&peers);
+        pipeline.update(&without, None).unwrap();
+        assert_eq!(pipeline.state(), &parse(&without).unwrap());
     }
 
     /// A file that is the last one with a peer duplicated, or a change outside the peers

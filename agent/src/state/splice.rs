@@ -89,6 +89,9 @@ pub(super) struct Splice<'a> {
     pub to: usize,
     /// The new peers, each with its offset in the new file.
     pub run: Vec<(usize, RawPeer<'a>)>,
+    /// The new file's text before its first peer, where the run starts the array (the
+    /// whitespace there may differ).
+    before: Option<String>,
     len: usize,
     head: Vec<Hash>,
     tail: Vec<Hash>,
@@ -116,7 +119,11 @@ impl Splice<'_> {
         layout.starts[kept_after..].iter_mut().for_each(moved);
         moved(&mut layout.end);
         layout.ids.splice(self.from..self.to, ids);
-        // The top level is the same text (the run is inside the peers array).
+        // The top level is the same text (the run is inside the peers array), but for the
+        // whitespace before a run that starts it.
+        if let Some(before) = self.before {
+            layout.before = before;
+        }
         layout.len = new_len;
         layout.head = self.head;
         layout.tail = self.tail;
@@ -164,9 +171,11 @@ pub(super) fn find<'a>(
     };
     let mut cursor = Cursor { text, at: start };
     let run = cursor.run(until, closes, from == 0)?;
+    let first = run.first().map_or(until, |(at, _)| *at);
     Some(Splice {
         from,
         to,
+        before: (from == 0).then(|| text[..first].to_owned()),
         run,
         len: bytes.len(),
         head,

@@ -336,6 +336,11 @@ impl<'a> Cursor<'a> {
         first: bool,
     ) -> Option<Vec<(usize, RawPeer<'a>)>> {
         let mut peers = Vec::new();
+        // Whitespace before the first peer is the separator's (a peer's offset is its `{`).
+        self.ws();
+        if self.at > until {
+            return None;
+        }
         // Nothing between: the array goes on (a peer follows), or it ends right after `[`.
         if self.at == until {
             return (!closes || first).then_some(peers);
