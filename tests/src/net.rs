@@ -7,7 +7,7 @@
 use std::{
     fs,
     io::Write as _,
-    os::fd::AsRawFd as _,
+    os::{fd::AsRawFd as _, unix::net::UnixStream},
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
     sync::atomic::{AtomicU32, Ordering},
@@ -184,6 +184,8 @@ pub struct WireGuard {
     pub name: String,
     pub keys: KeyPair,
     child: Child,
+    /// wireguard-go's standard error.
+    log: TempFile,
 }
 
 impl WireGuard {
@@ -208,29 +210,50 @@ impl WireGuard {
         // Keep the new process; the old (dead) one drops with `new`, which must not remove the
         // socket the new process just made.
         std::mem::swap(&mut self.child, &mut new.child);
+        std::mem::swap(&mut self.log, &mut new.log);
         new.name = unique("gone");
     }
 
     fn start_with_keys(ns: &Netns, name: &str, listen_port: u16, keys: KeyPair) -> Self {
+        let log = TempFile::new("");
+        let stderr =
+            fs::File::create(&log.0).unwrap_or_else(|e| panic!("{}: {e}", log.0.display()));
         let child = Command::new("ip")
             .args(["netns", "exec", ns.name(), "wireguard-go", "-f", name])
             // wireguard-go refuses to run on Linux without this (the kernel module is absent).
             .env("WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .expect("cannot start wireguard-go (is it installed?)");
-        let wg = Self {
+        let mut wg = Self {
             name: name.to_owned(),
             keys,
             child,
+            log,
         };
-        wait_for(Duration::from_secs(10), || wg.socket().exists())
-            .unwrap_or_else(|| panic!("wireguard-go did not create {}", wg.socket().display()));
+        // Wait until the socket accepts a connection, with our own connect. `wg` must not be the
+        // first to try: the socket file exists from bind(), and a `wg` that connects before
+        // wireguard-go listens gets ECONNREFUSED, takes the socket for a dead daemon's and
+        // unlinks it. wireguard-go then listens on a socket nobody can reach, and every later
+        // `wg` falls back to the kernel backend ("Protocol not supported"). Seen in CI.
+        let listening = wait_for(Duration::from_secs(10), || {
+            if let Ok(Some(status)) = wg.child.try_wait() {
+                panic!("wireguard-go for {name} exited ({status}): {}", wg.log());
+            }
+            UnixStream::connect(wg.socket()).is_ok()
+        });
+        if listening.is_none() {
+            panic!(
+                "wireguard-go did not listen on {} within 10 s: {}",
+                wg.socket().display(),
+                wg.log()
+            );
+        }
         let key_file = TempFile::new(&wg.keys.private);
         let port = listen_port.to_string();
-        let set = [
+        run(&[
             "wg",
             "set",
             name,
@@ -238,20 +261,14 @@ impl WireGuard {
             key_file.path_str(),
             "listen-port",
             &port,
-        ];
-        // The socket file exists from bind(); wireguard-go listens a moment later, and `wg`
-        // then reports the kernel backend's "Protocol not supported". Seen on a loaded machine.
-        let configured = wait_for(Duration::from_secs(10), || {
-            Command::new(set[0])
-                .args(&set[1..])
-                .output()
-                .is_ok_and(|out| out.status.success())
-        });
-        if configured.is_none() {
-            run(&set);
-        }
+        ]);
         ns.ip(&["link", "set", name, "up"]);
         wg
+    }
+
+    /// What wireguard-go printed, for a failure message.
+    fn log(&self) -> String {
+        fs::read_to_string(&self.log.0).unwrap_or_default()
     }
 
     pub fn socket(&self) -> PathBuf {
@@ -287,6 +304,7 @@ impl Drop for WireGuard {
 }
 
 /// A file in the temp directory, removed on drop (e.g. a private key for `wg set`).
+#[derive(Debug)]
 struct TempFile(PathBuf);
 
 impl TempFile {
