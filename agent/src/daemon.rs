@@ -150,9 +150,10 @@ fn prepare(state_file: StateFile) -> Option<std::thread::JoinHandle<(Pipeline, O
     let parse = move || {
         let mut pipeline = Pipeline::new();
         let prepared = state_file.read().ok().and_then(|bytes| {
-            let hash = pipeline.hash(&bytes);
+            let fingerprint = pipeline.fingerprint(&bytes);
+            let hash = fingerprint.id();
             let text = std::str::from_utf8(&bytes).ok()?;
-            let result = pipeline.update(text, None);
+            let result = pipeline.update_read(text, fingerprint, None);
             Some(Prepared { hash, result })
         });
         (pipeline, prepared)
@@ -195,7 +196,9 @@ impl Core {
             Ok(bytes) => bytes,
             Err(next) => return next,
         };
-        let hash = self.pipeline.hash(&bytes);
+        // The file's one pass before it is known to be new: an unchanged file costs no more.
+        let fingerprint = self.pipeline.fingerprint(&bytes);
+        let hash = fingerprint.id();
         if !force && (self.applied == Some(hash) || self.rejected == Some(hash)) {
             return Next::Idle;
         }
@@ -205,13 +208,13 @@ impl Core {
             Some(prepared) => {
                 let result = self.within_capacity(prepared.result, capacity);
                 if matches!(result, Err(Rejection::TooMany { .. })) {
-                    // Refused with a new pipeline: its hash of the same bytes.
-                    hash = self.pipeline.hash(&bytes);
+                    // Refused with a new pipeline: its identity of the same bytes.
+                    hash = self.pipeline.fingerprint(&bytes).id();
                 }
                 Ok(result)
             }
             None => std::str::from_utf8(&bytes)
-                .map(|text| self.pipeline.update(text, capacity))
+                .map(|text| self.pipeline.update_read(text, fingerprint, capacity))
                 .map_err(|e| format!("state file is not UTF-8: {e}")),
         };
         // Failing policy tests are named in /readyz, not only in the log.

@@ -37,13 +37,31 @@ use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 
 use super::{
     parse,
-    splice::{self, Layout},
+    splice::{self, Blocks, Layout},
     typed, Compiled, DesiredState, PeerSpec, StateError, WgKey,
 };
 use crate::policy::{CompiledPolicy, Rule};
 
-/// A peer's identity: a hash of what decides its spec.
-type Hash = u128;
+/// A 128-bit hash, random-keyed per pipeline: a peer's identity (of what decides its spec), a
+/// block's of a file, a file's.
+pub(super) type Hash = u128;
+
+/// A state file's identity, from the hashes of its blocks: read once per file
+/// ([`Pipeline::fingerprint`]) to tell an unchanged file, and then, for a new one, the start
+/// of the comparison that finds what changed ([`splice`]). The same bytes have the same
+/// identity for the pipeline's life.
+#[derive(Debug, Clone)]
+pub struct Fingerprint {
+    id: Hash,
+    len: usize,
+    head: Vec<Hash>,
+}
+
+impl Fingerprint {
+    pub fn id(&self) -> u128 {
+        self.id
+    }
+}
 
 /// Sets and maps keyed by [`Hash`]es, which are random already: their low bits are the hash.
 type ByHash = std::hash::BuildHasherDefault<LowBits>;
@@ -294,8 +312,34 @@ impl Pipeline {
         }
     }
 
+    /// The identity of the file `bytes`: one pass over it, hashing its blocks from the start.
+    pub fn fingerprint(&self, bytes: &[u8]) -> Fingerprint {
+        let head = splice::head(bytes, self.block, &|b| self.hash(b));
+        let (a, b) = &self.hashers;
+        let (mut ha, mut hb) = (a.build_hasher(), b.build_hasher());
+        for hasher in [&mut ha, &mut hb] {
+            hasher.write_usize(bytes.len());
+            head.iter().for_each(|h| hasher.write_u128(*h));
+        }
+        Fingerprint {
+            id: (u128::from(ha.finish()) << 64) | u128::from(hb.finish()),
+            len: bytes.len(),
+            head,
+        }
+    }
+
+    /// The blocks of `text`, whose fingerprint is `fingerprint`: one more pass, from the end.
+    fn blocks(&self, text: &str, fingerprint: Fingerprint) -> Blocks {
+        debug_assert_eq!(fingerprint.len, text.len(), "a fingerprint of another file");
+        Blocks {
+            len: text.len(),
+            head: fingerprint.head,
+            tail: splice::tail(text.as_bytes(), self.block, &|b| self.hash(b)),
+        }
+    }
+
     /// A 128-bit hash of `bytes` (the same bytes hash alike for this pipeline's life).
-    pub fn hash(&self, bytes: &[u8]) -> Hash {
+    fn hash(&self, bytes: &[u8]) -> Hash {
         let (a, b) = &self.hashers;
         (u128::from(a.hash_one(bytes)) << 64) | u128::from(b.hash_one(bytes))
     }
@@ -320,12 +364,25 @@ impl Pipeline {
     /// are exactly those of [`super::parse`]. `max_peers`: more peers are refused (after
     /// validation: an invalid file is named as such first).
     pub fn update(&mut self, text: &str, max_peers: Option<usize>) -> Result<Changes, Rejection> {
+        let fingerprint = self.fingerprint(text.as_bytes());
+        self.update_read(text, fingerprint, max_peers)
+    }
+
+    /// [`Self::update`] for a file whose [`Self::fingerprint`] was taken already (the daemon's,
+    /// to skip an unchanged file): the blocks from the start are not hashed again.
+    pub fn update_read(
+        &mut self,
+        text: &str,
+        fingerprint: Fingerprint,
+        max_peers: Option<usize>,
+    ) -> Result<Changes, Rejection> {
+        let blocks = self.blocks(text, fingerprint);
         let mut changes = match self
-            .spliced(text, max_peers)
-            .or_else(|| self.incremental(text, max_peers))
+            .spliced(text, &blocks, max_peers)
+            .or_else(|| self.incremental(text, &blocks, max_peers))
         {
             Some(result) => result,
-            None => self.parse_whole(text, max_peers),
+            None => self.parse_whole(text, blocks, max_peers),
         }?;
         changes.earliest_expiry = Some(self.index.expiries.keys().next().copied());
         Ok(changes)
@@ -336,10 +393,11 @@ impl Pipeline {
     fn spliced(
         &mut self,
         text: &str,
+        blocks: &Blocks,
         max_peers: Option<usize>,
     ) -> Option<Result<Changes, Rejection>> {
         let layout = self.layout.as_ref()?;
-        let mut splice = splice::find(layout, text, self.block, &|bytes| self.hash(bytes))?;
+        let mut splice = splice::find(layout, text, blocks, self.block)?;
         // A run of every peer (a file in another order) replaces the whole state.
         let replaced: Option<HashSet<Hash, ByHash>> = (splice.from > 0
             || splice.to < layout.peers())
@@ -353,7 +411,7 @@ impl Pipeline {
         let replies = self.state.replies;
         let (result, ids) = self.replace(run, replaced.as_ref(), peers, replies, max_peers)?;
         if let (Ok(_), Some(layout)) = (&result, &mut self.layout) {
-            splice.apply(layout, offsets, ids);
+            splice.apply(layout, blocks.clone(), offsets, ids);
         }
         Some(result)
     }
@@ -362,6 +420,7 @@ impl Pipeline {
     fn incremental(
         &mut self,
         text: &str,
+        blocks: &Blocks,
         max_peers: Option<usize>,
     ) -> Option<Result<Changes, Rejection>> {
         let top = typed::top(text)?;
@@ -370,7 +429,7 @@ impl Pipeline {
         let replies = top.replies.unwrap_or(true);
         let (result, ids) = self.replace(top.peers, None, peers, replies, max_peers)?;
         if result.is_ok() {
-            let layout = Layout::new(text, starts, ids, top.end, self.block, &|b| self.hash(b));
+            let layout = Layout::new(text, blocks.clone(), starts, ids, top.end);
             self.layout = Some(layout);
         }
         Some(result)
@@ -652,7 +711,12 @@ impl Pipeline {
 
     /// The full parse decides; a valid state replaces everything (the slow path: a file the
     /// incremental pass could not decide alone, valid after all).
-    fn parse_whole(&mut self, text: &str, max_peers: Option<usize>) -> Result<Changes, Rejection> {
+    fn parse_whole(
+        &mut self,
+        text: &str,
+        blocks: Blocks,
+        max_peers: Option<usize>,
+    ) -> Result<Changes, Rejection> {
         let desired = parse(text)?;
         self.read = desired.peers.len();
         if let Some(max) = max_peers {
@@ -676,9 +740,7 @@ impl Pipeline {
                 by_name.insert(raw.name().to_owned(), *id);
             }
             let starts = top.peers.iter().map(|(at, _)| *at).collect();
-            layout = Some(Layout::new(text, starts, ids, top.end, self.block, &|b| {
-                self.hash(b)
-            }));
+            layout = Some(Layout::new(text, blocks, starts, ids, top.end));
         }
         let previous = std::mem::replace(self, Self::new_with(self.hashers.clone(), self.block));
         self.layout = layout;
@@ -739,7 +801,8 @@ impl Pipeline {
             .map(|(_, raw)| self.peer_hash(raw))
             .collect();
         let starts = top.peers.iter().map(|(at, _)| *at).collect();
-        let rebuilt = Layout::new(text, starts, ids, top.end, self.block, &|b| self.hash(b));
+        let blocks = self.blocks(text, self.fingerprint(text.as_bytes()));
+        let rebuilt = Layout::new(text, blocks, starts, ids, top.end);
         if &rebuilt == layout {
             Ok(())
         } else {

@@ -17,8 +17,7 @@
 
 use super::typed::{Cursor, RawPeer};
 
-/// A 128-bit hash, as the pipeline's.
-pub(super) type Hash = u128;
+use super::pipeline::Hash;
 
 /// The block size the pipeline compares files by: small enough that a change re-reads a few
 /// peers around it, large enough that the hashes are a small part of the file (0.4%).
@@ -43,12 +42,25 @@ pub(super) struct Layout {
     after: String,
 }
 
-/// The blocks of `bytes`, from the start and from the end.
-fn blocks(bytes: &[u8], block: usize, hash: &impl Fn(&[u8]) -> Hash) -> (Vec<Hash>, Vec<Hash>) {
-    (
-        bytes.chunks(block).map(hash).collect(),
-        bytes.rchunks(block).map(hash).collect(),
-    )
+/// A file's blocks' hashes, from the start and from the end: what the pipeline compares files
+/// by, computed once per file read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Blocks {
+    pub len: usize,
+    /// From the start (the last one may be short): they also give the file's identity.
+    pub head: Vec<Hash>,
+    /// From the end (the first one may be short).
+    pub tail: Vec<Hash>,
+}
+
+/// The hashes of `bytes`'s blocks of `block` bytes, from the start.
+pub(super) fn head(bytes: &[u8], block: usize, hash: &impl Fn(&[u8]) -> Hash) -> Vec<Hash> {
+    bytes.chunks(block).map(hash).collect()
+}
+
+/// The hashes of `bytes`'s blocks of `block` bytes, from the end.
+pub(super) fn tail(bytes: &[u8], block: usize, hash: &impl Fn(&[u8]) -> Hash) -> Vec<Hash> {
+    bytes.rchunks(block).map(hash).collect()
 }
 
 impl Layout {
@@ -57,17 +69,10 @@ impl Layout {
         self.starts.len()
     }
 
-    /// The layout of `text`, whose peers start at `starts` and are `ids`, and whose peers
-    /// array closes at `end`.
-    pub fn new(
-        text: &str,
-        starts: Vec<usize>,
-        ids: Vec<Hash>,
-        end: usize,
-        block: usize,
-        hash: &impl Fn(&[u8]) -> Hash,
-    ) -> Self {
-        let (head, tail) = blocks(text.as_bytes(), block, hash);
+    /// The layout of `text` (whose blocks are `blocks`), whose peers start at `starts` and
+    /// are `ids`, and whose peers array closes at `end`.
+    pub fn new(text: &str, blocks: Blocks, starts: Vec<usize>, ids: Vec<Hash>, end: usize) -> Self {
+        let Blocks { head, tail, .. } = blocks;
         let first = starts.first().copied().unwrap_or(end);
         Self {
             len: text.len(),
@@ -92,9 +97,6 @@ pub(super) struct Splice<'a> {
     /// The new file's text before its first peer, where the run starts the array (the
     /// whitespace there may differ).
     before: Option<String>,
-    len: usize,
-    head: Vec<Hash>,
-    tail: Vec<Hash>,
 }
 
 impl Splice<'_> {
@@ -108,10 +110,11 @@ impl Splice<'_> {
         layout.starts.len() - (self.to - self.from) + self.run.len()
     }
 
-    /// `layout` made the new file's, given the run's offsets and identities (in its order).
-    pub fn apply(self, layout: &mut Layout, offsets: Vec<usize>, ids: Vec<Hash>) {
+    /// `layout` made the new file's (whose blocks are `blocks`), given the run's offsets and
+    /// identities (in its order).
+    pub fn apply(self, layout: &mut Layout, blocks: Blocks, offsets: Vec<usize>, ids: Vec<Hash>) {
         // Offsets after the run move by the difference in length (modulo: it may be negative).
-        let (new_len, old_len) = (self.len, layout.len);
+        let (new_len, old_len) = (blocks.len, layout.len);
         let moved =
             |offset: &mut usize| *offset = offset.wrapping_add(new_len).wrapping_sub(old_len);
         let kept_after = self.from + offsets.len();
@@ -125,26 +128,27 @@ impl Splice<'_> {
             layout.before = before;
         }
         layout.len = new_len;
-        layout.head = self.head;
-        layout.tail = self.tail;
+        layout.head = blocks.head;
+        layout.tail = blocks.tail;
     }
 }
 
-/// `text` as a splice of the file `layout` describes; `None` if it is not one.
+/// `text` (whose blocks are `blocks`, of `block` bytes) as a splice of the file `layout`
+/// describes; `None` if it is not one.
 pub(super) fn find<'a>(
     layout: &Layout,
     text: &'a str,
+    blocks: &Blocks,
     block: usize,
-    hash: &impl Fn(&[u8]) -> Hash,
 ) -> Option<Splice<'a>> {
     let bytes = text.as_bytes();
-    let (head, tail) = blocks(bytes, block, hash);
+    let Blocks { head, tail, .. } = blocks;
     let same = |new: &[Hash], old: &[Hash]| new.iter().zip(old).take_while(|(a, b)| a == b).count();
     let shortest = bytes.len().min(layout.len);
     // The first `equal_head` bytes of both files are the same, and so are their last
     // `equal_tail` bytes.
-    let mut equal_head = (same(&head, &layout.head) * block).min(shortest);
-    let mut equal_tail = (same(&tail, &layout.tail) * block).min(shortest);
+    let mut equal_head = (same(head, &layout.head) * block).min(shortest);
+    let mut equal_tail = (same(tail, &layout.tail) * block).min(shortest);
     if text.starts_with(&layout.before) {
         equal_head = equal_head.max(layout.before.len());
     }
@@ -177,8 +181,5 @@ pub(super) fn find<'a>(
         to,
         before: (from == 0).then(|| text[..first].to_owned()),
         run,
-        len: bytes.len(),
-        head,
-        tail,
     })
 }

@@ -107,7 +107,7 @@ pub enum Target {
 /// unchanged file stops there), the state pipeline on the text, then the planner with the
 /// pipeline's change set and the apply.
 pub struct Pushed {
-    /// Hash + `Pipeline::update`: reading the file, the only O(N) work of a push.
+    /// Fingerprint + `Pipeline::update_read`: reading the file, the only O(N) work of a push.
     pub parse: Duration,
     /// Peers whose fields the pipeline read (`Pipeline::peers_read`).
     pub read: usize,
@@ -122,8 +122,10 @@ impl Target {
             Target::Maps(_) => None,
         };
         let t = Instant::now();
-        std::hint::black_box(pipeline.hash(text.as_bytes()));
-        let changes = pipeline.update(text, max_peers).unwrap();
+        // As the daemon: the file's identity (to skip an unchanged one), then the update.
+        let fingerprint = pipeline.fingerprint(text.as_bytes());
+        std::hint::black_box(fingerprint.id());
+        let changes = pipeline.update_read(text, fingerprint, max_peers).unwrap();
         let parse = t.elapsed();
         let read = pipeline.peers_read();
         let outcome = match self {
