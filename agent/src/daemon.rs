@@ -28,7 +28,7 @@ use crate::{
     dataplane::{AttachOptions, Check, Dataplane, DataplaneError, Repair},
     metrics::{self, Endpoints, Health, Metrics},
     reconcile::{ReconcileError, Reconciler},
-    source::{ReadError, SourceError, StateFile, StateSource},
+    source::{OpenState, ReadError, SourceError, StateFile, StateSource},
     state::{Changes, Pipeline, Rejection},
     status::{
         rules::rule_rows,
@@ -149,12 +149,17 @@ struct Prepared {
 fn prepare(state_file: StateFile) -> Option<std::thread::JoinHandle<(Pipeline, Option<Prepared>)>> {
     let parse = move || {
         let mut pipeline = Pipeline::new();
-        let prepared = state_file.read().ok().and_then(|bytes| {
-            let fingerprint = pipeline.fingerprint(&bytes);
-            let hash = fingerprint.id();
-            let text = std::str::from_utf8(&bytes).ok()?;
-            let result = pipeline.update_read(text, fingerprint, None);
-            Some(Prepared { hash, result })
+        let prepared = state_file.read().ok().map(|bytes| {
+            let bytes = bytes.as_slice();
+            let read = pipeline.fingerprint(bytes).and_then(|fingerprint| {
+                let hash = fingerprint.id();
+                let result = pipeline.update_from(bytes, fingerprint, None)?;
+                Ok(Prepared { hash, result })
+            });
+            match read {
+                Ok(prepared) => prepared,
+                Err(never) => match never {},
+            }
         });
         (pipeline, prepared)
     };
@@ -192,48 +197,54 @@ impl Core {
             tracing::debug!("datapath fault: the state is applied once the datapath is back");
             return Next::Idle;
         }
-        let bytes = match self.read_state_file() {
-            Ok(bytes) => bytes,
+        let file = match self.open_state_file() {
+            Ok(file) => file,
             Err(next) => return next,
         };
-        // The file's one pass before it is known to be new: an unchanged file costs no more.
-        let fingerprint = self.pipeline.fingerprint(&bytes);
-        let hash = fingerprint.id();
+        // The one pass over the file before it is known to be new: an unchanged file costs no
+        // more, and a new one is then read only where it changed.
+        let fingerprint = match self.pipeline.fingerprint(&file) {
+            Ok(fingerprint) => fingerprint,
+            Err(e) => return read_failed(&e),
+        };
+        let mut hash = fingerprint.id();
         if !force && (self.applied == Some(hash) || self.rejected == Some(hash)) {
             return Next::Idle;
         }
         let capacity = self.reconciler.wireguard().max_peers();
-        let mut hash = hash;
-        let parsed = match self.prepared.take().filter(|p| p.hash == hash) {
+        let result = match self.prepared.take().filter(|p| p.hash == hash) {
             Some(prepared) => {
                 let result = self.within_capacity(prepared.result, capacity);
                 if matches!(result, Err(Rejection::TooMany { .. })) {
                     // Refused with a new pipeline: its identity of the same bytes.
-                    hash = self.pipeline.fingerprint(&bytes).id();
+                    match self.pipeline.fingerprint(&file) {
+                        Ok(fingerprint) => hash = fingerprint.id(),
+                        Err(e) => return read_failed(&e),
+                    }
                 }
-                Ok(result)
+                result
             }
-            None => std::str::from_utf8(&bytes)
-                .map(|text| self.pipeline.update_read(text, fingerprint, capacity))
-                .map_err(|e| format!("state file is not UTF-8: {e}")),
+            None => match self.pipeline.update_from(&file, fingerprint, capacity) {
+                Ok(result) => result,
+                Err(e) => return read_failed(&e),
+            },
         };
+        drop(file);
         // Failing policy tests are named in /readyz, not only in the log.
         let mut failed_tests = Vec::new();
-        let updated = parsed.and_then(|result| {
-            result.map_err(|e| match e {
-                Rejection::Invalid(errors) => {
-                    failed_tests = crate::state::assertions::failed(&errors);
-                    errors.to_string()
-                }
-                // Refused here, whole, rather than halfway through the WireGuard update.
-                Rejection::TooMany { peers, max } => format!(
-                    "state rejected: {peers} peers, but {} is run by a userspace WireGuard \
-                     (wireguard-go), which holds at most {max}",
-                    self.reconciler.dataplane().interface()
-                ),
-            })
+        let updated = result.map_err(|e| match e {
+            Rejection::Invalid(errors) => {
+                failed_tests = crate::state::assertions::failed(&errors);
+                errors.to_string()
+            }
+            // Refused here, whole, rather than halfway through the WireGuard update.
+            Rejection::TooMany { peers, max } => format!(
+                "state rejected: {peers} peers, but {} is run by a userspace WireGuard \
+                 (wireguard-go), which holds at most {max}",
+                self.reconciler.dataplane().interface()
+            ),
+            e @ Rejection::NotUtf8(_) => e.to_string(),
         });
-        drop(bytes);
         let changes = match updated {
             Ok(changes) => changes,
             Err(errors) => {
@@ -269,11 +280,11 @@ impl Core {
         }
     }
 
-    /// The state file's bytes; if it cannot be read, what the loop does next (the reason is
-    /// logged and, unless the file is being replaced, said by the readiness).
-    fn read_state_file(&mut self) -> Result<Vec<u8>, Next> {
-        match self.state_file.read() {
-            Ok(bytes) => Ok(bytes),
+    /// The state file, open to be read; if it cannot be, what the loop does next (the reason
+    /// is logged and, unless the file is being replaced, said by the readiness).
+    fn open_state_file(&mut self) -> Result<OpenState, Next> {
+        match self.state_file.open() {
+            Ok(file) => Ok(file),
             Err(e @ ReadError::Replaced(_)) => {
                 tracing::warn!(error = %e, "reading the state file again");
                 Err(Next::Retry)
@@ -704,6 +715,13 @@ fn adopt(options: &RunOptions, metrics: &Metrics) -> Result<Reconciler, DaemonEr
         "kernel state read; nothing is removed before a valid state is loaded"
     );
     Ok(reconciler)
+}
+
+/// The state file could not be read to its end once open (it shrank while it was read, as a
+/// file rewritten in place does): read it again, keeping what is enforced.
+fn read_failed(e: &std::io::Error) -> Next {
+    tracing::warn!(error = %e, "the state file changed while it was read; reading it again");
+    Next::Retry
 }
 
 /// The loop: loads on every change of the state file, resyncs every `resync`, checks the

@@ -31,7 +31,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
     ffi::OsString,
-    os::unix::fs::MetadataExt as _,
+    os::unix::fs::{FileExt as _, MetadataExt as _},
     path::{Path, PathBuf},
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -46,7 +46,10 @@ use notify::{
 };
 use tokio::sync::Notify;
 
-use crate::trust::{self, TrustError};
+use crate::{
+    state::StateBytes,
+    trust::{self, TrustError},
+};
 
 /// How long a write that was not closed (the writer may still be writing) waits for another
 /// event before the file is read anyway.
@@ -391,21 +394,82 @@ impl StateFile {
 
     /// The file's bytes.
     pub fn read(&self) -> Result<Vec<u8>, ReadError> {
-        let io = |e: std::io::Error| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                ReadError::Missing
-            } else {
-                ReadError::Unreadable(e)
-            }
-        };
         if !self.trusted_only {
-            return std::fs::read(&self.path).map_err(io);
+            return std::fs::read(&self.path).map_err(io_error);
         }
-        trust::read_trusted(&self.path).map_err(|e| match e {
-            TrustError::Io { source, .. } => io(source),
-            e @ TrustError::Changed { .. } => ReadError::Replaced(e),
-            e => ReadError::Untrusted(e),
-        })
+        trust::read_trusted(&self.path).map_err(trust_error)
+    }
+
+    /// Opens the file to be read in pieces ([`OpenState`]), checked as [`Self::read`] checks.
+    pub fn open(&self) -> Result<OpenState, ReadError> {
+        let file = if self.trusted_only {
+            trust::open_trusted(&self.path).map_err(trust_error)?
+        } else {
+            std::fs::File::open(&self.path).map_err(io_error)?
+        };
+        let len = file.metadata().map_err(io_error)?.len();
+        let len = usize::try_from(len).map_err(|e| io_error(std::io::Error::other(e)))?;
+        Ok(OpenState { file, len })
+    }
+}
+
+fn io_error(e: std::io::Error) -> ReadError {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        ReadError::Missing
+    } else {
+        ReadError::Unreadable(e)
+    }
+}
+
+fn trust_error(e: TrustError) -> ReadError {
+    match e {
+        TrustError::Io { source, .. } => io_error(source),
+        e @ TrustError::Changed { .. } => ReadError::Replaced(e),
+        e => ReadError::Untrusted(e),
+    }
+}
+
+/// How much of the file a read in pieces holds at once: small enough to stay in the CPU's
+/// cache (and to cost no page faults of a buffer the size of the file), large enough that the
+/// reads are few.
+const PIECE: usize = 256 * 1024;
+
+/// The state file, open, read in pieces by the pipeline: its length is the one it had when it
+/// was opened (a file that changes while it is read is read again on the change's event; one
+/// that shrinks fails the read).
+#[derive(Debug)]
+pub struct OpenState {
+    file: std::fs::File,
+    len: usize,
+}
+
+impl StateBytes for OpenState {
+    type Error = std::io::Error;
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn each_piece(&self, f: &mut dyn FnMut(&[u8])) -> std::io::Result<()> {
+        let mut piece = vec![0; PIECE.min(self.len)];
+        let mut at = 0;
+        while at < self.len {
+            let n = PIECE.min(self.len - at);
+            self.read_at(at, &mut piece[..n])?;
+            f(&piece[..n]);
+            at += n;
+        }
+        Ok(())
+    }
+
+    fn read_at(&self, offset: usize, buf: &mut [u8]) -> std::io::Result<()> {
+        self.file.read_exact_at(buf, offset as u64)
+    }
+
+    fn all(&self) -> std::io::Result<std::borrow::Cow<'_, [u8]>> {
+        let mut bytes = vec![0; self.len];
+        self.read_at(0, &mut bytes)?;
+        Ok(std::borrow::Cow::Owned(bytes))
     }
 }
 

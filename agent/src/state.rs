@@ -12,7 +12,7 @@ mod tree;
 mod typed;
 mod unique_keys;
 
-pub use pipeline::{Changes, Fingerprint, Pipeline, Rejection};
+pub use pipeline::{Changes, Fingerprint, Pipeline, Rejection, StateBytes};
 pub use tree::parse_value_tree;
 
 use std::{

@@ -65,24 +65,35 @@ pub fn check_state_path(path: &Path) -> Result<(), TrustError> {
     check_path(path).map(drop)
 }
 
-/// Reads the state file the check approved, and no other: the file is opened first, the path
+/// Opens the state file the check approved, and no other: the file is opened first, the path
 /// checked, and the opened file must be the one the check reached (device and inode), so a
 /// file swapped in between (in a sticky directory, say) is never read. A missing file is an
 /// `Io` error of kind `NotFound`.
-pub fn read_trusted(path: &Path) -> Result<Vec<u8>, TrustError> {
-    use std::io::Read as _;
+pub fn open_trusted(path: &Path) -> Result<fs::File, TrustError> {
     let io_err = |source| TrustError::Io {
         path: path.to_owned(),
         source,
     };
-    let mut file = fs::File::open(path).map_err(io_err)?;
+    let file = fs::File::open(path).map_err(io_err)?;
     let opened = file.metadata().map_err(io_err)?;
     if check_path(path)? != Some((opened.dev(), opened.ino())) {
         return Err(TrustError::Changed {
             path: path.to_owned(),
         });
     }
-    let mut bytes = Vec::with_capacity(usize::try_from(opened.len()).unwrap_or(0));
+    Ok(file)
+}
+
+/// Reads the state file the check approved, and no other ([`open_trusted`]).
+pub fn read_trusted(path: &Path) -> Result<Vec<u8>, TrustError> {
+    use std::io::Read as _;
+    let io_err = |source| TrustError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let mut file = open_trusted(path)?;
+    let len = file.metadata().map_err(io_err)?.len();
+    let mut bytes = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
     file.read_to_end(&mut bytes).map_err(io_err)?;
     Ok(bytes)
 }

@@ -37,7 +37,7 @@ use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 
 use super::{
     parse,
-    splice::{self, Blocks, Layout},
+    splice::{self, Blocks, Layout, Window},
     typed, Compiled, DesiredState, PeerSpec, StateError, WgKey,
 };
 use crate::policy::{CompiledPolicy, Rule};
@@ -46,15 +46,53 @@ use crate::policy::{CompiledPolicy, Rule};
 /// block's of a file, a file's.
 pub(super) type Hash = u128;
 
-/// A state file's identity, from the hashes of its blocks: read once per file
-/// ([`Pipeline::fingerprint`]) to tell an unchanged file, and then, for a new one, the start
-/// of the comparison that finds what changed ([`splice`]). The same bytes have the same
-/// identity for the pipeline's life.
+/// A state file's identity, from the hashes of its blocks: one pass over the file
+/// ([`Pipeline::fingerprint`]) tells an unchanged file, and, for a new one, where it differs
+/// from the last ([`splice`]). The same bytes have the same identity for the pipeline's life.
 #[derive(Debug, Clone)]
 pub struct Fingerprint {
     id: Hash,
-    len: usize,
-    head: Vec<Hash>,
+    blocks: Blocks,
+}
+
+/// A state file's bytes, as the pipeline reads them: a file read in pieces (a push reads it
+/// once in order, then only the run of peers that changed, so the whole file is never held in
+/// memory for a few changed peers), or bytes already in memory.
+pub trait StateBytes {
+    /// What a read may fail with (a file that shrank or went away while it was read).
+    type Error;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Every byte, in order, in pieces.
+    fn each_piece(&self, f: &mut dyn FnMut(&[u8])) -> Result<(), Self::Error>;
+    /// Fills `buf` with the bytes from `offset` on.
+    fn read_at(&self, offset: usize, buf: &mut [u8]) -> Result<(), Self::Error>;
+    /// Every byte at once.
+    fn all(&self) -> Result<std::borrow::Cow<'_, [u8]>, Self::Error>;
+}
+
+impl StateBytes for [u8] {
+    type Error = std::convert::Infallible;
+
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+
+    fn each_piece(&self, f: &mut dyn FnMut(&[u8])) -> Result<(), Self::Error> {
+        f(self);
+        Ok(())
+    }
+
+    fn read_at(&self, offset: usize, buf: &mut [u8]) -> Result<(), Self::Error> {
+        buf.copy_from_slice(&self[offset..offset + buf.len()]);
+        Ok(())
+    }
+
+    fn all(&self) -> Result<std::borrow::Cow<'_, [u8]>, Self::Error> {
+        Ok(std::borrow::Cow::Borrowed(self))
+    }
 }
 
 impl Fingerprint {
@@ -129,6 +167,8 @@ pub enum Rejection {
     /// Valid, but more peers than the caller can hold (a userspace WireGuard's limit).
     #[error("{peers} peers, at most {max}")]
     TooMany { peers: usize, max: usize },
+    #[error("state file is not UTF-8: {0}")]
+    NotUtf8(#[from] std::str::Utf8Error),
 }
 
 /// The pipeline: the last accepted state and the indexes that decide the next one.
@@ -312,30 +352,20 @@ impl Pipeline {
         }
     }
 
-    /// The identity of the file `bytes`: one pass over it, hashing its blocks from the start.
-    pub fn fingerprint(&self, bytes: &[u8]) -> Fingerprint {
-        let head = splice::head(bytes, self.block, &|b| self.hash(b));
+    /// The identity of the file `bytes`: one pass over it, hashing its blocks.
+    pub fn fingerprint<B: StateBytes + ?Sized>(&self, bytes: &B) -> Result<Fingerprint, B::Error> {
+        let len = bytes.len();
+        let blocks = splice::blocks(len, |f| bytes.each_piece(f), self.block, &|b| self.hash(b))?;
         let (a, b) = &self.hashers;
         let (mut ha, mut hb) = (a.build_hasher(), b.build_hasher());
         for hasher in [&mut ha, &mut hb] {
-            hasher.write_usize(bytes.len());
-            head.iter().for_each(|h| hasher.write_u128(*h));
+            hasher.write_usize(len);
+            blocks.head.iter().for_each(|h| hasher.write_u128(*h));
         }
-        Fingerprint {
+        Ok(Fingerprint {
             id: (u128::from(ha.finish()) << 64) | u128::from(hb.finish()),
-            len: bytes.len(),
-            head,
-        }
-    }
-
-    /// The blocks of `text`, whose fingerprint is `fingerprint`: one more pass, from the end.
-    fn blocks(&self, text: &str, fingerprint: Fingerprint) -> Blocks {
-        debug_assert_eq!(fingerprint.len, text.len(), "a fingerprint of another file");
-        Blocks {
-            len: text.len(),
-            head: fingerprint.head,
-            tail: splice::tail(text.as_bytes(), self.block, &|b| self.hash(b)),
-        }
+            blocks,
+        })
     }
 
     /// A 128-bit hash of `bytes` (the same bytes hash alike for this pipeline's life).
@@ -364,40 +394,83 @@ impl Pipeline {
     /// are exactly those of [`super::parse`]. `max_peers`: more peers are refused (after
     /// validation: an invalid file is named as such first).
     pub fn update(&mut self, text: &str, max_peers: Option<usize>) -> Result<Changes, Rejection> {
-        let fingerprint = self.fingerprint(text.as_bytes());
-        self.update_read(text, fingerprint, max_peers)
+        let bytes = text.as_bytes();
+        let read = self
+            .fingerprint(bytes)
+            .and_then(|fingerprint| self.update_from(bytes, fingerprint, max_peers));
+        match read {
+            Ok(result) => result,
+            Err(never) => match never {},
+        }
     }
 
-    /// [`Self::update`] for a file whose [`Self::fingerprint`] was taken already (the daemon's,
-    /// to skip an unchanged file): the blocks from the start are not hashed again.
-    pub fn update_read(
+    /// [`Self::update`] for the file `bytes`, whose [`Self::fingerprint`] was taken already
+    /// (the daemon's, to skip an unchanged file). A file that is a splice of the last one has
+    /// only its changed run read again; any other is read whole. `Err`: the file could not be
+    /// read (nothing changed then).
+    pub fn update_from<B: StateBytes + ?Sized>(
         &mut self,
-        text: &str,
+        bytes: &B,
         fingerprint: Fingerprint,
         max_peers: Option<usize>,
-    ) -> Result<Changes, Rejection> {
-        let blocks = self.blocks(text, fingerprint);
-        let mut changes = match self
-            .spliced(text, &blocks, max_peers)
-            .or_else(|| self.incremental(text, &blocks, max_peers))
-        {
+    ) -> Result<Result<Changes, Rejection>, B::Error> {
+        let blocks = fingerprint.blocks;
+        let spliced = match self.window(bytes, &blocks)? {
+            Some((window, run)) => self.spliced(&window, &run, &blocks, max_peers),
+            None => None,
+        };
+        let result = match spliced {
             Some(result) => result,
-            None => self.parse_whole(text, blocks, max_peers),
-        }?;
-        changes.earliest_expiry = Some(self.index.expiries.keys().next().copied());
-        Ok(changes)
+            None => {
+                let all = bytes.all()?;
+                match std::str::from_utf8(&all) {
+                    Ok(text) => match self.incremental(text, &blocks, max_peers) {
+                        Some(result) => result,
+                        None => self.parse_whole(text, blocks, max_peers),
+                    },
+                    Err(e) => Err(Rejection::NotUtf8(e)),
+                }
+            }
+        };
+        Ok(result.map(|mut changes| {
+            changes.earliest_expiry = Some(self.index.expiries.keys().next().copied());
+            changes
+        }))
     }
 
-    /// The pass for a file that is the last one with one run of peers replaced
-    /// ([`splice`]); `None` where the file is not that, or the pass cannot decide alone.
+    /// Where `bytes` (of `blocks`) differ from the last accepted file if they are a splice of
+    /// it, and the text of the run there; `None` if they are not (or the run is not UTF-8: the
+    /// read of the whole file names it).
+    fn window<B: StateBytes + ?Sized>(
+        &self,
+        bytes: &B,
+        blocks: &Blocks,
+    ) -> Result<Option<(Window, String)>, B::Error> {
+        let Some(layout) = &self.layout else {
+            return Ok(None);
+        };
+        let read_at = |at: usize, buf: &mut [u8]| bytes.read_at(at, buf);
+        let Some(window) = splice::locate(layout, blocks, self.block, read_at)? else {
+            return Ok(None);
+        };
+        let range = window.range();
+        let mut run = vec![0; range.len()];
+        bytes.read_at(range.start, &mut run)?;
+        Ok(String::from_utf8(run).ok().map(|run| (window, run)))
+    }
+
+    /// The pass for a file that is the last one with one run of peers replaced, the text `run`
+    /// in `window` ([`splice`]); `None` where the file is not that, or the pass cannot decide
+    /// alone.
     fn spliced(
         &mut self,
-        text: &str,
+        window: &Window,
+        run: &str,
         blocks: &Blocks,
         max_peers: Option<usize>,
     ) -> Option<Result<Changes, Rejection>> {
         let layout = self.layout.as_ref()?;
-        let mut splice = splice::find(layout, text, blocks, self.block)?;
+        let mut splice = window.splice(layout, run)?;
         // A run of every peer (a file in another order) replaces the whole state.
         let replaced: Option<HashSet<Hash, ByHash>> = (splice.from > 0
             || splice.to < layout.peers())
@@ -801,7 +874,10 @@ impl Pipeline {
             .map(|(_, raw)| self.peer_hash(raw))
             .collect();
         let starts = top.peers.iter().map(|(at, _)| *at).collect();
-        let blocks = self.blocks(text, self.fingerprint(text.as_bytes()));
+        let blocks = match self.fingerprint(text.as_bytes()) {
+            Ok(fingerprint) => fingerprint.blocks,
+            Err(never) => match never {},
+        };
         let rebuilt = Layout::new(text, blocks, starts, ids, top.end);
         if &rebuilt == layout {
             Ok(())
@@ -859,15 +935,32 @@ mod tests {
     #[test]
     fn a_change_to_a_few_peers_reads_only_the_peers_around_it() {
         let mut peers: Vec<Value> = (0..2000).map(peer).collect();
+        // The same pushes, read as the daemon reads them: from a file, in pieces.
+        let path = std::env::temp_dir().join(format!("wgfence-pieces-{}", std::process::id()));
+        let mut from_file = Pipeline::new();
+        let mut read_from_file = |text: &str, pipeline: &mut Pipeline| {
+            std::fs::write(&path, text).unwrap();
+            let opened = crate::source::StateFile::new(&path, false).open().unwrap();
+            assert!(opened.len() > 256 * 1024, "a file of several pieces");
+            let fingerprint = from_file.fingerprint(&opened).unwrap();
+            let changes = from_file.update_from(&opened, fingerprint, None).unwrap();
+            assert_eq!(from_file.state(), pipeline.state());
+            assert_eq!(from_file.peers_read(), pipeline.peers_read());
+            from_file.check_layout(text).unwrap();
+            changes.unwrap()
+        };
         let mut pipeline = Pipeline::new();
-        pipeline.update(&file(&peers), None).unwrap();
+        let text = file(&peers);
+        pipeline.update(&text, None).unwrap();
+        read_from_file(&text, &mut pipeline);
         assert_eq!(pipeline.peers_read(), 2000);
 
-        let push = |peers: &[Value], pipeline: &mut Pipeline| {
+        let mut push = |peers: &[Value], pipeline: &mut Pipeline| {
             let text = file(peers);
             let changes = pipeline.update(&text, None).unwrap();
             assert_eq!(pipeline.state(), &parse(&text).unwrap());
             pipeline.check_layout(&text).unwrap();
+            assert_eq!(read_from_file(&text, pipeline), changes);
             changes
         };
         // A revocation: one peer gone.
@@ -891,6 +984,7 @@ mod tests {
         let changes = push(&peers, &mut pipeline);
         assert!(changes.is_empty());
         assert_eq!(pipeline.peers_read(), peers.len());
+        let _ = std::fs::remove_file(&path);
     }
 
     /// Whitespace where a run starts is no part of the first peer's text: the layout kept is

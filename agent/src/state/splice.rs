@@ -53,14 +53,78 @@ pub(super) struct Blocks {
     pub tail: Vec<Hash>,
 }
 
-/// The hashes of `bytes`'s blocks of `block` bytes, from the start.
-pub(super) fn head(bytes: &[u8], block: usize, hash: &impl Fn(&[u8]) -> Hash) -> Vec<Hash> {
-    bytes.chunks(block).map(hash).collect()
+/// Hashes of the consecutive blocks of bytes fed in pieces of any size: `first` bytes, then
+/// `block` bytes each, the last one short. Each block is hashed whole, as one slice, whatever
+/// the pieces were.
+struct Blocker {
+    first: usize,
+    block: usize,
+    pending: Vec<u8>,
+    hashes: Vec<Hash>,
 }
 
-/// The hashes of `bytes`'s blocks of `block` bytes, from the end.
-pub(super) fn tail(bytes: &[u8], block: usize, hash: &impl Fn(&[u8]) -> Hash) -> Vec<Hash> {
-    bytes.rchunks(block).map(hash).collect()
+impl Blocker {
+    fn new(first: usize, block: usize) -> Self {
+        Self {
+            first,
+            block,
+            pending: Vec::new(),
+            hashes: Vec::new(),
+        }
+    }
+
+    fn feed(&mut self, mut bytes: &[u8], hash: &impl Fn(&[u8]) -> Hash) {
+        while !bytes.is_empty() {
+            let size = if self.hashes.is_empty() {
+                self.first
+            } else {
+                self.block
+            };
+            if self.pending.is_empty() && bytes.len() >= size {
+                self.hashes.push(hash(&bytes[..size]));
+                bytes = &bytes[size..];
+                continue;
+            }
+            let take = (size - self.pending.len()).min(bytes.len());
+            self.pending.extend_from_slice(&bytes[..take]);
+            bytes = &bytes[take..];
+            if self.pending.len() == size {
+                self.hashes.push(hash(&self.pending));
+                self.pending.clear();
+            }
+        }
+    }
+
+    fn finish(mut self, hash: &impl Fn(&[u8]) -> Hash) -> Vec<Hash> {
+        if !self.pending.is_empty() {
+            self.hashes.push(hash(&self.pending));
+        }
+        self.hashes
+    }
+}
+
+/// The blocks of `bytes` (of `len` bytes, fed in pieces by `each_piece`), in one pass: from the
+/// start, and counted from the end (the first of those, at the start, is the short one).
+pub(super) fn blocks<E>(
+    len: usize,
+    each_piece: impl FnOnce(&mut dyn FnMut(&[u8])) -> Result<(), E>,
+    block: usize,
+    hash: &impl Fn(&[u8]) -> Hash,
+) -> Result<Blocks, E> {
+    let mut head = Blocker::new(block, block);
+    let short = len % block;
+    let mut tail = Blocker::new(if short == 0 { block } else { short }, block);
+    each_piece(&mut |piece: &[u8]| {
+        head.feed(piece, hash);
+        tail.feed(piece, hash);
+    })?;
+    let mut tail = tail.finish(hash);
+    tail.reverse();
+    Ok(Blocks {
+        len,
+        head: head.finish(hash),
+        tail,
+    })
 }
 
 impl Layout {
@@ -133,31 +197,88 @@ impl Splice<'_> {
     }
 }
 
-/// `text` (whose blocks are `blocks`, of `block` bytes) as a splice of the file `layout`
-/// describes; `None` if it is not one.
-pub(super) fn find<'a>(
+/// Where a new file differs from the last accepted one, if it is a splice of it: the peers
+/// `from..to` of the last file are replaced by what the new file has in `range`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Window {
+    from: usize,
+    to: usize,
+    /// Where the run starts (a peer's offset, the same in both files) and where it ends (the
+    /// next peer's offset in the new file, or its `]` with `closes`).
+    start: usize,
+    until: usize,
+    closes: bool,
+}
+
+impl Window {
+    /// The bytes of the new file the run is read from.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.start..self.until + usize::from(self.closes)
+    }
+
+    /// The splice, given `text`, the new file's bytes in [`Self::range`]; `None` if they are not
+    /// a run of peers that joins both ends.
+    pub fn splice<'a>(&self, layout: &Layout, text: &'a str) -> Option<Splice<'a>> {
+        let (start, until) = (self.start, self.until);
+        let mut cursor = Cursor { text, at: 0 };
+        let mut run = cursor.run(until - start, self.closes, self.from == 0)?;
+        run.iter_mut().for_each(|(at, _)| *at += start);
+        let first = run.first().map_or(until, |(at, _)| *at);
+        Some(Splice {
+            from: self.from,
+            to: self.to,
+            // The new file's bytes before `start` are the last one's, its text before its
+            // first peer.
+            before: (self.from == 0)
+                .then(|| format!("{}{}", layout.before, &text[..first - start])),
+            run,
+        })
+    }
+}
+
+/// Where the new file (of `blocks`, of `block` bytes) differs from the file `layout` describes,
+/// if it is a splice of it; `read_at` reads the new file's bytes at an offset (here only the
+/// few bytes of its top level, to compare them with the last file's). `None` if it is not one.
+pub(super) fn locate<E>(
     layout: &Layout,
-    text: &'a str,
     blocks: &Blocks,
     block: usize,
-) -> Option<Splice<'a>> {
-    let bytes = text.as_bytes();
+    mut read_at: impl FnMut(usize, &mut [u8]) -> Result<(), E>,
+) -> Result<Option<Window>, E> {
+    let len = blocks.len;
     let Blocks { head, tail, .. } = blocks;
     let same = |new: &[Hash], old: &[Hash]| new.iter().zip(old).take_while(|(a, b)| a == b).count();
-    let shortest = bytes.len().min(layout.len);
+    let shortest = len.min(layout.len);
     // The first `equal_head` bytes of both files are the same, and so are their last
     // `equal_tail` bytes.
     let mut equal_head = (same(head, &layout.head) * block).min(shortest);
     let mut equal_tail = (same(tail, &layout.tail) * block).min(shortest);
-    if text.starts_with(&layout.before) {
-        equal_head = equal_head.max(layout.before.len());
+    let mut read_equal = |at: usize, old: &str| -> Result<bool, E> {
+        let mut bytes = vec![0; old.len()];
+        read_at(at, &mut bytes)?;
+        Ok(bytes == old.as_bytes())
+    };
+    if equal_head < layout.before.len()
+        && len >= layout.before.len()
+        && read_equal(0, &layout.before)?
+    {
+        equal_head = layout.before.len();
     }
-    if text.ends_with(&layout.after) {
-        equal_tail = equal_tail.max(layout.after.len());
+    if equal_tail < layout.after.len()
+        && len >= layout.after.len()
+        && read_equal(len - layout.after.len(), &layout.after)?
+    {
+        equal_tail = layout.after.len();
     }
+    Ok(window(layout, len, equal_head, equal_tail))
+}
+
+/// The window of a new file of `len` bytes whose first `equal_head` and last `equal_tail`
+/// bytes are those of the file `layout` describes.
+fn window(layout: &Layout, len: usize, equal_head: usize, equal_tail: usize) -> Option<Window> {
     // An offset of the old file from `tail_from` on is `offset + len - old len` in the new.
     let tail_from = layout.len - equal_tail;
-    let to_new = |old: usize| (old + bytes.len()).checked_sub(layout.len);
+    let to_new = |old: usize| (old + len).checked_sub(layout.len);
     // The run starts where the last peer that starts in the equal head does.
     let from = layout
         .starts
@@ -173,13 +294,62 @@ pub(super) fn find<'a>(
         None if in_tail(layout.end) => (to_new(layout.end)?, true),
         None => return None,
     };
-    let mut cursor = Cursor { text, at: start };
-    let run = cursor.run(until, closes, from == 0)?;
-    let first = run.first().map_or(until, |(at, _)| *at);
-    Some(Splice {
+    // The `]` is a byte of the file.
+    if until < start || (closes && until >= len) {
+        return None;
+    }
+    Some(Window {
         from,
         to,
-        before: (from == 0).then(|| text[..first].to_owned()),
-        run,
+        start,
+        until,
+        closes,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn hash(bytes: &[u8]) -> Hash {
+        // Position-sensitive, so that a block cut elsewhere hashes otherwise.
+        bytes.iter().fold(bytes.len() as Hash, |h, b| {
+            h.wrapping_mul(31) ^ Hash::from(*b)
+        })
+    }
+
+    proptest! {
+        /// Blocks hashed from pieces of any size are the blocks of the whole, from the start and
+        /// from the end: a file read in pieces compares with a layout kept from one in memory.
+        #[test]
+        fn blocks_of_pieces_are_the_blocks_of_the_whole(
+            bytes in proptest::collection::vec(any::<u8>(), 0..200),
+            block in 1usize..17,
+            cuts in proptest::collection::vec(1usize..40, 1..12),
+        ) {
+            let pieces = |f: &mut dyn FnMut(&[u8])| -> Result<(), std::convert::Infallible> {
+                let mut rest = &bytes[..];
+                for cut in cuts.iter().cycle() {
+                    if rest.is_empty() {
+                        break;
+                    }
+                    let (piece, after) = rest.split_at((*cut).min(rest.len()));
+                    f(piece);
+                    rest = after;
+                }
+                Ok(())
+            };
+            let blocks = match blocks(bytes.len(), pieces, block, &hash) {
+                Ok(blocks) => blocks,
+                Err(never) => match never {},
+            };
+            let head: Vec<Hash> = bytes.chunks(block).map(hash).collect();
+            let tail: Vec<Hash> = bytes.rchunks(block).map(hash).collect();
+            prop_assert_eq!(blocks.len, bytes.len());
+            prop_assert_eq!(blocks.head, head);
+            prop_assert_eq!(blocks.tail, tail);
+        }
+    }
 }

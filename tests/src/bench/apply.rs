@@ -239,9 +239,9 @@ pub fn run(report: &mut Report, config: &Config) {
              `plan::plan_changes`) and the apply. The table is the plan and apply time (BPF map \
              writes and the WireGuard peer update, through the real UAPI socket) and the map \
              writes per change; next to a full `iptables-restore` of the same state's ruleset, \
-             which the old design ran on every push. Reading the file (its hash and the \
-             pipeline, which hashes it in blocks and reads only the run of peers a file in the \
-             same order changed, every peer of a file in another order) is the only O(N) part \
+             which the old design ran on every push. Reading the file (one pass in pieces \
+             hashing its blocks, then the pipeline, which reads again only the run of peers a \
+             file in the same order changed, and every peer of a file in another order) is the only O(N) part \
              of a push and is reported apart (below, and \"parse\" in the no-op section). \
              wireguard-go holds at most 65,536 peers (its `MaxPeers`) and this kernel has no \
              WireGuard module, so at 100k and 131,072 the same plan is applied to the maps alone \
@@ -295,9 +295,10 @@ pub fn run(report: &mut Report, config: &Config) {
         "one changed peer (plan + apply), p99 ≤ 1 ms at every N, 131k within 1.5× of 1k: {} \
          (worst p99 {p99_worst:.0} µs; 131k / 1k {}). {}. Judged on plan + apply: the \
          planner is handed the pipeline's change set (`plan::plan_changes`) and looks at the \
-         changed peer alone. Reading the file before it (hash + `Pipeline::update`) is the \
-         push's O(N) part, not in the figure: median {} (the file's blocks hashed, and only \
-         the peers around the change read: the median of peers read in brackets).",
+         changed peer alone. Reading the file before it (the fingerprint's pass + \
+         `Pipeline::update_from`) is the push's O(N) part, not in the figure: median {} (the \
+         file's blocks hashed, and only the peers around the change read again: the median of \
+         peers read in brackets).",
         verdict(met),
         ratio.map_or("n/a".to_owned(), |r| format!("{r:.2}×")),
         parts.unwrap_or_default(),
@@ -318,10 +319,12 @@ pub fn run(report: &mut Report, config: &Config) {
     report.section(
         "No-op: the same state, shuffled",
         "Peers and each peer's rules in another order (5 rounds), pushed as the agent does. \
-         Kernel writes must be zero. \"parse\" is the file's hash and `Pipeline::update` (a \
-         file in another order is no run of changed peers: every peer's fields are read and \
-         hashed, and since a reordered peer hashes the same, nothing is validated or compiled \
-         again); \"plan + apply\" plans the pipeline's change set (empty) and writes nothing.",
+         Kernel writes must be zero. \"parse\" is the agent's read of the file, just written \
+         (from the page cache): one pass in 256 KiB pieces hashing its blocks, then \
+         `Pipeline::update_from` (a file in another order is no run of changed peers: it is read \
+         whole again, every peer's fields are read and hashed, and since a reordered peer \
+         hashes the same, nothing is validated or compiled again); \"plan + apply\" plans the \
+         pipeline's change set (empty) and writes nothing.",
     );
     report.table(
         &[
@@ -345,9 +348,9 @@ pub fn run(report: &mut Report, config: &Config) {
         let line = format!(
             "no-op push (read + parse + plan), shuffled, ≤ 10 ms at 10k and ≤ 100 ms at 100k: {} \
              ({t10k:.1} ms at 10k, {} at 100k; 0 writes: {writes}). Judged on read + parse + \
-             plan: the file's hash and `Pipeline::update` (\"parse\"), then the plan of the \
-             pipeline's change set and its (empty) apply; the file is in memory, so reading it \
-             from disk is not counted.",
+             plan: the agent's read of the file (\"parse\": from the page cache, as a file a \
+             writer just published), then the plan of the pipeline's change set and its \
+             (empty) apply.",
             verdict(t10k <= 10.0 && t100k.is_some_and(|t| t <= 100.0)),
             t100k.map_or("n/a".to_owned(), |t| format!("{t:.1} ms")),
         );

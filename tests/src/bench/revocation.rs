@@ -60,9 +60,9 @@ pub fn run(report: &mut Report, config: &Config) {
     );
     let line = format!(
         "revocation with real sessions, p99 ≤ 20 ms at 1k, ≤ 30 ms at 10k, ≤ 60 ms at 60k: {} \
-         ({}). A revocation reads the whole file and hashes it in blocks (O(N)); the state \
-         pipeline then reads only the peers around the one removed, and the plan leads with \
-         the deletions.",
+         ({}). A revocation reads the whole file once, in 256 KiB pieces, hashing its blocks \
+         (O(N)); the state pipeline then reads again, and parses, only the bytes of the peers \
+         around the one removed, and the plan leads with the deletions.",
         verdict(!verdicts.is_empty() && verdicts.iter().all(|m| *m)),
         rows.iter()
             .map(|r| format!("p99 {} ms at {}", r[3], r[0]))

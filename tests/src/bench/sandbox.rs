@@ -16,6 +16,7 @@ use wgfence::{
     dataplane::{AttachOptions, Dataplane},
     plan::{plan, plan_changes, Actual},
     reconcile::{Outcome, Reconciler},
+    source::StateFile,
     state::{Changes, DesiredState, Pipeline},
     testing::apply_map_op,
     wg::WireGuard as WgDevice,
@@ -103,11 +104,12 @@ pub enum Target {
     Maps(Box<MapsOnly>),
 }
 
-/// One push, as the agent's daemon makes it (daemon.rs): the hash of the file's bytes (an
-/// unchanged file stops there), the state pipeline on the text, then the planner with the
-/// pipeline's change set and the apply.
+/// One push, as the agent's daemon makes it (daemon.rs): the file's fingerprint, one pass in
+/// pieces (an unchanged file stops there), the state pipeline on the open file, then the
+/// planner with the pipeline's change set and the apply.
 pub struct Pushed {
-    /// Fingerprint + `Pipeline::update_read`: reading the file, the only O(N) work of a push.
+    /// Open, `Pipeline::fingerprint` and `Pipeline::update_from`: reading the file, the only
+    /// O(N) work of a push.
     pub parse: Duration,
     /// Peers whose fields the pipeline read (`Pipeline::peers_read`).
     pub read: usize,
@@ -121,12 +123,23 @@ impl Target {
             Target::Device(node) => node.reconciler.wireguard().max_peers(),
             Target::Maps(_) => None,
         };
+        // As the daemon reads it: from a file just written (in the page cache), opened, its
+        // identity taken in one pass (to skip an unchanged file), then updated from.
+        let path = std::env::temp_dir().join(format!("wgfence-bench-{}.json", std::process::id()));
+        std::fs::write(&path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let t = Instant::now();
-        // As the daemon: the file's identity (to skip an unchanged one), then the update.
-        let fingerprint = pipeline.fingerprint(text.as_bytes());
+        let file = StateFile::new(&path, false)
+            .open()
+            .expect("the state file just written");
+        let fingerprint = pipeline.fingerprint(&file).expect("reading the state file");
         std::hint::black_box(fingerprint.id());
-        let changes = pipeline.update_read(text, fingerprint, max_peers).unwrap();
+        let changes = pipeline
+            .update_from(&file, fingerprint, max_peers)
+            .expect("reading the state file")
+            .unwrap();
         let parse = t.elapsed();
+        drop(file);
+        let _ = std::fs::remove_file(&path);
         let read = pipeline.peers_read();
         let outcome = match self {
             Target::Device(node) => node
