@@ -13,11 +13,15 @@
 //! ([`super::typed::Cursor::run`]). Anything else (a change outside the peers, a run that does
 //! not join up, a file of another order) is left to the pipeline's pass over every peer.
 //!
-//! Blocks are compared by the pipeline's 128-bit hashes, as peers are.
+//! Blocks are compared by the pipeline's 128-bit hashes, as peers are. Both sets of blocks
+//! are hashed in one pass over the file read in pieces ([`blocks`]); [`locate`] then needs
+//! only the hashes and a few top-level bytes, and the run is read from the bytes of its
+//! [`Window`] alone, so the whole file is never held for it.
 
-use super::typed::{Cursor, RawPeer};
-
-use super::pipeline::Hash;
+use super::{
+    pipeline::Hash,
+    typed::{Cursor, RawPeer},
+};
 
 /// The block size the pipeline compares files by: small enough that a change re-reads a few
 /// peers around it, large enough that the hashes are a small part of the file (0.4%).
