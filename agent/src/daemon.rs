@@ -229,6 +229,10 @@ impl Core {
                 Err(e) => return read_failed(&e),
             },
         };
+        // Pieces read at different times may be of different writes (a file rewritten in
+        // place): whatever they made is a valid state, applied or rejected as any other, but
+        // not taken for the file's, which is read again at once.
+        let torn = file.written_since_open();
         drop(file);
         // Failing policy tests are named in /readyz, not only in the log.
         let mut failed_tests = Vec::new();
@@ -247,13 +251,18 @@ impl Core {
         });
         let changes = match updated {
             Ok(changes) => changes,
+            Err(_) if torn => return read_failed(&std::io::Error::other("written while read")),
             Err(errors) => {
                 self.reject(&errors, &failed_tests, hash);
                 return Next::Idle;
             }
         };
         self.rejected = None;
-        let next = self.apply(&changes, hash);
+        let mut next = self.apply(&changes, hash);
+        if torn {
+            self.applied = None;
+            next = read_failed(&std::io::Error::other("written while read"));
+        }
         let large = changes.touched.len() + changes.gone.len() > LARGE_CHANGE;
         if large {
             // Freeing many peers and handing the memory back, off the path of the next push.
@@ -717,8 +726,8 @@ fn adopt(options: &RunOptions, metrics: &Metrics) -> Result<Reconciler, DaemonEr
     Ok(reconciler)
 }
 
-/// The state file could not be read to its end once open (it shrank while it was read, as a
-/// file rewritten in place does): read it again, keeping what is enforced.
+/// The state file could not be read whole once open, or was written while it was read (a
+/// file rewritten in place): read it again, keeping what is enforced.
 fn read_failed(e: &std::io::Error) -> Next {
     tracing::warn!(error = %e, "the state file changed while it was read; reading it again");
     Next::Retry

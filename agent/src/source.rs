@@ -407,9 +407,13 @@ impl StateFile {
         } else {
             std::fs::File::open(&self.path).map_err(io_error)?
         };
-        let len = file.metadata().map_err(io_error)?.len();
-        let len = usize::try_from(len).map_err(|e| io_error(std::io::Error::other(e)))?;
-        Ok(OpenState { file, len })
+        let opened = file.metadata().map_err(io_error)?;
+        let len = usize::try_from(opened.len()).map_err(|e| io_error(std::io::Error::other(e)))?;
+        Ok(OpenState {
+            file,
+            len,
+            version: version(&opened),
+        })
     }
 }
 
@@ -441,6 +445,31 @@ const PIECE: usize = 256 * 1024;
 pub struct OpenState {
     file: std::fs::File,
     len: usize,
+    /// Length, modification and change times when it was opened.
+    version: (u64, i64, i64, i64, i64),
+}
+
+fn version(meta: &std::fs::Metadata) -> (u64, i64, i64, i64, i64) {
+    (
+        meta.len(),
+        meta.mtime(),
+        meta.mtime_nsec(),
+        meta.ctime(),
+        meta.ctime_nsec(),
+    )
+}
+
+impl OpenState {
+    /// Whether the file was written since it was opened, as far as its length and times tell
+    /// (so its pieces, read at different times, may be of different writes): then what was read
+    /// of it is not taken for the file, and it is read again. An error reading its metadata
+    /// counts as written. A write these miss (the same length, within the clock's tick) still
+    /// has its event, which reads the file again.
+    pub fn written_since_open(&self) -> bool {
+        self.file
+            .metadata()
+            .map_or(true, |meta| version(&meta) != self.version)
+    }
 }
 
 impl StateBytes for OpenState {
@@ -503,6 +532,25 @@ mod tests {
         let tmp = PathBuf::from(tmp);
         ok(symlink(target, &tmp));
         ok(fs::rename(&tmp, link));
+    }
+
+    /// A file written in place while it is open is told apart from one left alone, and a
+    /// read in pieces past its new end fails rather than returning fewer bytes.
+    #[test]
+    fn a_file_written_while_it_is_open_is_told_apart() {
+        let dir = TempDir::new("torn");
+        let path = dir.0.join("state.json");
+        ok(fs::write(&path, "{\"version\": 1, \"peers\": []}"));
+        let file = StateFile::new(&path, false);
+        let opened = ok(file.open());
+        assert!(!opened.written_since_open());
+        let mut all = Vec::new();
+        ok(opened.each_piece(&mut |piece| all.extend_from_slice(piece)));
+        assert_eq!(all, ok(fs::read(&path)));
+        // Rewritten in place, shorter.
+        ok(fs::write(&path, "{}"));
+        assert!(opened.written_since_open());
+        assert!(opened.read_at(0, &mut vec![0; opened.len()]).is_err());
     }
 
     /// A directory with a `state.json` of `{}`, watched.
