@@ -47,7 +47,7 @@ use std::{
 };
 
 use ipnet::IpNet;
-use wgfence_common::{Allow, Config, PeerEntry, MAX_PEERS, MAX_RULES, NO_RULES, UNRESTRICTED};
+use wgfence_common::{Allow, Config, PeerEntry, MAX_PEERS, NO_RULES, UNRESTRICTED};
 
 use crate::{
     policy::{CompiledPolicy, NOTHING},
@@ -56,6 +56,7 @@ use crate::{
 
 #[cfg(any(test, feature = "testing"))]
 pub mod invariants;
+mod rule_space;
 
 /// The policy id of `"egress": []`: no trie entry, so every packet is denied. One id, the
 /// same for every such peer and across restarts, so that a policy id without entries is the
@@ -247,6 +248,9 @@ struct Index {
     /// long as its highest ([`CompiledPolicy::counted_rules`]), found without a pass over
     /// its entries.
     rule_ends: BTreeMap<(u32, u32), usize>,
+    /// The rule counters the blocks of `rule_refs` and `rule_ends` use, kept current with
+    /// them: a new block is placed in O(log positions), not after a pass over every policy.
+    rule_space: rule_space::RuleSpace,
     /// Policy ids by their (complete or partial) content; an id that peer entries point at
     /// and the tries have no entry for holds [`NOTHING`] (`"egress": []`).
     ///
@@ -278,20 +282,18 @@ impl Index {
 
     fn rule_up(&mut self, entry: &PeerEntry) {
         if entry.rules != NO_RULES {
-            *self
-                .rule_refs
-                .entry((entry.policy, entry.rules))
-                .or_insert(0) += 1;
+            let before = self.rule_block(entry.policy);
+            count_up(&mut self.rule_refs, (entry.policy, entry.rules));
+            self.rule_block_moved(entry.policy, before);
         }
     }
 
     fn rule_down(&mut self, entry: &PeerEntry) {
         let key = (entry.policy, entry.rules);
-        if let Some(n) = self.rule_refs.get_mut(&key) {
-            *n -= 1;
-            if *n == 0 {
-                self.rule_refs.remove(&key);
-            }
+        if self.rule_refs.contains_key(&key) {
+            let before = self.rule_block(entry.policy);
+            count_down(&mut self.rule_refs, key);
+            self.rule_block_moved(entry.policy, before);
         }
     }
 
@@ -301,15 +303,36 @@ impl Index {
         if end == 0 {
             return;
         }
+        let before = self.rule_block(id);
         if up {
             count_up(&mut self.rule_ends, (id, end));
         } else {
             count_down(&mut self.rule_ends, (id, end));
         }
+        self.rule_block_moved(id, before);
+    }
+
+    /// Policy `id`'s rule counter block, as (base, length), if its entries carry one: their
+    /// lowest base, as long as its trie entries' counted rules (at least 1).
+    fn rule_block(&self, id: u32) -> Option<(u32, u32)> {
+        let base = self.rule_base(id)?;
+        Some((base, self.rule_len(id).max(1)))
+    }
+
+    /// Keeps `rule_space` current after policy `id`'s block was `before`.
+    fn rule_block_moved(&mut self, id: u32, before: Option<(u32, u32)>) {
+        let after = self.rule_block(id);
+        if after != before {
+            if let Some((base, len)) = before {
+                self.rule_space.remove(base, len);
+            }
+            if let Some((base, len)) = after {
+                self.rule_space.add(base, len);
+            }
+        }
     }
 
     /// The length of policy `id`'s rule counter block: the rules its trie entries count for.
-    #[cfg(test)]
     fn rule_len(&self, id: u32) -> u32 {
         self.rule_ends
             .range((id, 0)..=(id, u32::MAX))
@@ -327,7 +350,7 @@ impl Index {
 
     /// Every block in use, as (base, length): each policy's lowest base, as long as its
     /// entries' counted rules (at least 1). One merged pass over both indexes, O(#policies),
-    /// for a new block only.
+    /// for a kernel just read.
     fn rule_blocks_in_use(&self) -> Vec<(u32, u32)> {
         let mut ends = self.rule_ends.keys().peekable();
         let mut blocks = Vec::new();
@@ -412,17 +435,27 @@ impl Actual {
             owner_high: maps.owner_high,
             ..Index::default()
         };
+        // The rule blocks' indexes are counted first and their free ranges noted once, in
+        // O(#policies), rather than kept current entry by entry.
         for entry in maps.peers.values() {
             count_up(&mut index.policy_refs, entry.policy);
-            index.rule_up(entry);
+            if entry.rules != NO_RULES {
+                count_up(&mut index.rule_refs, (entry.policy, entry.rules));
+            }
             index.slot_up(entry.slot);
             index.owner_high = index.owner_high.max(entry.owner);
         }
         for (id, content) in &maps.policies {
             index.index_content(content, *id);
             for (_, allows) in content.entries() {
-                index.count_rule_end(*id, allows, true);
+                let end = crate::policy::counted_rules(allows);
+                if end > 0 {
+                    count_up(&mut index.rule_ends, (*id, end));
+                }
             }
+        }
+        for (base, len) in index.rule_blocks_in_use() {
+            index.rule_space.add(base, len);
         }
         let empty: Vec<u32> = index
             .policy_refs
@@ -1107,32 +1140,18 @@ fn rule_blocks(
         }
     }
     // The ranges in use: a kept block is as long as its policy has counted rules (the
-    // highest rule index its entries carry, plus one: the index keeps it). Gathered only when
-    // a policy needs a new block, in O(#policies).
-    let mut used: Option<Vec<(u32, u32)>> = None;
+    // highest rule index its entries carry, plus one), whether or not its peers are touched:
+    // a full plan and one of the changes alone place a new block alike, at the lowest free
+    // range (the index keeps the free ranges current).
+    let mut placing = rule_space::Placing::new(&index.rule_space);
     let mut blocks = BTreeMap::new();
     for (id, len) in &want {
         if let Some(base) = index.rule_base(*id) {
             blocks.insert(*id, base);
             continue;
         }
-        // A kept block's length as the kernel holds it, whether or not its peers are touched:
-        // a full plan and one of the changes alone place a new block alike.
-        let used = used.get_or_insert_with(|| index.rule_blocks_in_use());
-        let len = *len;
-        used.sort_unstable();
-        let mut start = 0u32;
-        let mut found = None;
-        for (base, n) in used.iter().copied().chain(std::iter::once((MAX_RULES, 0))) {
-            if base.saturating_sub(start) >= len {
-                found = Some(start);
-                break;
-            }
-            start = start.max(base.saturating_add(n));
-        }
-        if let Some(base) = found {
-            ops.push(Op::ResetRuleCounters { base, len });
-            used.push((base, len));
+        if let Some(base) = placing.place(*len) {
+            ops.push(Op::ResetRuleCounters { base, len: *len });
             blocks.insert(*id, base);
         }
     }
@@ -1819,6 +1838,12 @@ mod tests {
                 })
                 .collect();
             assert_eq!(index.rule_blocks_in_use(), blocks, "after {op}");
+            // ... and the free ranges are what those blocks leave.
+            let mut space = rule_space::RuleSpace::default();
+            for (base, len) in &blocks {
+                space.add(*base, *len);
+            }
+            assert!(index.rule_space == space, "after {op}");
             // The free-id index gives the lowest id no trie or peer entry uses.
             let used: BTreeSet<u32> = self
                 .0
