@@ -239,7 +239,9 @@ pub fn run(report: &mut Report, config: &Config) {
              a peer with a policy, change its policy, revoke it), each pushed as the agent does: \
              the file's text through the state pipeline (`Pipeline::update`), then the planner \
              with the pipeline's change set (`Reconciler::reconcile_changes`, i.e. \
-             `plan::plan_changes`) and the apply. The table is the plan and apply time (BPF map \
+             `plan::plan_changes`) and the apply, with the daemon's flow sweeper beside it (a \
+             revocation's reply flows are handed to it, off the apply path, as in `wgfence \
+             run`). The table is the plan and apply time (BPF map \
              writes and the WireGuard peer update, through the real UAPI socket) and the map \
              writes per change; next to a full `iptables-restore` of the same state's ruleset, \
              which the old design ran on every push. Reading the file (one pass in pieces \

@@ -14,10 +14,11 @@ use serde_json::Value;
 
 use wgfence::{
     dataplane::{AttachOptions, Dataplane},
-    plan::{plan, plan_changes, Actual},
+    plan::{plan, plan_changes, Actual, Op},
     reconcile::{Outcome, Reconciler},
     source::StateFile,
     state::{Changes, DesiredState, Pipeline},
+    sweeper::{Sweeper, FLOW_SWEEP},
     testing::apply_map_op,
     wg::WireGuard as WgDevice,
 };
@@ -36,6 +37,19 @@ pub struct MapsOnly {
     /// The maps match the pipeline's previous state (as the reconciler's `tracking`).
     pub tracking: bool,
     pub ns: Netns,
+    /// Deletes flows off the apply path, as the daemon's reconciler hands them to it.
+    sweeper: Sweeper,
+}
+
+/// The flow sweeper the daemon runs beside its reconciler (daemon.rs), on map handles of its
+/// own: a revocation's flows are forgotten off the apply path.
+fn sweeper(interface: &str) -> Sweeper {
+    let maps = Dataplane::open_maps(
+        std::path::Path::new(wgfence::dataplane::DEFAULT_BPFFS),
+        interface,
+    )
+    .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+    Sweeper::spawn(maps, FLOW_SWEEP, |_| {}).expect("starting the flow sweeper")
 }
 
 // Not `Default`: it builds a namespace and attaches the datapath.
@@ -52,6 +66,7 @@ impl MapsOnly {
             .enter(|| Dataplane::attach(&options))
             .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
         Self {
+            sweeper: sweeper(&name),
             dataplane,
             actual: Actual::default(),
             tracking: false,
@@ -76,8 +91,12 @@ impl MapsOnly {
         let plan_duration = start.elapsed();
         let writes = self.dataplane.maps().writes();
         for op in &plan.ops {
-            apply_map_op(self.dataplane.maps_mut(), op)
-                .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+            match op {
+                Op::ForgetFlows { addrs } => self.sweeper.forget(addrs.iter().copied().collect()),
+                Op::ForgetAllFlows => self.sweeper.forget_all(),
+                _ => apply_map_op(self.dataplane.maps_mut(), op)
+                    .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e))),
+            }
             self.actual.apply(op);
         }
         self.tracking = true;
@@ -192,7 +211,9 @@ impl Node {
                 panic!("{}", wgfence::error_chain(&e))
             });
         let device = WgDevice::open(&wg.name).unwrap();
-        let reconciler = Reconciler::new(dataplane, device).unwrap();
+        let reconciler = Reconciler::new(dataplane, device)
+            .unwrap()
+            .with_sweeper(sweeper(&wg.name));
         Self {
             reconciler,
             _wg: wg,
