@@ -241,8 +241,8 @@ pub fn run(report: &mut Report, config: &Config) {
              with the pipeline's change set (`Reconciler::reconcile_changes`, i.e. \
              `plan::plan_changes`) and the apply, with the daemon's flow sweeper beside it (a \
              revocation's reply flows are handed to it, off the apply path, as in `wgfence \
-             run`). The table is the plan and apply time (BPF map \
-             writes and the WireGuard peer update, through the real UAPI socket) and the map \
+             run`). The table is the plan and apply time (BPF map writes and the WireGuard \
+             peer update, through the real UAPI socket) and the map \
              writes per change; next to a full `iptables-restore` of the same state's ruleset, \
              which the old design ran on every push. Reading the file (one pass in pieces \
              hashing its blocks, then the pipeline, which reads again only the run of peers a \
@@ -318,10 +318,9 @@ pub fn run(report: &mut Report, config: &Config) {
     let line = format!(
         "one changed peer (plan + apply), p99 ≤ 1 ms at every N, 131k within 1.5× of 1k: {} \
          (worst p99 {p99_worst:.0} µs; 131k / 1k {}). {}. The plan alone: an add's p50 \
-         {plan_p50}; its p99 at most {plan_p99_worst:.0} µs for any change at any N. Judged on plan + \
-         apply: the \
-         planner is handed the pipeline's change set (`plan::plan_changes`) and looks at the \
-         changed peer alone. Reading the file before it (the fingerprint's pass + \
+         {plan_p50}; its p99 at most {plan_p99_worst:.0} µs for any change at any N. Judged \
+         on plan + apply: the planner is handed the pipeline's change set \
+         (`plan::plan_changes`) and looks at the changed peer alone. Reading the file before it (the fingerprint's pass + \
          `Pipeline::update_from`) is the push's O(N) part, not in the figure: median {} (the \
          file's blocks hashed, and only the peers around the change read again: the median of \
          peers read in brackets).",
