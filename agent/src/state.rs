@@ -7,6 +7,7 @@
 #[cfg(any(test, feature = "testing"))]
 pub mod edits;
 mod pipeline;
+mod scan;
 mod splice;
 mod tree;
 mod typed;

@@ -262,6 +262,13 @@ impl Index {
     }
 }
 
+/// A peer of a new file, as read: one the last accepted state has (its spec is kept), or a
+/// new one (its fields, to parse).
+enum Read<'a> {
+    Known(Hash),
+    New(Hash, Box<typed::RawPeer<'a>>),
+}
+
 /// A peer's text that the last accepted state did not have, parsed.
 struct Arrival {
     hash: Hash,
@@ -389,6 +396,17 @@ impl Pipeline {
         (u128::from(ha.finish()) << 64) | u128::from(hb.finish())
     }
 
+    /// A peer read from a new file: its identity, and its fields if the state has no such
+    /// peer.
+    fn read<'a>(&self, raw: typed::RawPeer<'a>) -> Read<'a> {
+        let hash = self.peer_hash(&raw);
+        if self.known.contains(&hash) {
+            Read::Known(hash)
+        } else {
+            Read::New(hash, Box::new(raw))
+        }
+    }
+
     /// Reads a state file's contents. Accepted, the state becomes [`Pipeline::state`] and the
     /// changes since the previous one are returned; rejected, nothing changes and the errors
     /// are exactly those of [`super::parse`]. `max_peers`: more peers are refused (after
@@ -479,7 +497,10 @@ impl Pipeline {
         if peers > MAX_PEERS as usize {
             return None;
         }
-        let run = std::mem::take(&mut splice.run);
+        let run: Vec<_> = std::mem::take(&mut splice.run)
+            .into_iter()
+            .map(|(at, raw)| (at, self.read(raw)))
+            .collect();
         let offsets = run.iter().map(|(at, _)| *at).collect();
         let replies = self.state.replies;
         let (result, ids) = self.replace(run, replaced.as_ref(), peers, replies, max_peers)?;
@@ -496,7 +517,7 @@ impl Pipeline {
         blocks: &Blocks,
         max_peers: Option<usize>,
     ) -> Option<Result<Changes, Rejection>> {
-        let top = typed::top(text)?;
+        let top = typed::top(text, |raw| self.read(raw))?;
         let starts = top.peers.iter().map(|(at, _)| *at).collect();
         let peers = top.peers.len();
         let replies = top.replies.unwrap_or(true);
@@ -514,7 +535,7 @@ impl Pipeline {
     /// parsed, validated and compiled. `None` where it cannot decide alone.
     fn replace(
         &mut self,
-        run: Vec<(usize, typed::RawPeer<'_>)>,
+        run: Vec<(usize, Read<'_>)>,
         replaced: Option<&HashSet<Hash, ByHash>>,
         peers: usize,
         replies: bool,
@@ -525,15 +546,17 @@ impl Pipeline {
             HashSet::with_capacity_and_hasher(run.len(), ByHash::default());
         let mut ids = Vec::with_capacity(run.len());
         let mut new_texts = Vec::new();
-        for (_, raw) in run {
-            let hash = self.peer_hash(&raw);
+        for (_, read) in run {
+            let (hash, known) = match &read {
+                Read::Known(hash) => (*hash, true),
+                Read::New(hash, _) => (*hash, false),
+            };
             // The same peer twice, or again beside itself where it is kept: a duplicate the
             // full parse names.
-            let known = self.known.contains(&hash);
             if !seen.insert(hash) || (known && replaced.is_some_and(|r| !r.contains(&hash))) {
                 return None;
             }
-            if !known {
+            if let Read::New(hash, raw) = read {
                 new_texts.push((hash, raw));
             }
             ids.push(hash);
@@ -583,7 +606,10 @@ impl Pipeline {
 
     /// Parses the texts the last state did not have, each alone; `None` if one is not a valid
     /// peer on its own.
-    fn parse_arrivals<'a>(&mut self, texts: &[(Hash, typed::RawPeer<'a>)]) -> Option<Vec<Arrival>> {
+    fn parse_arrivals<'a>(
+        &mut self,
+        texts: &[(Hash, Box<typed::RawPeer<'a>>)],
+    ) -> Option<Vec<Arrival>> {
         let mut egress = HashMap::new();
         let mut arrivals = Vec::with_capacity(texts.len());
         for (hash, raw) in texts {
@@ -803,16 +829,12 @@ impl Pipeline {
         // Each peer's text hash, by name, and the file's layout.
         let mut by_name: HashMap<String, Hash> = HashMap::new();
         let mut layout = None;
-        if let Some(top) = typed::top(text) {
-            let ids: Vec<Hash> = top
-                .peers
-                .iter()
-                .map(|(_, raw)| self.peer_hash(raw))
-                .collect();
-            for ((_, raw), id) in top.peers.iter().zip(&ids) {
-                by_name.insert(raw.name().to_owned(), *id);
-            }
+        if let Some(top) = typed::top(text, |raw| (self.peer_hash(&raw), raw.name().to_owned())) {
+            let ids: Vec<Hash> = top.peers.iter().map(|(_, (id, _))| *id).collect();
             let starts = top.peers.iter().map(|(at, _)| *at).collect();
+            for (_, (id, name)) in top.peers {
+                by_name.insert(name, id);
+            }
             layout = Some(Layout::new(text, blocks, starts, ids, top.end));
         }
         let previous = std::mem::replace(self, Self::new_with(self.hashers.clone(), self.block));
@@ -867,12 +889,9 @@ impl Pipeline {
         let Some(layout) = &self.layout else {
             return Ok(());
         };
-        let top = typed::top(text).ok_or("a layout kept for a file the typed pass cannot read")?;
-        let ids = top
-            .peers
-            .iter()
-            .map(|(_, raw)| self.peer_hash(raw))
-            .collect();
+        let top = typed::top(text, |raw| self.peer_hash(&raw))
+            .ok_or("a layout kept for a file the typed pass cannot read")?;
+        let ids = top.peers.iter().map(|(_, id)| *id).collect();
         let starts = top.peers.iter().map(|(at, _)| *at).collect();
         let blocks = match self.fingerprint(text.as_bytes()) {
             Ok(fingerprint) => fingerprint.blocks,

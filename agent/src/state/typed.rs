@@ -20,14 +20,14 @@ use serde_json::value::RawValue;
 use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 
 use super::{
-    keepalive, parse_endpoint, parse_time, port_number, port_text, protocol_named, share,
+    keepalive, parse_endpoint, parse_time, port_number, port_text, protocol_named, scan, share,
     trie_entries, usable_tunnel_addr, valid_name, window_error, Compiled, DesiredState, Mode,
     PeerSpec, Shared, WgKey, Window, MAX_RULES_PER_PEER, SCHEMA_VERSION,
 };
 use crate::policy::{PortRange, Protocol, Rule};
 
 /// A JSON string, borrowed from the text unless it has escapes.
-struct Str<'a>(Cow<'a, str>);
+pub(super) struct Str<'a>(pub Cow<'a, str>);
 
 impl<'de: 'a, 'a> Deserialize<'de> for Str<'a> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -120,37 +120,45 @@ pub(super) struct RawState<'a> {
 }
 
 /// A peer's rules as their texts, in the file's order.
-type RuleTexts<'a> = smallvec::SmallVec<[&'a RawValue; 4]>;
+pub(super) type RuleTexts<'a> = smallvec::SmallVec<[&'a str; 4]>;
+
+/// An `egress` array: each rule's text, as serde_json reads a raw value (the value's bytes,
+/// without the whitespace around it).
+fn rule_texts<'de: 'a, 'a, D: Deserializer<'de>>(d: D) -> Result<Option<RuleTexts<'a>>, D::Error> {
+    let raw = smallvec::SmallVec::<[&'de RawValue; 4]>::deserialize(d)?;
+    let text = |rule: &'de RawValue| -> &'a str { rule.get() };
+    Ok(Some(raw.into_iter().map(text).collect()))
+}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub(super) struct RawPeer<'a> {
     #[serde(borrow)]
-    name: Str<'a>,
+    pub(super) name: Str<'a>,
     #[serde(borrow)]
-    public_key: Str<'a>,
+    pub(super) public_key: Str<'a>,
     #[serde(borrow, default, deserialize_with = "present")]
-    address: Option<Str<'a>>,
+    pub(super) address: Option<Str<'a>>,
     #[serde(borrow, default, deserialize_with = "present")]
-    address_v6: Option<Str<'a>>,
+    pub(super) address_v6: Option<Str<'a>>,
     #[serde(borrow, default, deserialize_with = "present")]
-    endpoint: Option<Str<'a>>,
+    pub(super) endpoint: Option<Str<'a>>,
     #[serde(borrow, default, deserialize_with = "present")]
-    preshared_key: Option<Str<'a>>,
+    pub(super) preshared_key: Option<Str<'a>>,
     #[serde(default, deserialize_with = "present")]
-    persistent_keepalive: Option<u64>,
+    pub(super) persistent_keepalive: Option<u64>,
     /// Each rule kept as its text: peers that share a policy usually carry the same rules
     /// (in some order), which are then parsed, validated and compiled once. Inline for a few
     /// rules: a heap allocation per peer, freed by the next push, left glibc's allocator a
     /// fastbin of 131,072 chunks to consolidate inside the next plan (milliseconds).
+    #[serde(borrow, default, deserialize_with = "rule_texts")]
+    pub(super) egress: Option<RuleTexts<'a>>,
     #[serde(borrow, default, deserialize_with = "present")]
-    egress: Option<RuleTexts<'a>>,
+    pub(super) mode: Option<Str<'a>>,
     #[serde(borrow, default, deserialize_with = "present")]
-    mode: Option<Str<'a>>,
+    pub(super) not_before: Option<Str<'a>>,
     #[serde(borrow, default, deserialize_with = "present")]
-    not_before: Option<Str<'a>>,
-    #[serde(borrow, default, deserialize_with = "present")]
-    expires: Option<Str<'a>>,
+    pub(super) expires: Option<Str<'a>>,
 }
 
 impl RawPeer<'_> {
@@ -187,7 +195,7 @@ impl RawPeer<'_> {
                 // A multiset hash: the sum of the rules' hashes, whatever their order.
                 let sum = rules
                     .iter()
-                    .fold(0u128, |sum, r| sum.wrapping_add(rule_hash(r.get())));
+                    .fold(0u128, |sum, r| sum.wrapping_add(rule_hash(r)));
                 feed(&[8]);
                 feed(&rules.len().to_le_bytes());
                 feed(&sum.to_le_bytes());
@@ -216,20 +224,21 @@ struct RawRule<'a> {
     except: Option<Vec<Str<'a>>>,
 }
 
-/// The top level of a state file, each peer read into borrowed fields (not validated), with
-/// where its text starts.
-pub(super) struct Top<'a> {
+/// The top level of a state file, with where each peer's text starts and what the caller
+/// made of its fields (borrowed, not validated).
+pub(super) struct Top<T> {
     pub replies: Option<bool>,
-    /// Each peer's offset in the text, and its fields, in file order.
-    pub peers: Vec<(usize, RawPeer<'a>)>,
+    /// Each peer's offset in the text, and what `read` made of it, in file order.
+    pub peers: Vec<(usize, T)>,
     /// The offset of the `]` that closes `peers`.
     pub end: usize,
 }
 
 /// The top level of `text`; `None` if it is not what a valid state file has there, or if it
-/// has policy tests (the full parse runs them). One pass: each value is read by serde_json
-/// where it starts, so that each peer's offset is known.
-pub(super) fn top(text: &str) -> Option<Top<'_>> {
+/// has policy tests (the full parse runs them). One pass: each value is read where it starts,
+/// so that each peer's offset is known, and each peer's fields are handed to `read` as they
+/// are read (only what it keeps of them is held for the whole file).
+pub(super) fn top<'a, T>(text: &'a str, mut read: impl FnMut(RawPeer<'a>) -> T) -> Option<Top<T>> {
     let mut at = Cursor { text, at: 0 };
     at.ws();
     at.expect(b'{')?;
@@ -243,7 +252,7 @@ pub(super) fn top(text: &str) -> Option<Top<'_>> {
         match key.as_ref() {
             "version" if version.is_none() => version = Some(at.value::<u64>()?),
             "replies" if replies.is_none() => replies = Some(at.value::<bool>()?),
-            "peers" if peers.is_none() => peers = Some(at.peers()?),
+            "peers" if peers.is_none() => peers = Some(at.peers(&mut read)?),
             // Tests, a field repeated or unknown: the full parse decides.
             _ => return None,
         }
@@ -299,13 +308,21 @@ impl<'a> Cursor<'a> {
         Some(value)
     }
 
-    /// One peer object, read where the cursor is.
+    /// One peer object, read where the cursor is: by [`scan::peer`] where it can, else by
+    /// serde_json (which decides what the scan leaves).
     pub fn peer(&mut self) -> Option<RawPeer<'a>> {
+        if let Some((peer, end)) = scan::peer(self.text, self.at) {
+            self.at = end;
+            return Some(peer);
+        }
         self.value::<Obj<RawPeer<'a>>>().map(|Obj(peer)| peer)
     }
 
     /// The peers of the array that starts at the cursor (its `[`), and the offset of its `]`.
-    fn peers(&mut self) -> Option<(Vec<(usize, RawPeer<'a>)>, usize)> {
+    fn peers<T>(
+        &mut self,
+        read: &mut impl FnMut(RawPeer<'a>) -> T,
+    ) -> Option<(Vec<(usize, T)>, usize)> {
         self.expect(b'[')?;
         self.ws();
         let mut peers = Vec::new();
@@ -314,7 +331,8 @@ impl<'a> Cursor<'a> {
             return Some((peers, self.at - 1));
         }
         loop {
-            peers.push((self.at, self.peer()?));
+            let at = self.at;
+            peers.push((at, read(self.peer()?)));
             self.ws();
             match self.next()? {
                 b',' => self.ws(),
@@ -473,7 +491,7 @@ fn peer<'a>(
         None => None,
         Some(list) => {
             // The rules' order does not matter: a set.
-            let mut texts: Vec<&'a str> = list.iter().map(|r| r.get()).collect();
+            let mut texts: Vec<&'a str> = list.to_vec();
             texts.sort_unstable();
             match egress.get(&texts) {
                 Some(shared) => shared.clone(),
