@@ -41,7 +41,7 @@
 //! a packet sees the old policy or the new one, never a mix.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     fmt,
     net::{IpAddr, SocketAddr},
 };
@@ -1207,6 +1207,26 @@ fn plan_scope(
     scope: Scope<'_>,
     actual: &Actual,
 ) -> Result<Plan, Unplanned> {
+    // A full plan (start-up, resync) plans nothing for the peers the kernel already has as
+    // asked: after a restart that is nearly every peer. Should that plan fail, every peer is
+    // planned, and that plan decides (its error, its lead, a full map's slot rotation).
+    if matches!(scope, Scope::Full) {
+        if let Ok(plan) = Planner::new(desired, Scope::Full, actual)
+            .without_settled()
+            .plan()
+        {
+            return Ok(plan);
+        }
+    }
+    plan_every_peer(desired, scope, actual)
+}
+
+/// [`plan_scope`], with every peer of the scope planned.
+fn plan_every_peer(
+    desired: &DesiredState,
+    scope: Scope<'_>,
+    actual: &Actual,
+) -> Result<Plan, Unplanned> {
     let mut planner = Planner::new(desired, scope, actual);
     match planner.plan() {
         Err(PlanError::SlotsExhausted) if planner.rotate_stranded_slots() => planner.plan(),
@@ -1300,6 +1320,96 @@ impl<'a> Planner<'a> {
         };
         planner.lead_deleted = planner.lead_deletions();
         planner
+    }
+
+    /// The planner of a full plan, without the desired peers the kernel has exactly as the
+    /// plan would leave them ([`Self::settled`]): the plan is the same, made in time
+    /// proportional to the peers that differ (but for a lookup per peer).
+    fn without_settled(mut self) -> Self {
+        // The policy id each policy would get (an existing one, or none yet), by address,
+        // and the ids whose rules a touched peer counts (their blocks go into every entry of
+        // the id, [`rule_blocks`]).
+        let mut ids: HashMap<*const CompiledPolicy, Option<u32>> = HashMap::new();
+        let mut counted: HashSet<u32> = HashSet::new();
+        for peer in &self.touched {
+            if let (Some(policy), Some(rules)) = (peer.policy.as_deref(), &peer.rules) {
+                let id = *ids
+                    .entry(policy)
+                    .or_insert_with(|| self.existing_id(policy));
+                if let (Some(id), Ok(1..)) = (id, u32::try_from(rules.len())) {
+                    counted.insert(id);
+                }
+            }
+        }
+        let touched = std::mem::take(&mut self.touched);
+        self.touched = touched
+            .into_iter()
+            .filter(|peer| !self.settled(peer, &ids, &counted))
+            .collect();
+        self
+    }
+
+    /// The id a policy gets in [`Self::policy_ids`] if the kernel has its content already.
+    fn existing_id(&self, policy: &CompiledPolicy) -> Option<u32> {
+        if policy.is_empty() {
+            Some(EMPTY_POLICY)
+        } else {
+            self.actual.ids_of(policy).find(|id| *id != EMPTY_POLICY)
+        }
+    }
+
+    /// Whether the kernel has `peer` as a full plan leaves it, so that planning it adds
+    /// nothing: each address's entry is the one [`Self::entries`] would want (the policy's
+    /// existing id and rule block, the entry's own slot and owner), no other entry uses the
+    /// slot, no address is deleted or moves in the lead, and WireGuard has the peer as asked.
+    fn settled(
+        &self,
+        peer: &PeerSpec,
+        ids: &HashMap<*const CompiledPolicy, Option<u32>>,
+        counted: &HashSet<u32>,
+    ) -> bool {
+        let (maps, index) = (&self.actual.maps, &self.actual.index);
+        let policy = match peer.policy.as_deref() {
+            None => UNRESTRICTED,
+            Some(policy) => {
+                let address: *const CompiledPolicy = policy;
+                match ids.get(&address).copied().flatten() {
+                    Some(id) => id,
+                    None => return false,
+                }
+            }
+        };
+        let rules = if counted.contains(&policy) {
+            match index.rule_base(policy) {
+                Some(base) => base,
+                None => return false,
+            }
+        } else {
+            NO_RULES
+        };
+        let mut slot = None;
+        let mut addrs = 0;
+        for addr in peer.addrs() {
+            addrs += 1;
+            let Some(entry) = maps.peers.get(&addr) else {
+                return false;
+            };
+            let same = *slot.get_or_insert(entry.slot) == entry.slot
+                && !self.lead_deleted.contains(&addr)
+                && index.holders.get(&IpNet::from(addr)) == Some(&peer.public_key)
+                && peer_entry(
+                    peer,
+                    (policy, rules),
+                    entry.slot,
+                    entry.owner,
+                    maps.wall_minus_boot_ns,
+                ) == *entry;
+            if !same {
+                return false;
+            }
+        }
+        slot.is_some_and(|slot| index.slot_refs.get(&slot) == Some(&addrs))
+            && wg_change(peer, self.actual.wg.peers.get(&peer.public_key)).is_none()
     }
 
     /// Whether WireGuard routes `addr` to another peer than the one that gets it.
@@ -1684,8 +1794,8 @@ impl<'a> Planner<'a> {
     fn leaving_keys(&self) -> BTreeSet<WgKey> {
         let wg = &self.actual.wg.peers;
         if self.full {
-            let desired: BTreeSet<WgKey> =
-                self.desired.peers.iter().map(|p| p.public_key).collect();
+            // Hashed: 32-byte keys compare slowly, and a full plan has every peer's.
+            let desired: HashSet<WgKey> = self.desired.peers.iter().map(|p| p.public_key).collect();
             wg.keys()
                 .filter(|key| !desired.contains(key))
                 .copied()
@@ -2572,6 +2682,82 @@ mod tests {
         let wg = pos(&|o| matches!(o, Op::WgPeer(_)));
         let put = pos(&|o| matches!(o, Op::PutPeerEntry { .. }));
         assert!(delete < wg && wg < put, "{:#?}", take.ops);
+    }
+
+    /// A change made to the kernel behind the agent's back (the [`drift`] kinds).
+    fn gen_drift() -> impl Strategy<Value = (u8, usize, u8)> {
+        (0u8..8, any::<usize>(), any::<u8>())
+    }
+
+    /// `actual` with `(kind, which, value)` done to it, read back as the agent would.
+    fn drift(actual: &Actual, changes: &[(u8, usize, u8)]) -> Actual {
+        let (mut maps, mut wg) = (actual.maps.clone(), actual.wg.clone());
+        for &(kind, which, value) in changes {
+            let addr = maps
+                .peers
+                .keys()
+                .nth(which % maps.peers.len().max(1))
+                .copied();
+            let key = wg.peers.keys().nth(which % wg.peers.len().max(1)).copied();
+            let entry = addr.and_then(|a| maps.peers.get_mut(&a));
+            let peer = key.and_then(|k| wg.peers.get_mut(&k));
+            match (kind, entry, peer) {
+                (0, Some(_), _) => {
+                    addr.map(|a| maps.peers.remove(&a));
+                }
+                (1, Some(e), _) => e.slot = u32::from(value) % SLOTS,
+                (2, Some(e), _) => e.owner = u64::from(value),
+                (3, Some(e), _) => {
+                    e.policy = [UNRESTRICTED, EMPTY_POLICY, 1, 2][usize::from(value % 4)]
+                }
+                (4, Some(e), _) => e.rules = [NO_RULES, 0, 1][usize::from(value % 3)],
+                (5, _, Some(_)) => {
+                    key.map(|k| wg.peers.remove(&k));
+                }
+                (6, _, Some(p)) => {
+                    p.allowed_ips
+                        .insert(IpNet::from(IpAddr::from([10, 8, 0, value % 10])));
+                }
+                (7, _, Some(p)) => {
+                    p.endpoint = Some(SocketAddr::from(([198, 51, 100, value % 3], 51820)));
+                }
+                _ => {}
+            }
+        }
+        Actual::new(maps, wg).with_slot_limit(SLOTS)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// A full plan leaves out the peers the kernel has as asked, and is still the plan of
+        /// every peer, op for op (or the same error): against a kernel that converged, one a
+        /// state behind, and either changed behind the agent's back.
+        #[test]
+        fn a_full_plan_without_settled_peers_is_the_plan_of_every_peer(
+            states in prop::collection::vec(prop::collection::vec(gen_peer(), 0..7), 1..5),
+            drifts in prop::collection::vec(prop::collection::vec(gen_drift(), 1..5), 5),
+        ) {
+            let mut kernel = Kernel(Actual::default().with_slot_limit(SLOTS));
+            let mut old = DesiredState::default();
+            for (gens, changes) in states.iter().zip(&drifts) {
+                let (_, new) = build(gens);
+                for actual in [kernel.actual(), drift(&kernel.0, changes)] {
+                    let every = plan_every_peer(&new, Scope::Full, &actual);
+                    prop_assert_eq!(plan(&new, &actual), every);
+                }
+                let planned = plan(&new, &kernel.actual());
+                if over_capacity(&kernel, &new, &planned) {
+                    continue;
+                }
+                apply_checked(&mut kernel, &old, &new);
+                for actual in [kernel.actual(), drift(&kernel.0, changes)] {
+                    let every = plan_every_peer(&new, Scope::Full, &actual);
+                    prop_assert_eq!(plan(&new, &actual), every);
+                }
+                old = new;
+            }
+        }
     }
 
     #[test]
