@@ -204,7 +204,12 @@ impl<'a> Scan<'a> {
 /// Where the string whose text starts at `at` ends (just after its closing quote).
 fn string_end(bytes: &[u8], mut at: usize) -> Option<usize> {
     loop {
-        at += memchr::memchr2(b'"', b'\\', bytes.get(at..)?)?;
+        // Strings here are short (names, addresses, protocols): a plain loop beats a
+        // vectorised search's set-up.
+        at += bytes
+            .get(at..)?
+            .iter()
+            .position(|b| *b == b'"' || *b == b'\\')?;
         if bytes[at] == b'"' {
             return Some(at + 1);
         }
