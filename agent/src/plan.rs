@@ -407,15 +407,20 @@ fn count_down<K: Ord>(map: &mut BTreeMap<K, usize>, key: K) {
 }
 
 /// What the datapath sees under policy `id`: its trie entries, or [`NOTHING`] for an id that
-/// peer entries point at without any trie entry; `None` for UNRESTRICTED and unused ids.
+/// peer entries point at without any trie entry; `None` for UNRESTRICTED (the datapath never
+/// looks its entries up: trie entries written under it by hand are no policy a restricted
+/// peer may be given) and unused ids.
 fn content_of<'a>(
     maps: &'a ActualMaps,
     policy_refs: &BTreeMap<u32, usize>,
     id: u32,
 ) -> Option<&'a CompiledPolicy> {
+    if id == UNRESTRICTED {
+        return None;
+    }
     match maps.policies.get(&id) {
         Some(content) => Some(content),
-        None if id != UNRESTRICTED && policy_refs.contains_key(&id) => Some(&NOTHING),
+        None if policy_refs.contains_key(&id) => Some(&NOTHING),
         None => None,
     }
 }
@@ -1844,12 +1849,13 @@ impl<'a> Planner<'a> {
             let now = index.policy_refs.get(&id).copied().unwrap_or(0) as i64;
             let after_lead = now + lead_delta.get(&id).copied().unwrap_or(0);
             let after = now + delta.get(&id).copied().unwrap_or(0);
-            // The empty policy never has entries: any there (drift) are deleted at once.
-            let garbage = id == EMPTY_POLICY || (id != UNRESTRICTED && after <= 0);
-            if !garbage {
+            // The empty policy and UNRESTRICTED never have entries: any there (drift) are
+            // deleted at once.
+            let never = id == EMPTY_POLICY || id == UNRESTRICTED;
+            if !never && after > 0 {
                 continue;
             }
-            let to = if id == EMPTY_POLICY || after_lead <= 0 {
+            let to = if never || after_lead <= 0 {
                 &mut lead
             } else {
                 &mut last
@@ -2682,6 +2688,37 @@ mod tests {
         let wg = pos(&|o| matches!(o, Op::WgPeer(_)));
         let put = pos(&|o| matches!(o, Op::PutPeerEntry { .. }));
         assert!(delete < wg && wg < put, "{:#?}", take.ops);
+    }
+
+    /// Trie entries written by hand under UNRESTRICTED, equal to a restricted peer's policy:
+    /// the peer must not be given UNRESTRICTED (the datapath lets everything through for it,
+    /// without looking at those entries), and the entries are deleted.
+    #[test]
+    fn a_policy_under_the_unrestricted_id_is_never_reused() {
+        let s = one(json!([
+            { "name": "a", "publicKey": key(1), "address": "10.8.0.2",
+              "egress": [{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] }] },
+        ]));
+        let content = s.peers[0].policy.as_deref().cloned().unwrap_or_default();
+        let mut maps = ActualMaps::default();
+        maps.policies.insert(UNRESTRICTED, content);
+        let mut kernel = Kernel(Actual::new(maps, ActualWg::default()));
+        let planned = plan(&s, &kernel.actual()).unwrap();
+        for op in &planned.ops {
+            kernel.apply(op);
+        }
+        let a = kernel
+            .0
+            .maps
+            .peers
+            .get(&IpAddr::from([10, 8, 0, 2]))
+            .copied();
+        assert!(
+            a.is_some_and(|e| e.policy != UNRESTRICTED),
+            "peer a entry {a:?}, plan {planned:?}"
+        );
+        assert!(!kernel.0.maps.policies.contains_key(&UNRESTRICTED));
+        assert_converged(&kernel, &s);
     }
 
     /// A change made to the kernel behind the agent's back (the [`drift`] kinds).
