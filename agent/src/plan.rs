@@ -1147,11 +1147,14 @@ fn peer_entry(
 fn rule_blocks(
     touched: &[&PeerSpec],
     id_of: impl Fn(&CompiledPolicy) -> Option<u32>,
+    counted: &BTreeMap<u32, u32>,
     actual: &Actual,
     ops: &mut Vec<Op>,
 ) -> BTreeMap<u32, u32> {
     let index = &actual.index;
-    let mut want: BTreeMap<u32, u32> = BTreeMap::new();
+    // The ids a full plan's set-aside peers count rules under: their blocks go into the
+    // touched peers' entries of those ids too, as when every peer is planned.
+    let mut want: BTreeMap<u32, u32> = counted.clone();
     for peer in touched {
         if let (Some(policy), Some(rules)) = (peer.policy.as_deref(), &peer.rules) {
             if let (Some(id), Ok(len)) = (id_of(policy), u32::try_from(rules.len())) {
@@ -1301,6 +1304,9 @@ struct Planner<'a> {
     want_key: BTreeMap<IpAddr, WgKey>,
     /// The address entries the lead deletes (step 1).
     lead_deleted: BTreeSet<IpAddr>,
+    /// Existing policy ids whose rules some desired peer counts, with their number
+    /// ([`Self::without_settled`]; empty otherwise).
+    counted: BTreeMap<u32, u32>,
 }
 
 impl<'a> Planner<'a> {
@@ -1322,6 +1328,7 @@ impl<'a> Planner<'a> {
             gone,
             want_key,
             lead_deleted: BTreeSet::new(),
+            counted: BTreeMap::new(),
         };
         planner.lead_deleted = planner.lead_deletions();
         planner
@@ -1335,14 +1342,14 @@ impl<'a> Planner<'a> {
         // and the ids whose rules a touched peer counts (their blocks go into every entry of
         // the id, [`rule_blocks`]).
         let mut ids: HashMap<*const CompiledPolicy, Option<u32>> = HashMap::new();
-        let mut counted: HashSet<u32> = HashSet::new();
+        let mut counted: BTreeMap<u32, u32> = BTreeMap::new();
         for peer in &self.touched {
             if let (Some(policy), Some(rules)) = (peer.policy.as_deref(), &peer.rules) {
                 let id = *ids
                     .entry(policy)
                     .or_insert_with(|| self.existing_id(policy));
-                if let (Some(id), Ok(1..)) = (id, u32::try_from(rules.len())) {
-                    counted.insert(id);
+                if let (Some(id), Ok(len @ 1..)) = (id, u32::try_from(rules.len())) {
+                    counted.insert(id, len);
                 }
             }
         }
@@ -1351,6 +1358,7 @@ impl<'a> Planner<'a> {
             .into_iter()
             .filter(|peer| !self.settled(peer, &ids, &counted))
             .collect();
+        self.counted = counted;
         self
     }
 
@@ -1371,7 +1379,7 @@ impl<'a> Planner<'a> {
         &self,
         peer: &PeerSpec,
         ids: &HashMap<*const CompiledPolicy, Option<u32>>,
-        counted: &HashSet<u32>,
+        counted: &BTreeMap<u32, u32>,
     ) -> bool {
         let (maps, index) = (&self.actual.maps, &self.actual.index);
         let policy = match peer.policy.as_deref() {
@@ -1384,7 +1392,7 @@ impl<'a> Planner<'a> {
                 }
             }
         };
-        let rules = if counted.contains(&policy) {
+        let rules = if counted.contains_key(&policy) {
             match index.rule_base(policy) {
                 Some(base) => base,
                 None => return false,
@@ -1684,7 +1692,13 @@ impl<'a> Planner<'a> {
         ops: &mut Vec<Op>,
     ) -> Result<Wanted<'a>, PlanError> {
         let (maps, index) = (&self.actual.maps, &self.actual.index);
-        let rule_bases = rule_blocks(&self.touched, |p| ids.get(p), self.actual, ops);
+        let rule_bases = rule_blocks(
+            &self.touched,
+            |p| ids.get(p),
+            &self.counted,
+            self.actual,
+            ops,
+        );
         let mut owner_high = index.owner_high;
         let mut wanted = Wanted::new();
         for (peer, &slot) in self.touched.iter().zip(slots) {
@@ -2721,9 +2735,31 @@ mod tests {
         assert_converged(&kernel, &s);
     }
 
+    /// Rules that compile to nothing share the empty policy's id with `"egress": []`. A full
+    /// plan after the second peer's WireGuard endpoint was changed by hand (so that it is
+    /// planned, and the first may be set aside) is the plan of every peer.
+    #[test]
+    fn a_set_aside_peer_keeps_its_rule_block_in_the_others_entries() {
+        let s = one(json!([
+            { "name": "a", "publicKey": key(1), "address": "10.8.0.2",
+              "egress": [{ "cidr": "10.0.0.0/8", "except": ["10.0.0.0/9", "10.128.0.0/9"] }] },
+            { "name": "b", "publicKey": key(2), "address": "10.8.0.3", "egress": [] },
+        ]));
+        assert!(s.peers[0].policy.as_ref().is_some_and(|p| p.is_empty()));
+        let mut kernel = Kernel::default();
+        converge(&mut kernel, &DesiredState::default(), &s);
+        let (maps, mut wg) = (kernel.0.maps.clone(), kernel.0.wg.clone());
+        if let Some(b) = wg.peers.get_mut(&WgKey([2; 32])) {
+            b.endpoint = Some(SocketAddr::from(([198, 51, 100, 9], 51820)));
+        }
+        let drifted = Actual::new(maps, wg);
+        let every = plan_every_peer(&s, Scope::Full, &drifted);
+        assert_eq!(plan(&s, &drifted), every);
+    }
+
     /// A change made to the kernel behind the agent's back (the [`drift`] kinds).
     fn gen_drift() -> impl Strategy<Value = (u8, usize, u8)> {
-        (0u8..8, any::<usize>(), any::<u8>())
+        (0u8..11, any::<usize>(), any::<u8>())
     }
 
     /// `actual` with `(kind, which, value)` done to it, read back as the agent would.
@@ -2758,6 +2794,24 @@ mod tests {
                 (7, _, Some(p)) => {
                     p.endpoint = Some(SocketAddr::from(([198, 51, 100, value % 3], 51820)));
                 }
+                // A policy's trie entry deleted; a policy's content copied under another id
+                // (two ids of one content, or entries under an id that takes none); the
+                // owner high-water mark moved.
+                (8, _, _) => {
+                    let n = maps.policies.len().max(1);
+                    if let Some(policy) = maps.policies.values_mut().nth(which % n) {
+                        let k = usize::from(value) % policy.entries().len().max(1);
+                        let prefix = policy.entries().nth(k).map(|(p, _)| p);
+                        prefix.map(|p| policy.remove_entry(&p));
+                    }
+                }
+                (9, _, _) => {
+                    let n = maps.policies.len().max(1);
+                    let content = maps.policies.values().nth(which % n).cloned();
+                    let id = [UNRESTRICTED, EMPTY_POLICY, 1, 2, 3][usize::from(value % 5)];
+                    content.map(|c| maps.policies.insert(id, c));
+                }
+                (10, _, _) => maps.owner_high = u64::from(value),
                 _ => {}
             }
         }
