@@ -15,24 +15,14 @@
 
 use std::borrow::Cow;
 
-use super::typed::{RawPeer, RuleTexts, Str};
+use super::typed::{Cursor, RawPeer, RuleTexts, Str};
 
 /// The peer object that starts at `at` in `text`, and where it ends (just after its `}`);
 /// `None` where serde_json must read it.
 pub(super) fn peer(text: &str, at: usize) -> Option<(RawPeer<'_>, usize)> {
-    let mut scan = Scan {
-        text,
-        bytes: text.as_bytes(),
-        at,
-    };
-    let peer = scan.peer()?;
-    Some((peer, scan.at))
-}
-
-struct Scan<'a> {
-    text: &'a str,
-    bytes: &'a [u8],
-    at: usize,
+    let mut cursor = Cursor { text, at };
+    let peer = cursor.plain_peer()?;
+    Some((peer, cursor.at))
 }
 
 /// Sets a field once: a second one is serde_json's error to name.
@@ -46,9 +36,10 @@ fn once<T>(slot: &mut Option<T>, value: T) -> Option<()> {
     }
 }
 
-impl<'a> Scan<'a> {
-    fn peer(&mut self) -> Option<RawPeer<'a>> {
-        self.byte(b'{')?;
+/// The scan, on the typed pass's cursor (its whitespace and byte steps).
+impl<'a> Cursor<'a> {
+    fn plain_peer(&mut self) -> Option<RawPeer<'a>> {
+        self.expect(b'{')?;
         let mut name = None;
         let mut public_key = None;
         let mut address = None;
@@ -64,7 +55,7 @@ impl<'a> Scan<'a> {
             self.ws();
             let key = self.string()?;
             self.ws();
-            self.byte(b':')?;
+            self.expect(b':')?;
             self.ws();
             match key {
                 "name" => once(&mut name, self.str()?)?,
@@ -102,26 +93,9 @@ impl<'a> Scan<'a> {
         })
     }
 
-    fn next(&mut self) -> Option<u8> {
-        let byte = *self.bytes.get(self.at)?;
-        self.at += 1;
-        Some(byte)
-    }
-
-    fn byte(&mut self, byte: u8) -> Option<()> {
-        (self.next()? == byte).then_some(())
-    }
-
-    /// JSON whitespace.
-    fn ws(&mut self) {
-        while matches!(self.bytes.get(self.at), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-            self.at += 1;
-        }
-    }
-
     /// A string without escapes or control characters, borrowed.
     fn string(&mut self) -> Option<&'a str> {
-        self.byte(b'"')?;
+        self.expect(b'"')?;
         let start = self.at;
         loop {
             match self.next()? {
@@ -140,13 +114,18 @@ impl<'a> Scan<'a> {
     /// neither a fraction nor an exponent.
     fn number(&mut self) -> Option<u64> {
         let start = self.at;
-        while self.bytes.get(self.at).is_some_and(u8::is_ascii_digit) {
+        while self
+            .text
+            .as_bytes()
+            .get(self.at)
+            .is_some_and(u8::is_ascii_digit)
+        {
             self.at += 1;
         }
         let digits = self.text.get(start..self.at)?;
         if digits.is_empty()
             || (digits.len() > 1 && digits.starts_with('0'))
-            || matches!(self.bytes.get(self.at), Some(b'.' | b'e' | b'E'))
+            || matches!(self.text.as_bytes().get(self.at), Some(b'.' | b'e' | b'E'))
         {
             return None;
         }
@@ -155,10 +134,10 @@ impl<'a> Scan<'a> {
 
     /// An array of objects: each one's text.
     fn rules(&mut self) -> Option<RuleTexts<'a>> {
-        self.byte(b'[')?;
+        self.expect(b'[')?;
         let mut texts = RuleTexts::new();
         self.ws();
-        if self.bytes.get(self.at) == Some(&b']') {
+        if self.text.as_bytes().get(self.at) == Some(&b']') {
             self.at += 1;
             return Some(texts);
         }
@@ -176,7 +155,7 @@ impl<'a> Scan<'a> {
     /// An object's text, from its `{` to the `}` that closes it: strings stepped over (an
     /// escape with the byte it escapes), brackets counted.
     fn object(&mut self) -> Option<&'a str> {
-        let (bytes, start) = (self.bytes, self.at);
+        let (bytes, start) = (self.text.as_bytes(), self.at);
         if bytes.get(start) != Some(&b'{') {
             return None;
         }

@@ -295,7 +295,7 @@ impl<'a> Cursor<'a> {
         Some(byte)
     }
 
-    fn expect(&mut self, byte: u8) -> Option<()> {
+    pub fn expect(&mut self, byte: u8) -> Option<()> {
         (self.next()? == byte).then_some(())
     }
 
