@@ -1362,7 +1362,8 @@ impl<'a> Planner<'a> {
         self
     }
 
-    /// The id a policy gets in [`Self::policy_ids`] if the kernel has its content already.
+    /// The id a policy gets if the kernel has its content already: the empty policy's, or
+    /// the lowest id with that content (never UNRESTRICTED, see [`content_of`]).
     fn existing_id(&self, policy: &CompiledPolicy) -> Option<u32> {
         if policy.is_empty() {
             Some(EMPTY_POLICY)
@@ -1498,12 +1499,7 @@ impl<'a> Planner<'a> {
             if ids.known(policy) {
                 continue;
             }
-            let existing = if policy.is_empty() {
-                Some(EMPTY_POLICY)
-            } else {
-                self.actual.ids_of(policy).find(|id| *id != EMPTY_POLICY)
-            };
-            let id = match existing {
+            let id = match self.existing_id(policy) {
                 Some(id) => id,
                 None => {
                     let id = new_id().ok_or(PlanError::PolicyIdsExhausted)?;
