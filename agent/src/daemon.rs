@@ -437,7 +437,7 @@ impl Core {
             .iter()
             .filter_map(|p| {
                 let slot = p.addrs().find_map(|a| peers.get(&a).map(|e| e.slot))?;
-                Some((slot, p.name.clone()))
+                Some((slot, p.name.to_string()))
             })
             .collect();
         if let Ok(mut slots) = self.metrics.slot_names.write() {

@@ -205,7 +205,8 @@ impl<'a> IntoIterator for &'a AllowedIps {
 pub struct WgPeer {
     pub allowed_ips: AllowedIps,
     pub endpoint: Option<SocketAddr>,
-    pub preshared_key: Option<WgKey>,
+    /// Boxed: few peers have one ([`PeerSpec::preshared_key`]).
+    pub preshared_key: Option<Box<WgKey>>,
     pub persistent_keepalive: Option<u16>,
 }
 
@@ -656,7 +657,7 @@ impl Actual {
                     peer.endpoint = Some(endpoint);
                 }
                 if let Some(psk) = change.preshared_key {
-                    peer.preshared_key = psk;
+                    peer.preshared_key = psk.map(Box::new);
                 }
                 if let Some(keepalive) = change.persistent_keepalive {
                     peer.persistent_keepalive = keepalive;
@@ -1104,11 +1105,11 @@ fn same_peer(a: &PeerSpec, b: &PeerSpec) -> bool {
         && a.address == b.address
         && a.address_v6 == b.address_v6
         && a.endpoint == b.endpoint
-        && a.preshared_key == b.preshared_key
+        && a.preshared_key() == b.preshared_key()
         && a.persistent_keepalive == b.persistent_keepalive
         && a.rules == b.rules
         && a.mode == b.mode
-        && a.window == b.window
+        && a.window() == b.window()
 }
 
 /// The map entry of one of `peer`'s addresses: its policy, counter slot and owner, audit mode
@@ -1130,11 +1131,11 @@ fn peer_entry(
     if peer.mode == crate::state::Mode::Audit && policy != UNRESTRICTED {
         entry.flags |= wgfence_common::PEER_AUDIT;
     }
-    if peer.window.is_some() {
+    if peer.window().is_some() {
         entry.flags |= wgfence_common::PEER_WINDOWED;
         let boot = |secs| crate::clock::to_boot_ns(secs, wall_minus_boot_ns);
-        entry.not_before_ns = peer.window.not_before.map_or(0, boot);
-        entry.expires_ns = peer.window.expires.map_or(u64::MAX, boot);
+        entry.not_before_ns = peer.window().not_before.map_or(0, boot);
+        entry.expires_ns = peer.window().expires.map_or(u64::MAX, boot);
     }
     entry
 }
@@ -1886,17 +1887,18 @@ fn wg_change(peer: &PeerSpec, have: Option<&WgPeer>) -> Option<WgPeerChange> {
     let Some(have) = have else {
         return Some(WgPeerChange {
             key: peer.public_key,
-            peer: peer.name.clone(),
+            peer: peer.name.to_string(),
             create: true,
             endpoint: peer.endpoint,
-            preshared_key: peer.preshared_key.map(Some),
+            preshared_key: peer.preshared_key().map(Some),
             persistent_keepalive: peer.persistent_keepalive.map(Some),
             add_allowed_ips: want_ips.into_vec(),
         });
     };
     let keepalive_now = have.persistent_keepalive.filter(|s| *s != 0);
     let endpoint = peer.endpoint.filter(|e| have.endpoint != Some(*e));
-    let preshared_key = (have.preshared_key != peer.preshared_key).then_some(peer.preshared_key);
+    let want_psk = peer.preshared_key();
+    let preshared_key = (have.preshared_key.as_deref() != want_psk.as_ref()).then_some(want_psk);
     let persistent_keepalive =
         (keepalive_now != peer.persistent_keepalive).then_some(peer.persistent_keepalive);
     let missing = |ip: &IpNet| !have.allowed_ips.contains(ip);
@@ -1907,7 +1909,7 @@ fn wg_change(peer: &PeerSpec, have: Option<&WgPeer>) -> Option<WgPeerChange> {
     // Most peers of a full plan are unchanged: nothing is allocated for them.
     (!unchanged).then(|| WgPeerChange {
         key: peer.public_key,
-        peer: peer.name.clone(),
+        peer: peer.name.to_string(),
         create: false,
         endpoint,
         preshared_key,

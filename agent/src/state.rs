@@ -68,12 +68,15 @@ impl fmt::Debug for WgKey {
 /// One peer of the desired state.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerSpec {
-    pub name: String,
+    /// Held inline up to 24 bytes: most names take no heap block.
+    pub name: compact_str::CompactString,
     pub public_key: WgKey,
     pub address: Option<Ipv4Addr>,
     pub address_v6: Option<Ipv6Addr>,
     pub endpoint: Option<SocketAddr>,
-    pub preshared_key: Option<WgKey>,
+    /// Boxed, as `window` is: few peers have one, and held inline its 33 bytes would be paid
+    /// by every peer ([`PeerSpec::preshared_key`]).
+    preshared_key: Option<Box<WgKey>>,
     /// Seconds; `None` (or 0 in the file) is off.
     pub persistent_keepalive: Option<u16>,
     /// Canonical rule set (sorted, deduplicated), shared by the peers that have the same set.
@@ -86,7 +89,8 @@ pub struct PeerSpec {
     pub mode: Mode,
     /// `"notBefore"` and `"expires"` (RFC 3339, UTC): the peer's packets pass only from
     /// `not_before` until before `expires`; `expires` > `not_before` when both are given.
-    pub window: Window,
+    /// `None` for no window ([`PeerSpec::window`]).
+    window: Option<Box<Window>>,
 }
 
 /// What a peer's policy does with a packet it denies.
@@ -165,6 +169,24 @@ fn window_error(window: &Window) -> Option<String> {
 }
 
 impl PeerSpec {
+    /// The WireGuard preshared key, if the peer has one.
+    pub fn preshared_key(&self) -> Option<WgKey> {
+        self.preshared_key.as_deref().copied()
+    }
+
+    /// The peer's access window (neither bound: none).
+    pub fn window(&self) -> Window {
+        self.window.as_deref().copied().unwrap_or_default()
+    }
+
+    /// The rarely set fields, boxed only when set (so that equal peers compare equal).
+    fn rare(preshared_key: Option<WgKey>, window: Window) -> (Option<Box<WgKey>>, Option<Box<Window>>) {
+        (
+            preshared_key.map(Box::new),
+            window.is_some().then(|| Box::new(window)),
+        )
+    }
+
     /// The peer's tunnel addresses.
     pub fn addrs(&self) -> impl Iterator<Item = IpAddr> {
         self.address
@@ -206,14 +228,14 @@ impl DesiredState {
     /// peer go) at the first reconcile after its window ends. The datapath drops its packets
     /// from the end of the window on, agent or not.
     pub fn without_expired(mut self, now: u64) -> Self {
-        self.peers.retain(|p| !p.window.is_past(now));
+        self.peers.retain(|p| !p.window().is_past(now));
         self
     }
 
     /// The state as the agent applies it at `now`: itself, or (only when a peer's window is
     /// over) a copy without the expired peers.
     pub fn unexpired(&self, now: u64) -> std::borrow::Cow<'_, Self> {
-        if self.peers.iter().any(|p| p.window.is_past(now)) {
+        if self.peers.iter().any(|p| p.window().is_past(now)) {
             std::borrow::Cow::Owned(self.clone().without_expired(now))
         } else {
             std::borrow::Cow::Borrowed(self)
@@ -252,7 +274,7 @@ impl PeerSpec {
         let mut set = |field: &str, value: Value| {
             peer.insert(field.to_owned(), value);
         };
-        set("name", self.name.clone().into());
+        set("name", self.name.as_str().into());
         set("publicKey", self.public_key.to_base64().into());
         if let Some(address) = self.address {
             set("address", address.to_string().into());
@@ -263,7 +285,7 @@ impl PeerSpec {
         if let Some(endpoint) = self.endpoint {
             set("endpoint", endpoint.to_string().into());
         }
-        if let Some(key) = self.preshared_key {
+        if let Some(key) = self.preshared_key() {
             set("presharedKey", key.to_base64().into());
         }
         if let Some(secs) = self.persistent_keepalive {
@@ -272,10 +294,10 @@ impl PeerSpec {
         if self.mode != Mode::Enforce {
             set("mode", self.mode.name().into());
         }
-        if let Some(t) = self.window.not_before {
+        if let Some(t) = self.window().not_before {
             set("notBefore", format_time(t).into());
         }
-        if let Some(t) = self.window.expires {
+        if let Some(t) = self.window().expires {
             set("expires", format_time(t).into());
         }
         if let Some(rules) = &self.rules {
@@ -615,14 +637,14 @@ mod tests {
         let s = both(&state(vec![p, peer("bob", 3)]));
         assert_eq!(s.peers[0].mode, Mode::Audit);
         assert_eq!(
-            s.peers[0].window,
+            s.peers[0].window(),
             Window {
                 not_before: Some(1_796_112_000),
                 expires: Some(1_796_403_600),
             }
         );
         assert_eq!(s.peers[1].mode, Mode::Enforce);
-        assert!(!s.peers[1].window.is_some());
+        assert!(!s.peers[1].window().is_some());
         assert_eq!(both(&s.to_canonical_json()), s);
     }
 

@@ -150,7 +150,7 @@ impl WireGuard {
                     preshared_key: config
                         .preshared_key
                         .filter(|k| *k != zero)
-                        .map(|k| WgKey(k.0)),
+                        .map(|k| Box::new(WgKey(k.0))),
                     persistent_keepalive: config.persistent_keepalive_interval.filter(|s| *s != 0),
                 },
             ));

@@ -126,7 +126,7 @@ impl<'a> Model<'a> {
 
     /// Whether `peer`'s window (if any) is open now.
     fn open(&self, peer: &PeerSpec) -> bool {
-        let w = peer.window;
+        let w = peer.window();
         w.not_before.is_none_or(|nb| nb <= self.now) && w.expires.is_none_or(|e| self.now < e)
     }
 
@@ -146,7 +146,7 @@ impl<'a> Model<'a> {
                 *self
                     .credits
                     .borrow_mut()
-                    .entry((peer.name.clone(), rule))
+                    .entry((peer.name.to_string(), rule))
                     .or_default() += 1;
                 Counter::PassPolicy
             }
@@ -1037,7 +1037,7 @@ fn rule_mismatches(program: &TestProgram, state: &DesiredState, model: &Model<'_
         counted += 1;
         for i in 0..rules.len() {
             *want.entry(entry.rules + i as u32).or_default() +=
-                credits.get(&(peer.name.clone(), i)).copied().unwrap_or(0);
+                credits.get(&(peer.name.to_string(), i)).copied().unwrap_or(0);
         }
     }
     assert!(counted > 0);

@@ -108,12 +108,12 @@ impl Notes<'_> {
     /// The peers whose window is already over: the state is valid, but they may send nothing.
     fn expired(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let now = wgfence::clock::unix_secs();
-        for peer in self.0.peers.iter().filter(|p| p.window.is_past(now)) {
+        for peer in self.0.peers.iter().filter(|p| p.window().is_past(now)) {
             writeln!(
                 f,
                 "note: peer {:?}: its window is already over (expires {}): it may send nothing",
                 peer.name,
-                peer.window
+                peer.window()
                     .expires
                     .map(state::format_time)
                     .unwrap_or_default()

@@ -142,7 +142,7 @@ impl Request {
         let Some(desired) = desired else {
             bail!("--peer needs a state file to find {name:?} in (pass --state, or --from ADDR)");
         };
-        let Some(peer) = desired.peers.iter().find(|p| &p.name == name) else {
+        let Some(peer) = desired.peers.iter().find(|p| p.name == name) else {
             bail!("no peer named {name:?} in the state file");
         };
         let Some(addr) = peer.addrs().find(|a| a.is_ipv4() == self.to.is_ipv4()) else {

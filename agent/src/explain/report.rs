@@ -264,7 +264,7 @@ impl Report {
             reason: verdict.counter.name(),
             packet: describe(probe),
             from: probe.src,
-            peer: peer.map(|(_, p)| p.name.clone()),
+            peer: peer.map(|(_, p)| p.name.to_string()),
             peer_place: peer.and_then(|(f, p)| f.sources.peer(&p.name)),
             live: by_live,
             allows,

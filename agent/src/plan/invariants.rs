@@ -117,7 +117,7 @@ pub fn check_converged(actual: &Actual, desired: &DesiredState) -> Result<(), St
         if peer.endpoint.is_some() && wg.endpoint != peer.endpoint {
             return Err(format!("{}: endpoint {:?}", peer.name, wg.endpoint));
         }
-        if wg.preshared_key != peer.preshared_key
+        if wg.preshared_key.as_deref().copied() != peer.preshared_key()
             || wg.persistent_keepalive != peer.persistent_keepalive
         {
             return Err(format!("{}: preshared key or keepalive differ", peer.name));

@@ -218,7 +218,7 @@ impl Index {
     fn add(&mut self, spec: &PeerSpec) {
         self.keys.insert(spec.public_key);
         self.addrs.extend(spec.addrs());
-        if let Some(end) = spec.window.expires {
+        if let Some(end) = spec.window().expires {
             *self.expiries.entry(end).or_insert(0) += 1;
         }
         if let (Some(rules), Some(policy)) = (&spec.rules, &spec.policy) {
@@ -238,7 +238,7 @@ impl Index {
         for addr in spec.addrs() {
             self.addrs.remove(&addr);
         }
-        if let Some(end) = spec.window.expires {
+        if let Some(end) = spec.window().expires {
             if let Some(n) = self.expiries.get_mut(&end) {
                 *n -= 1;
                 if *n == 0 {
@@ -731,12 +731,12 @@ impl Pipeline {
                     self.hashes[i] = hash;
                     let old = std::mem::replace(&mut self.state.peers[i], spec);
                     if old != self.state.peers[i] {
-                        changes.touched.push(old.name.clone());
+                        changes.touched.push(old.name.to_string());
                         changes.gone.push(old);
                     }
                 }
                 _ => {
-                    changes.touched.push(spec.name.clone());
+                    changes.touched.push(spec.name.to_string());
                     inserts.push((hash, spec));
                 }
             }
@@ -841,7 +841,7 @@ impl Pipeline {
         self.layout = layout;
         for peer in &desired.peers {
             // A peer without a hash of its text (none found) is parsed again next time.
-            let hash = by_name.get(&peer.name).copied().unwrap_or_else(|| {
+            let hash = by_name.get(peer.name.as_str()).copied().unwrap_or_else(|| {
                 self.hash(format!("(unknown text of) {}", peer.name).as_bytes())
             });
             self.hashes.push(hash);
@@ -912,7 +912,7 @@ impl Pipeline {
 pub(super) fn diff(previous: &DesiredState, desired: &DesiredState) -> Changes {
     let mut changes = Changes {
         replies: previous.replies != desired.replies,
-        earliest_expiry: Some(desired.peers.iter().filter_map(|p| p.window.expires).min()),
+        earliest_expiry: Some(desired.peers.iter().filter_map(|p| p.window().expires).min()),
         ..Changes::default()
     };
     for pair in super::by_name(previous, desired) {
@@ -920,7 +920,7 @@ pub(super) fn diff(previous: &DesiredState, desired: &DesiredState) -> Changes {
             (Some(old), Some(new)) if old == new => {}
             (old, new) => {
                 changes.gone.extend(old.cloned());
-                changes.touched.extend(new.map(|p| p.name.clone()));
+                changes.touched.extend(new.map(|p| p.name.to_string()));
             }
         }
     }

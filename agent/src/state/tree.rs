@@ -310,8 +310,9 @@ fn parse_peer(raw: &Value, e: &mut Errors<'_>, compiled: &mut Compiled) -> Optio
             return None;
         }
     };
+    let (preshared_key, window) = PeerSpec::rare(preshared_key, window);
     Some(PeerSpec {
-        name: name?,
+        name: name?.into(),
         public_key: public_key?,
         address,
         address_v6,

@@ -504,8 +504,9 @@ fn peer<'a>(
         }
     }
     .unzip();
+    let (preshared_key, window) = PeerSpec::rare(preshared_key, window);
     Some(PeerSpec {
-        name: name.clone().into_owned(),
+        name: compact_str::CompactString::from(name.as_ref()),
         public_key,
         address,
         address_v6,

@@ -171,7 +171,7 @@ pub fn peer_names(state: Option<&Path>, agent: Option<&AgentStatus>) -> BTreeMap
             desired
                 .peers
                 .iter()
-                .flat_map(|p| p.addrs().map(move |a| (a, p.name.clone())))
+                .flat_map(|p| p.addrs().map(move |a| (a, p.name.to_string())))
                 .collect()
         })
         .unwrap_or_default()
