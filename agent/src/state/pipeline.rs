@@ -203,7 +203,12 @@ impl Default for Pipeline {
 /// What the cross-peer rules look up, kept up to date with each accepted state.
 #[derive(Default)]
 struct Index {
-    keys: HashSet<WgKey>,
+    /// Peers per fingerprint of their public key ([`key_print`]): 12 bytes a key where the
+    /// key itself is 32. A fingerprint in use means the key is taken only if a peer has that
+    /// very key, which [`Pipeline::key_taken`] checks against the state: a pass over the
+    /// peers, on that rare case only (a duplicate key, which the file is then rejected for,
+    /// or two keys of one fingerprint).
+    keys: HashMap<u64, u32, foldhash::fast::FixedState>,
     addrs: HashSet<IpAddr>,
     /// How many peers use each rule set (by its shared copy's address).
     uses: HashMap<usize, usize>,
@@ -216,7 +221,7 @@ struct Index {
 
 impl Index {
     fn add(&mut self, spec: &PeerSpec) {
-        self.keys.insert(spec.public_key);
+        *self.keys.entry(key_print(&spec.public_key)).or_insert(0) += 1;
         self.addrs.extend(spec.addrs());
         if let Some(end) = spec.window().expires {
             *self.expiries.entry(end).or_insert(0) += 1;
@@ -234,7 +239,13 @@ impl Index {
     }
 
     fn remove(&mut self, spec: &PeerSpec) {
-        self.keys.remove(&spec.public_key);
+        let print = key_print(&spec.public_key);
+        if let Some(n) = self.keys.get_mut(&print) {
+            *n -= 1;
+            if *n == 0 {
+                self.keys.remove(&print);
+            }
+        }
         for addr in spec.addrs() {
             self.addrs.remove(&addr);
         }
@@ -273,6 +284,13 @@ enum Read<'a> {
 struct Arrival {
     hash: Hash,
     spec: PeerSpec,
+}
+
+/// A public key's fingerprint in [`Index::keys`]: a hash with a fixed seed, so that indexes
+/// built apart compare equal.
+fn key_print(key: &WgKey) -> u64 {
+    use std::hash::BuildHasher as _;
+    foldhash::fast::FixedState::default().hash_one(key.0)
 }
 
 fn rules_id(rules: &Arc<Vec<Rule>>) -> usize {
@@ -632,6 +650,12 @@ impl Pipeline {
             .retain(|_, (rules, _)| uses.contains_key(&rules_id(rules)));
     }
 
+    /// Whether a peer of the accepted state has `key`.
+    fn key_taken(&self, key: &WgKey) -> bool {
+        self.index.keys.contains_key(&key_print(key))
+            && self.state.peers.iter().any(|p| p.public_key == *key)
+    }
+
     /// Unique names, keys and addresses, and the tries' capacity, for the state the arrivals
     /// and departures lead to: whether it passes.
     fn cross_peer_checks(&self, arrivals: &[Arrival], leaving: &[usize]) -> bool {
@@ -653,7 +677,7 @@ impl Pipeline {
                 return false;
             }
             let key = spec.public_key;
-            if (self.index.keys.contains(&key) && !freed_keys.contains(&key)) || !keys.insert(key) {
+            if (!freed_keys.contains(&key) && self.key_taken(&key)) || !keys.insert(key) {
                 return false;
             }
             for addr in spec.addrs() {
