@@ -180,7 +180,10 @@ impl PeerSpec {
     }
 
     /// The rarely set fields, boxed only when set (so that equal peers compare equal).
-    fn rare(preshared_key: Option<WgKey>, window: Window) -> (Option<Box<WgKey>>, Option<Box<Window>>) {
+    fn rare(
+        preshared_key: Option<WgKey>,
+        window: Window,
+    ) -> (Option<Box<WgKey>>, Option<Box<Window>>) {
         (
             preshared_key.map(Box::new),
             window.is_some().then(|| Box::new(window)),

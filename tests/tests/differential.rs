@@ -1036,8 +1036,10 @@ fn rule_mismatches(program: &TestProgram, state: &DesiredState, model: &Model<'_
         );
         counted += 1;
         for i in 0..rules.len() {
-            *want.entry(entry.rules + i as u32).or_default() +=
-                credits.get(&(peer.name.to_string(), i)).copied().unwrap_or(0);
+            *want.entry(entry.rules + i as u32).or_default() += credits
+                .get(&(peer.name.to_string(), i))
+                .copied()
+                .unwrap_or(0);
         }
     }
     assert!(counted > 0);

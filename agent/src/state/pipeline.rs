@@ -936,7 +936,13 @@ impl Pipeline {
 pub(super) fn diff(previous: &DesiredState, desired: &DesiredState) -> Changes {
     let mut changes = Changes {
         replies: previous.replies != desired.replies,
-        earliest_expiry: Some(desired.peers.iter().filter_map(|p| p.window().expires).min()),
+        earliest_expiry: Some(
+            desired
+                .peers
+                .iter()
+                .filter_map(|p| p.window().expires)
+                .min(),
+        ),
         ..Changes::default()
     };
     for pair in super::by_name(previous, desired) {
