@@ -28,7 +28,7 @@
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     hash::{BuildHasher, Hasher},
-    net::IpAddr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     sync::Arc,
 };
 
@@ -209,7 +209,7 @@ struct Index {
     /// peers, on that rare case only (a duplicate key, which the file is then rejected for,
     /// or two keys of one fingerprint).
     keys: HashMap<u64, u32, foldhash::fast::FixedState>,
-    addrs: HashSet<IpAddr>,
+    addrs: Addrs,
     /// How many peers use each rule set (by its shared copy's address).
     uses: HashMap<usize, usize>,
     /// Trie entries of the distinct policies, per family (IPv4, IPv6).
@@ -222,7 +222,9 @@ struct Index {
 impl Index {
     fn add(&mut self, spec: &PeerSpec) {
         *self.keys.entry(key_print(&spec.public_key)).or_insert(0) += 1;
-        self.addrs.extend(spec.addrs());
+        for addr in spec.addrs() {
+            self.addrs.insert(addr);
+        }
         if let Some(end) = spec.window().expires {
             *self.expiries.entry(end).or_insert(0) += 1;
         }
@@ -269,6 +271,37 @@ impl Index {
                     self.trie.1 -= v6;
                 }
             }
+        }
+    }
+}
+
+/// A set of addresses, a table per family: an `IpAddr` takes 17 bytes for either, so one
+/// table would hold every IPv4 address in the room of an IPv6 one.
+#[derive(Default, PartialEq)]
+struct Addrs {
+    v4: HashSet<Ipv4Addr>,
+    v6: HashSet<Ipv6Addr>,
+}
+
+impl Addrs {
+    fn insert(&mut self, addr: IpAddr) -> bool {
+        match addr {
+            IpAddr::V4(a) => self.v4.insert(a),
+            IpAddr::V6(a) => self.v6.insert(a),
+        }
+    }
+
+    fn remove(&mut self, addr: &IpAddr) -> bool {
+        match addr {
+            IpAddr::V4(a) => self.v4.remove(a),
+            IpAddr::V6(a) => self.v6.remove(a),
+        }
+    }
+
+    fn contains(&self, addr: &IpAddr) -> bool {
+        match addr {
+            IpAddr::V4(a) => self.v4.contains(a),
+            IpAddr::V6(a) => self.v6.contains(a),
         }
     }
 }
