@@ -97,13 +97,14 @@ impl<'a> Cursor<'a> {
     fn string(&mut self) -> Option<&'a str> {
         self.expect(b'"')?;
         let start = self.at;
-        loop {
-            match self.next()? {
-                b'"' => return self.text.get(start..self.at - 1),
-                b'\\' | 0..=0x1f => return None,
-                _ => {}
-            }
+        let end = special(self.text.as_bytes(), start)?;
+        // The first special byte must be the closing quote: not an escape, not a control
+        // character.
+        if self.text.as_bytes()[end] != b'"' {
+            return None;
         }
+        self.at = end + 1;
+        self.text.get(start..end)
     }
 
     fn str(&mut self) -> Option<Str<'a>> {
@@ -183,18 +184,44 @@ impl<'a> Cursor<'a> {
 /// Where the string whose text starts at `at` ends (just after its closing quote).
 fn string_end(bytes: &[u8], mut at: usize) -> Option<usize> {
     loop {
-        // Strings here are short (names, addresses, protocols): a plain loop beats a
-        // vectorised search's set-up.
-        at += bytes
-            .get(at..)?
-            .iter()
-            .position(|b| *b == b'"' || *b == b'\\')?;
-        if bytes[at] == b'"' {
-            return Some(at + 1);
+        at = special(bytes, at)?;
+        match bytes[at] {
+            b'"' => return Some(at + 1),
+            // An escape: the byte after the backslash is never the string's end.
+            b'\\' => at += 2,
+            // A control character: serde_json's to reject, where it parses the text.
+            _ => at += 1,
         }
-        // An escape: the byte after the backslash is never the string's end.
-        at += 2;
     }
+}
+
+/// The first byte from `at` on that is `"`, `\` or a control character (below 0x20), looked
+/// for eight bytes at a time: the strings here (keys, addresses, names) are a few words long,
+/// too short for a vectorised search to pay for its set-up, too long for a byte loop.
+fn special(bytes: &[u8], mut at: usize) -> Option<usize> {
+    const ONES: u64 = u64::from_ne_bytes([1; 8]);
+    const HIGH: u64 = u64::from_ne_bytes([0x80; 8]);
+    while let Some(chunk) = bytes.get(at..at + 8) {
+        let mut word = [0; 8];
+        word.copy_from_slice(chunk);
+        let w = u64::from_le_bytes(word);
+        let (quote, slash) = (w ^ (ONES * u64::from(b'"')), w ^ (ONES * u64::from(b'\\')));
+        // A byte's high bit is set in `found` where the byte is 0 in `quote` or `slash`, or
+        // below 0x20 in `w`: exactly so in the lowest byte flagged (a borrow only runs
+        // upwards, to bytes after it), which is the one taken.
+        let found = ((quote.wrapping_sub(ONES) & !quote)
+            | (slash.wrapping_sub(ONES) & !slash)
+            | (w.wrapping_sub(ONES * 0x20) & !w))
+            & HIGH;
+        if found != 0 {
+            return Some(at + (found.trailing_zeros() / 8) as usize);
+        }
+        at += 8;
+    }
+    let rest = bytes.get(at..)?;
+    rest.iter()
+        .position(|b| matches!(b, b'"' | b'\\' | 0..=0x1f))
+        .map(|i| at + i)
 }
 
 #[cfg(test)]
@@ -333,6 +360,25 @@ mod tests {
             if let Ok(text) = std::str::from_utf8(&bytes) {
                 agrees(text, 0)?;
             }
+        }
+
+        /// The word-at-a-time search finds the byte a byte loop finds, wherever it starts,
+        /// among bytes near the ones it looks for (and UTF-8's high ones).
+        #[test]
+        fn special_is_the_first_quote_escape_or_control_byte(
+            bytes in proptest::collection::vec(
+                prop::sample::select(b"\"\\\x00\x1f\x20!#[\\]a\x7f\x80\xa2\xdc\xff".to_vec()),
+                0..40,
+            ),
+            from in 0usize..41,
+        ) {
+            let want = bytes
+                .iter()
+                .enumerate()
+                .skip(from)
+                .find(|(_, b)| matches!(b, b'"' | b'\\' | 0..=0x1f))
+                .map(|(i, _)| i);
+            prop_assert_eq!(special(&bytes, from), want);
         }
     }
 }
