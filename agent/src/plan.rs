@@ -280,21 +280,16 @@ struct Holders {
 impl Holders {
     /// From (IP, tag) pairs in order (full B-tree nodes).
     fn from_sorted(pairs: &[(IpNet, u64)]) -> Self {
+        let (mut v4, mut v6) = (Vec::new(), Vec::new());
+        for (ip, tag) in pairs {
+            match ip {
+                IpNet::V4(net) => v4.push((*net, *tag)),
+                IpNet::V6(net) => v6.push((*net, *tag)),
+            }
+        }
         Self {
-            v4: pairs
-                .iter()
-                .filter_map(|(ip, tag)| match ip {
-                    IpNet::V4(net) => Some((*net, *tag)),
-                    IpNet::V6(_) => None,
-                })
-                .collect(),
-            v6: pairs
-                .iter()
-                .filter_map(|(ip, tag)| match ip {
-                    IpNet::V6(net) => Some((*net, *tag)),
-                    IpNet::V4(_) => None,
-                })
-                .collect(),
+            v4: v4.into_iter().collect(),
+            v6: v6.into_iter().collect(),
         }
     }
 
