@@ -258,33 +258,89 @@ struct Index {
     /// Keyed by a hash of the content, ids in increasing order, the content itself compared
     /// with the maps' on lookup ([`Actual::ids_of`]): no second copy of every policy.
     by_content: HashMap<u64, smallvec::SmallVec<[u32; 2]>>,
-    /// The WireGuard peer each allowed IP is routed to, by its key's first 8 bytes
-    /// ([`key_tag`]), a map per family: 13 bytes an IPv4 address and 25 an IPv6 one, where
-    /// an `IpNet` and the whole key made 50 (4.5 MiB at 60,000 peers with both families).
-    /// [`Actual::holder_of`] finds the key.
+    /// The WireGuard peer each allowed IP is routed to ([`Holders`]).
     holders: Holders,
-    /// WireGuard peers whose key's tag another peer's key has too: the peers less their
-    /// distinct tags. While it is 0, a tag names one peer of the device.
+    /// The device's peers whose key's first 8 bytes ([`key_tag`]) another peer's key has
+    /// too: the peers less their distinct tags.
     shared_tags: usize,
     /// The highest owner handed out: the kernel's high-water mark, or a higher entry's owner.
     owner_high: u64,
 }
 
-/// [`Index::holders`]: a map per family, as an `IpNet` takes 18 bytes for either.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-struct Holders {
-    v4: BTreeMap<Ipv4Net, u64>,
-    v6: BTreeMap<Ipv6Net, u64>,
+/// The WireGuard peer each allowed IP is routed to, in a map per family (an `IpNet` takes 18
+/// bytes for either). While no two of the device's keys share their first 8 bytes (random
+/// keys never do), a holder is kept as those 8 bytes ([`key_tag`]): 13 bytes an IPv4 address
+/// and 25 an IPv6 one, where an `IpNet` and the whole key made 50 (4.5 MiB at 60,000 peers
+/// with both families). Once two keys share them (keys chosen to), as the whole key. Either
+/// way an answer looks at one key, never at a run of keys an author of the state file could
+/// make long.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Holders {
+    Tags(ByFamily<u64>),
+    Keys(ByFamily<WgKey>),
+}
+
+impl Default for Holders {
+    fn default() -> Self {
+        Holders::Tags(ByFamily::default())
+    }
 }
 
 impl Holders {
-    /// From (IP, tag) pairs in order (full B-tree nodes).
-    fn from_sorted(pairs: &[(IpNet, u64)]) -> Self {
+    fn contains_key(&self, ip: &IpNet) -> bool {
+        match self {
+            Holders::Tags(tags) => tags.get(ip).is_some(),
+            Holders::Keys(keys) => keys.get(ip).is_some(),
+        }
+    }
+
+    /// Records `key` as the holder of `ip`.
+    fn insert(&mut self, ip: IpNet, key: &WgKey) {
+        match self {
+            Holders::Tags(tags) => tags.insert(ip, key_tag(key)),
+            Holders::Keys(keys) => keys.insert(ip, *key),
+        }
+    }
+
+    /// Forgets `ip` if `key` holds it.
+    fn remove_if(&mut self, ip: &IpNet, key: &WgKey) {
+        let held = match self {
+            Holders::Tags(tags) => tags.get(ip) == Some(key_tag(key)),
+            Holders::Keys(keys) => keys.get(ip) == Some(*key),
+        };
+        if held {
+            match self {
+                Holders::Tags(tags) => tags.remove(ip),
+                Holders::Keys(keys) => keys.remove(ip),
+            }
+        }
+    }
+}
+
+/// A map from allowed IPs, one per family.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ByFamily<V> {
+    v4: BTreeMap<Ipv4Net, V>,
+    v6: BTreeMap<Ipv6Net, V>,
+}
+
+impl<V> Default for ByFamily<V> {
+    fn default() -> Self {
+        Self {
+            v4: BTreeMap::new(),
+            v6: BTreeMap::new(),
+        }
+    }
+}
+
+impl<V: Copy> ByFamily<V> {
+    /// From pairs in the IPs' order (full B-tree nodes); of an IP listed twice, the later.
+    fn from_sorted(pairs: impl Iterator<Item = (IpNet, V)>) -> Self {
         let (mut v4, mut v6) = (Vec::new(), Vec::new());
-        for (ip, tag) in pairs {
+        for (ip, value) in pairs {
             match ip {
-                IpNet::V4(net) => v4.push((*net, *tag)),
-                IpNet::V6(net) => v6.push((*net, *tag)),
+                IpNet::V4(net) => v4.push((net, value)),
+                IpNet::V6(net) => v6.push((net, value)),
             }
         }
         Self {
@@ -293,29 +349,39 @@ impl Holders {
         }
     }
 
-    fn get(&self, ip: &IpNet) -> Option<&u64> {
+    fn get(&self, ip: &IpNet) -> Option<V> {
         match ip {
-            IpNet::V4(net) => self.v4.get(net),
-            IpNet::V6(net) => self.v6.get(net),
+            IpNet::V4(net) => self.v4.get(net).copied(),
+            IpNet::V6(net) => self.v6.get(net).copied(),
         }
     }
 
-    fn contains_key(&self, ip: &IpNet) -> bool {
-        self.get(ip).is_some()
-    }
-
-    fn insert(&mut self, ip: IpNet, tag: u64) -> Option<u64> {
+    fn insert(&mut self, ip: IpNet, value: V) {
         match ip {
-            IpNet::V4(net) => self.v4.insert(net, tag),
-            IpNet::V6(net) => self.v6.insert(net, tag),
+            IpNet::V4(net) => {
+                self.v4.insert(net, value);
+            }
+            IpNet::V6(net) => {
+                self.v6.insert(net, value);
+            }
         }
     }
 
-    fn remove(&mut self, ip: &IpNet) -> Option<u64> {
+    fn remove(&mut self, ip: &IpNet) {
         match ip {
-            IpNet::V4(net) => self.v4.remove(net),
-            IpNet::V6(net) => self.v6.remove(net),
+            IpNet::V4(net) => {
+                self.v4.remove(net);
+            }
+            IpNet::V6(net) => {
+                self.v6.remove(net);
+            }
         }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (IpNet, V)> + '_ {
+        let v4 = self.v4.iter().map(|(net, v)| (IpNet::V4(*net), *v));
+        let v6 = self.v6.iter().map(|(net, v)| (IpNet::V6(*net), *v));
+        v4.chain(v6)
     }
 }
 
@@ -557,17 +623,25 @@ impl Actual {
         }
         // An allowed IP two peers list (a device changed behind the agent's back) is the later
         // key's, as one insert at a time had it (a stable sort keeps the order).
-        let mut holders: Vec<(IpNet, u64)> = wg
-            .peers
-            .iter()
-            .flat_map(|(key, peer)| peer.allowed_ips.iter().map(|ip| (*ip, key_tag(key))))
-            .collect();
-        holders.sort_by_key(|(ip, _)| *ip);
-        index.holders = Holders::from_sorted(&holders);
-        drop(holders);
         // Keys in order: keys of one tag are next to each other.
         let tags: Vec<u64> = wg.peers.keys().map(key_tag).collect();
         index.shared_tags = tags.windows(2).filter(|w| w[0] == w[1]).count();
+        drop(tags);
+        let mut holders: Vec<(IpNet, &WgKey)> = wg
+            .peers
+            .iter()
+            .flat_map(|(key, peer)| peer.allowed_ips.iter().map(move |ip| (*ip, key)))
+            .collect();
+        holders.sort_by_key(|(ip, _)| *ip);
+        let pairs = holders.iter();
+        index.holders = if index.shared_tags == 0 {
+            Holders::Tags(ByFamily::from_sorted(
+                pairs.map(|(ip, key)| (*ip, key_tag(key))),
+            ))
+        } else {
+            Holders::Keys(ByFamily::from_sorted(pairs.map(|(ip, key)| (*ip, **key))))
+        };
+        drop(holders);
         for id in maps.policies.keys().chain(index.policy_refs.keys()) {
             index.free_ids.take(*id);
         }
@@ -597,22 +671,36 @@ impl Actual {
         self.holder_of(&IpNet::from(addr))
     }
 
-    /// The WireGuard peer `ip` is routed to: of the device's peers with the tag
-    /// [`Index::holders`] has for it, the one that lists `ip` (the later key, should two:
-    /// as [`Actual::new`] records a device's).
+    /// The WireGuard peer `ip` is routed to. Of a tag, the device's one key that has it.
     fn holder_of(&self, ip: &IpNet) -> Option<WgKey> {
-        let tag = *self.index.holders.get(ip)?;
-        tagged(&self.wg, tag)
-            .filter(|(_, peer)| peer.allowed_ips.contains(ip))
-            .map(|(key, _)| *key)
-            .last()
+        match &self.index.holders {
+            Holders::Keys(keys) => keys.get(ip),
+            Holders::Tags(tags) => {
+                let tag = tags.get(ip)?;
+                tagged(&self.wg, tag).next().map(|(key, _)| *key)
+            }
+        }
     }
 
-    /// Whether WireGuard routes `ip` to `key`, a peer the device has: the tag alone decides
-    /// while no two of the device's keys share one.
+    /// Whether WireGuard routes `ip` to `key`, a peer the device has (of a tag, the device's
+    /// one key that has it).
     fn routes_to_peer(&self, ip: &IpNet, key: &WgKey) -> bool {
-        self.index.holders.get(ip) == Some(&key_tag(key))
-            && (self.index.shared_tags == 0 || self.holder_of(ip) == Some(*key))
+        match &self.index.holders {
+            Holders::Keys(keys) => keys.get(ip) == Some(*key),
+            Holders::Tags(tags) => tags.get(ip) == Some(key_tag(key)),
+        }
+    }
+
+    /// Holders kept as whole keys from now on: a key that shares its tag with another is
+    /// about to join the device. Each tag is resolved while it still names one key.
+    fn hold_by_keys(&mut self) {
+        if let Holders::Tags(tags) = &self.index.holders {
+            let keys =
+                ByFamily::from_sorted(tags.iter().filter_map(|(ip, tag)| {
+                    tagged(&self.wg, tag).next().map(|(key, _)| (ip, *key))
+                }));
+            self.index.holders = Holders::Keys(keys);
+        }
     }
 
     /// Whether WireGuard routes `ip` to `key`.
@@ -739,16 +827,16 @@ impl Actual {
                 }
             }
             Op::WgPeer(change) => {
-                let tag = key_tag(&change.key);
                 if !self.wg.peers.contains_key(&change.key)
-                    && tagged(&self.wg, tag).next().is_some()
+                    && tagged(&self.wg, key_tag(&change.key)).next().is_some()
                 {
+                    self.hold_by_keys();
                     self.index.shared_tags += 1;
                 }
                 // An allowed IP has one holder: adding it to one peer takes it from the other.
                 for ip in &change.add_allowed_ips {
                     let previous = self.holder_of(ip);
-                    self.index.holders.insert(*ip, tag);
+                    self.index.holders.insert(*ip, &change.key);
                     if let Some(previous) = previous.filter(|p| *p != change.key) {
                         if let Some(other) = self.wg.peers.get_mut(&previous) {
                             other.allowed_ips.remove(ip);
@@ -770,17 +858,11 @@ impl Actual {
             }
             Op::RemoveWgPeer { key } => {
                 if let Some(peer) = self.wg.peers.remove(key) {
-                    let tag = key_tag(key);
-                    if tagged(&self.wg, tag).next().is_some() {
+                    if tagged(&self.wg, key_tag(key)).next().is_some() {
                         self.index.shared_tags -= 1;
                     }
-                    // Its IPs are routed nowhere now, unless another peer of its tag lists one.
                     for ip in peer.allowed_ips {
-                        if self.index.holders.get(&ip) == Some(&tag)
-                            && self.holder_of(&ip).is_none()
-                        {
-                            self.index.holders.remove(&ip);
-                        }
+                        self.index.holders.remove_if(&ip, key);
                     }
                 }
             }
@@ -2105,7 +2187,15 @@ mod tests {
             // A kernel read back (built in one go) has the indexes kept op by op.
             let read = Actual::new(self.0.maps.clone(), self.0.wg.clone());
             assert_eq!(read.index.slot_refs, index.slot_refs, "after {op}");
-            assert_eq!(read.index.holders, index.holders, "after {op}");
+            // (Held by tags or by keys: the same holders.)
+            let holders = |a: &Actual| -> Vec<(IpNet, Option<WgKey>)> {
+                let ips: Vec<IpNet> = match &a.index.holders {
+                    Holders::Tags(tags) => tags.iter().map(|(ip, _)| ip).collect(),
+                    Holders::Keys(keys) => keys.iter().map(|(ip, _)| ip).collect(),
+                };
+                ips.into_iter().map(|ip| (ip, a.holder_of(&ip))).collect()
+            };
+            assert_eq!(holders(&read), holders(&self.0), "after {op}");
             assert_eq!(read.index.shared_tags, index.shared_tags, "after {op}");
             assert_eq!(read.index.rule_refs, index.rule_refs, "after {op}");
             assert!(read.index.rule_space == index.rule_space, "after {op}");
@@ -3356,5 +3446,48 @@ mod tests {
             ]
         ));
         assert_eq!((with.map_writes(), with.wg_changes()), (2, 0));
+    }
+
+    /// Holders are kept by tag only while no two of the device's keys share one; keys made to
+    /// share their first 8 bytes make the index hold whole keys (read back, or joining), and
+    /// every address keeps its holder.
+    #[test]
+    fn keys_that_share_their_first_bytes_are_held_whole() {
+        let one = WgKey([1; 32]);
+        let mut two = WgKey([1; 32]);
+        two.0[31] = 2;
+        let ip = |text: &str| -> IpNet { text.parse().unwrap() };
+        let device = |keys: &[WgKey]| ActualWg {
+            peers: keys
+                .iter()
+                .zip(["10.8.0.1/32", "10.8.0.2/32"])
+                .map(|(key, net)| {
+                    let mut peer = WgPeer::default();
+                    peer.allowed_ips.insert(ip(net));
+                    (*key, peer)
+                })
+                .collect(),
+        };
+        let single = Actual::new(ActualMaps::default(), device(&[one]));
+        assert!(matches!(single.index.holders, Holders::Tags(_)));
+        let read = Actual::new(ActualMaps::default(), device(&[one, two]));
+        assert!(matches!(read.index.holders, Holders::Keys(_)));
+        let mut joined = single.clone();
+        joined.apply(&Op::WgPeer(WgPeerChange {
+            key: two,
+            peer: "two".into(),
+            create: true,
+            endpoint: None,
+            preshared_key: None,
+            persistent_keepalive: None,
+            add_allowed_ips: vec![ip("10.8.0.2/32")],
+        }));
+        assert!(matches!(joined.index.holders, Holders::Keys(_)));
+        for actual in [&read, &joined] {
+            assert_eq!(actual.holder("10.8.0.1".parse().unwrap()), Some(one));
+            assert_eq!(actual.holder("10.8.0.2".parse().unwrap()), Some(two));
+            assert!(actual.routes(&ip("10.8.0.2/32"), &two));
+            assert!(!actual.routes(&ip("10.8.0.2/32"), &one));
+        }
     }
 }
