@@ -260,9 +260,6 @@ struct Index {
     by_content: HashMap<u64, smallvec::SmallVec<[u32; 2]>>,
     /// The WireGuard peer each allowed IP is routed to ([`Holders`]).
     holders: Holders,
-    /// The device's peers whose key's first 8 bytes ([`key_tag`]) another peer's key has
-    /// too: the peers less their distinct tags.
-    shared_tags: usize,
     /// The highest owner handed out: the kernel's high-water mark, or a higher entry's owner.
     owner_high: u64,
 }
@@ -304,15 +301,9 @@ impl Holders {
 
     /// Forgets `ip` if `key` holds it.
     fn remove_if(&mut self, ip: &IpNet, key: &WgKey) {
-        let held = match self {
-            Holders::Tags(tags) => tags.get(ip) == Some(key_tag(key)),
-            Holders::Keys(keys) => keys.get(ip) == Some(*key),
-        };
-        if held {
-            match self {
-                Holders::Tags(tags) => tags.remove(ip),
-                Holders::Keys(keys) => keys.remove(ip),
-            }
+        match self {
+            Holders::Tags(tags) => tags.remove_if(ip, key_tag(key)),
+            Holders::Keys(keys) => keys.remove_if(ip, *key),
         }
     }
 }
@@ -333,7 +324,7 @@ impl<V> Default for ByFamily<V> {
     }
 }
 
-impl<V: Copy> ByFamily<V> {
+impl<V: Copy + PartialEq> ByFamily<V> {
     /// From pairs in the IPs' order (full B-tree nodes); of an IP listed twice, the later.
     fn from_sorted(pairs: impl Iterator<Item = (IpNet, V)>) -> Self {
         let (mut v4, mut v6) = (Vec::new(), Vec::new());
@@ -367,13 +358,16 @@ impl<V: Copy> ByFamily<V> {
         }
     }
 
-    fn remove(&mut self, ip: &IpNet) {
-        match ip {
-            IpNet::V4(net) => {
-                self.v4.remove(net);
-            }
-            IpNet::V6(net) => {
-                self.v6.remove(net);
+    /// Removes `ip` if it maps to `value`.
+    fn remove_if(&mut self, ip: &IpNet, value: V) {
+        if self.get(ip) == Some(value) {
+            match ip {
+                IpNet::V4(net) => {
+                    self.v4.remove(net);
+                }
+                IpNet::V6(net) => {
+                    self.v6.remove(net);
+                }
             }
         }
     }
@@ -625,7 +619,7 @@ impl Actual {
         // key's, as one insert at a time had it (a stable sort keeps the order).
         // Keys in order: keys of one tag are next to each other.
         let tags: Vec<u64> = wg.peers.keys().map(key_tag).collect();
-        index.shared_tags = tags.windows(2).filter(|w| w[0] == w[1]).count();
+        let shared_tags = tags.windows(2).any(|w| w[0] == w[1]);
         drop(tags);
         let mut holders: Vec<(IpNet, &WgKey)> = wg
             .peers
@@ -634,7 +628,7 @@ impl Actual {
             .collect();
         holders.sort_by_key(|(ip, _)| *ip);
         let pairs = holders.iter();
-        index.holders = if index.shared_tags == 0 {
+        index.holders = if !shared_tags {
             Holders::Tags(ByFamily::from_sorted(
                 pairs.map(|(ip, key)| (*ip, key_tag(key))),
             ))
@@ -831,7 +825,6 @@ impl Actual {
                     && tagged(&self.wg, key_tag(&change.key)).next().is_some()
                 {
                     self.hold_by_keys();
-                    self.index.shared_tags += 1;
                 }
                 // An allowed IP has one holder: adding it to one peer takes it from the other.
                 for ip in &change.add_allowed_ips {
@@ -858,9 +851,6 @@ impl Actual {
             }
             Op::RemoveWgPeer { key } => {
                 if let Some(peer) = self.wg.peers.remove(key) {
-                    if tagged(&self.wg, key_tag(key)).next().is_some() {
-                        self.index.shared_tags -= 1;
-                    }
                     for ip in peer.allowed_ips {
                         self.index.holders.remove_if(&ip, key);
                     }
@@ -2196,7 +2186,6 @@ mod tests {
                 ips.into_iter().map(|ip| (ip, a.holder_of(&ip))).collect()
             };
             assert_eq!(holders(&read), holders(&self.0), "after {op}");
-            assert_eq!(read.index.shared_tags, index.shared_tags, "after {op}");
             assert_eq!(read.index.rule_refs, index.rule_refs, "after {op}");
             assert!(read.index.rule_space == index.rule_space, "after {op}");
             let free: BTreeSet<u32> = (0..read.index.slot_high)
