@@ -203,8 +203,8 @@ impl Default for Pipeline {
 /// What the cross-peer rules look up, kept up to date with each accepted state.
 #[derive(Default)]
 struct Index {
-    /// Peers per fingerprint of their public key ([`key_print`]): 12 bytes a key where the
-    /// key itself is 32. A fingerprint in use means the key is taken only if a peer has that
+    /// Peers per fingerprint of their public key ([`key_print`]): 16 bytes a key with its
+    /// count, where the key itself is 32. A fingerprint in use means the key is taken only if a peer has that
     /// very key, which [`Pipeline::key_taken`] checks against the state: a pass over the
     /// peers, on that rare case only (a duplicate key, which the file is then rejected for,
     /// or two keys of one fingerprint).
