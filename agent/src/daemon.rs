@@ -28,7 +28,10 @@ use crate::{
     dataplane::{AttachOptions, Check, Dataplane, DataplaneError, Repair},
     metrics::{self, Endpoints, Health, Metrics},
     reconcile::{ReconcileError, Reconciler},
-    source::{OpenState, ReadError, SourceError, StateFile, StateSource},
+    source::{
+        kubernetes::{self, KubeError, SecretRef},
+        ReadError, Reader, Snapshot, SourceError, StateFile, StateSource, Watch,
+    },
     state::{Changes, Pipeline, Rejection},
     status::{
         rules::rule_rows,
@@ -52,7 +55,8 @@ const DATAPLANE_CHECK: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone)]
 pub struct RunOptions {
     pub interface: String,
-    pub state: PathBuf,
+    /// Where the state comes from.
+    pub source: SourceOptions,
     pub bpffs: PathBuf,
     pub metrics_addr: Option<SocketAddr>,
     /// Also serve the probes (`/healthz`, `/readyz`) here, on a listener of their own.
@@ -68,6 +72,13 @@ pub struct RunOptions {
     pub allow_insecure_state: bool,
 }
 
+/// `--source`: a state file, or one Secret watched through the Kubernetes API.
+#[derive(Debug, Clone)]
+pub enum SourceOptions {
+    File(PathBuf),
+    Kubernetes(SecretRef),
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
     #[error("attaching the datapath")]
@@ -78,6 +89,8 @@ pub enum DaemonError {
     Reconcile(#[from] ReconcileError),
     #[error(transparent)]
     Source(#[from] SourceError),
+    #[error("the Kubernetes source")]
+    Kubernetes(#[from] KubeError),
     #[error("state file {path}")]
     Untrusted {
         path: PathBuf,
@@ -116,7 +129,11 @@ pub fn run(options: RunOptions) -> Result<(), DaemonError> {
 /// blocking pool, so a large apply never stalls the metrics server or signal handling.
 struct Core {
     reconciler: Reconciler,
-    state_file: StateFile,
+    /// The file, or the Secret's latest version: the daemon knows no more of its source.
+    reader: Reader,
+    /// Why the last read found no state (the Secret lacks its key), so that an unchanged
+    /// object is counted as rejected once.
+    unreadable: Option<String>,
     /// Reads each new state file, keeping the last accepted state and what decides the next.
     pipeline: Pipeline,
     /// Hash of the state file's bytes that are applied now; an identical read costs nothing.
@@ -197,10 +214,13 @@ impl Core {
             tracing::debug!("datapath fault: the state is applied once the datapath is back");
             return Next::Idle;
         }
-        let file = match self.open_state_file() {
+        let file = match self.open_state() {
             Ok(file) => file,
             Err(next) => return next,
         };
+        // Present again (a Secret re-created, a file back).
+        self.metrics.source_object_missing.set(0);
+        self.unreadable = None;
         // The one pass over the file before it is known to be new: an unchanged file costs no
         // more, and a new one is then read only where it changed.
         let fingerprint = match self.pipeline.fingerprint(&file) {
@@ -209,8 +229,13 @@ impl Core {
         };
         let mut hash = fingerprint.id();
         if !force && (self.applied == Some(hash) || self.rejected == Some(hash)) {
+            if self.applied == Some(hash) {
+                // The same bytes at a new resourceVersion: that one is applied now.
+                self.applied_from(file.origin());
+            }
             return Next::Idle;
         }
+        let origin = file.origin().map(str::to_owned);
         let capacity = self.reconciler.wireguard().max_peers();
         let result = match self.prepared.take().filter(|p| p.hash == hash) {
             Some(prepared) => {
@@ -253,12 +278,15 @@ impl Core {
             Ok(changes) => changes,
             Err(_) if torn => return read_failed(&std::io::Error::other("written while read")),
             Err(errors) => {
-                self.reject(&errors, &failed_tests, hash);
+                self.reject(&errors, &failed_tests, hash, origin.as_deref());
                 return Next::Idle;
             }
         };
         self.rejected = None;
         let mut next = self.apply(&changes, hash);
+        if self.applied == Some(hash) {
+            self.applied_from(origin.as_deref());
+        }
         if torn {
             self.applied = None;
             next = read_failed(&std::io::Error::other("written while read"));
@@ -289,11 +317,45 @@ impl Core {
         }
     }
 
-    /// The state file, open to be read; if it cannot be, what the loop does next (the reason
+    /// Readiness and status name what is applied: the source, and for a Secret the
+    /// resourceVersion.
+    fn applied_from(&mut self, origin: Option<&str>) {
+        let what = match origin {
+            Some(origin) => origin.to_owned(),
+            None => self.reader.name(),
+        };
+        self.health.set_ready_from(&what);
+        self.status.source(&what);
+    }
+
+    /// The state, open to be read; if it cannot be, what the loop does next (the reason
     /// is logged and, unless the file is being replaced, said by the readiness).
-    fn open_state_file(&mut self) -> Result<OpenState, Next> {
-        match self.state_file.open() {
+    fn open_state(&mut self) -> Result<Snapshot, Next> {
+        match self.reader.open() {
             Ok(file) => Ok(file),
+            Err(ReadError::NotListed(why)) => {
+                // Nothing applied, nothing pruned: what is pinned keeps enforcing.
+                tracing::debug!("{why}");
+                self.not_ready(&why);
+                Err(Next::Idle)
+            }
+            Err(ReadError::ObjectMissing(why)) => {
+                tracing::warn!("{why}");
+                self.metrics.source_object_missing.set(1);
+                self.not_ready(&why);
+                self.applied = None;
+                Err(Next::Idle)
+            }
+            Err(ReadError::NoKey(why)) => {
+                if self.unreadable.as_deref() != Some(why.as_str()) {
+                    tracing::error!("{why}: state rejected; the last good state stays applied");
+                    self.metrics.state_rejected.inc();
+                    self.unreadable = Some(why.clone());
+                }
+                self.not_ready(&format!("state rejected: {why}"));
+                self.applied = None;
+                Err(Next::Idle)
+            }
             Err(e @ ReadError::Replaced(_)) => {
                 tracing::warn!(error = %e, "reading the state file again");
                 Err(Next::Retry)
@@ -307,10 +369,10 @@ impl Core {
             }
             Err(e) => {
                 let why = e.to_string();
-                tracing::warn!(
-                    path = %self.state_file.path().display(),
-                    "{why}; keeping what is enforced"
-                );
+                tracing::warn!(source = %self.reader.name(), "{why}; keeping what is enforced");
+                if matches!(e, ReadError::Missing) {
+                    self.metrics.source_object_missing.set(1);
+                }
                 self.not_ready(&why);
                 self.applied = None;
                 Err(Next::Idle)
@@ -320,17 +382,21 @@ impl Core {
 
     /// The state file (its bytes hash to `hash`) was rejected with `errors`, naming the
     /// policy tests that failed: the last good state stays applied.
-    fn reject(&mut self, errors: &str, failed_tests: &[String], hash: u128) {
+    fn reject(&mut self, errors: &str, failed_tests: &[String], hash: u128, origin: Option<&str>) {
         tracing::error!(
-            path = %self.state_file.path().display(),
+            source = %self.reader.name(),
             "{errors}\nthe last good state stays applied"
         );
         self.metrics.state_rejected.inc();
+        // A Secret's version is named: which write was refused.
+        let of = origin.map(|o| format!(" ({o})")).unwrap_or_default();
         if failed_tests.is_empty() {
-            self.not_ready("state file rejected by validation (see the agent's log)");
+            self.not_ready(&format!(
+                "state file rejected by validation{of} (see the agent's log)"
+            ));
         } else {
             self.not_ready(&format!(
-                "state file rejected: policy test failed: {}",
+                "state file rejected{of}: policy test failed: {}",
                 failed_tests.join("; ")
             ));
         }
@@ -577,11 +643,11 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         options.interface.clone(),
         options.peer_metrics,
     ));
-    if !options.allow_insecure_state {
+    if let (SourceOptions::File(path), false) = (&options.source, options.allow_insecure_state) {
         // Before anything else: an agent that would take its policy from a file others can
         // write does not start at all.
-        trust::check_state_path(&options.state).map_err(|source| DaemonError::Untrusted {
-            path: options.state.clone(),
+        trust::check_state_path(path).map_err(|source| DaemonError::Untrusted {
+            path: path.clone(),
             source,
         })?;
     }
@@ -590,8 +656,12 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     // Bind before touching the kernel: a second agent started by mistake on the same node
     // fails here, before it could replace the running one's program.
     let listeners = bind(&options).await?;
-    let state_file = StateFile::new(&options.state, !options.allow_insecure_state);
-    let parsing = prepare(state_file.clone());
+    // The file is parsed while the datapath attaches; a Secret is read once the watch has
+    // listed it (the first load).
+    let parsing = match &options.source {
+        SourceOptions::File(path) => prepare(StateFile::new(path, !options.allow_insecure_state)),
+        SourceOptions::Kubernetes(_) => None,
+    };
     let reconciler = adopt(&options, &metrics)?;
     let (pipeline, prepared) = match parsing {
         Some(parsing) => parsing
@@ -611,18 +681,39 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         )
         .map_err(DaemonError::MetricsServer)?;
     }
-    let source = StateSource::watch(&options.state)?;
+    let (source, reader, state_path) = match &options.source {
+        SourceOptions::File(path) => (
+            Watch::File(StateSource::watch(path)?),
+            Reader::File(StateFile::new(path, !options.allow_insecure_state)),
+            path.clone(),
+        ),
+        SourceOptions::Kubernetes(secret) => {
+            let errors = metrics.source_errors.clone();
+            let (watch, latest) = kubernetes::start(secret.clone(), move || {
+                errors.inc();
+            })
+            .await?;
+            (
+                Watch::Kubernetes(watch),
+                Reader::Kubernetes(latest),
+                PathBuf::new(),
+            )
+        }
+    };
     let shutdown = shutdown_on_signal(Arc::clone(&closed))?;
+    let mut status = StatusFile::new(&options.interface, &state_path);
+    status.source(&reader.name());
     let core = Core {
         reconciler,
-        state_file,
+        reader,
+        unreadable: None,
         pipeline,
         applied: None,
         rejected: None,
         metrics,
         health,
         peer_metrics: options.peer_metrics,
-        status: StatusFile::new(&options.interface, &options.state),
+        status,
         map_writes_seen: 0,
         flows_freed_seen: 0,
         wg_updates_seen: 0,
@@ -737,7 +828,7 @@ fn read_failed(e: &std::io::Error) -> Next {
 /// datapath every [`DATAPLANE_CHECK`], retries with backoff, until `shutdown` or `closed`.
 async fn follow(
     core: &mut Option<Core>,
-    mut source: StateSource,
+    mut source: Watch,
     mut stop: watch::Receiver<bool>,
     closed: &AtomicBool,
     resync: Duration,

@@ -43,11 +43,13 @@ use crate::{
 /// The label set of `wgfence_datapath_repairs_total`: `what` was repaired.
 pub type RepairLabels = [(&'static str, &'static str); 1];
 
-/// Whether the agent enforces the current state file, and if not, why.
+/// Whether the agent enforces the current state file, and if not, why; if so, what it
+/// applied (the source, and a Secret's resourceVersion).
 #[derive(Debug, Default)]
 pub struct Health {
     ready: AtomicBool,
     reason: Mutex<String>,
+    applied: Mutex<String>,
 }
 
 impl Health {
@@ -56,6 +58,19 @@ impl Health {
         if let Ok(mut reason) = self.reason.lock() {
             reason.clear();
         }
+    }
+
+    /// Ready, naming what is applied (`/readyz` says `ready: WHAT`).
+    pub fn set_ready_from(&self, what: &str) {
+        self.set_ready();
+        if let Ok(mut applied) = self.applied.lock() {
+            what.clone_into(&mut applied);
+        }
+    }
+
+    /// What the last ready state was applied from, if it was named.
+    pub fn applied(&self) -> String {
+        self.applied.lock().map(|a| a.clone()).unwrap_or_default()
     }
 
     pub fn set_not_ready(&self, why: impl Into<String>) {
@@ -88,6 +103,8 @@ pub struct Metrics {
     pub rule_sets: Gauge,
     pub ready: Gauge,
     pub drift_entries: Gauge,
+    pub source_object_missing: Gauge,
+    pub source_errors: Counter,
     pub state_rejected: Counter,
     pub bpf_map_writes: Counter,
     pub wireguard_peer_updates: Counter,
@@ -132,6 +149,18 @@ impl Metrics {
                 "wgfence_drift_entries",
                 "Map entries and WireGuard peers that differed from the applied state at the \
                  last resync's read, before it repaired them (what `wgfence verify` names)",
+            ),
+            source_object_missing: registered(
+                r,
+                "wgfence_source_object_missing",
+                "1 while the state's source is gone (the state file missing, the Secret deleted \
+                 from the API): the last good state stays enforced",
+            ),
+            source_errors: registered(
+                r,
+                "wgfence_source_errors",
+                "Errors of the Kubernetes API watch (connection refused, a broken watch, 410 \
+                 Gone), each retried within 400 ms",
             ),
             state_rejected: registered(
                 r,
@@ -577,7 +606,14 @@ fn respond<B>(
             metrics.encode(),
         ),
         (&Method::GET, "/healthz") => (200, "text/plain", "ok\n".to_owned()),
-        (&Method::GET, "/readyz") if health.is_ready() => (200, "text/plain", "ready\n".to_owned()),
+        (&Method::GET, "/readyz") if health.is_ready() => (
+            200,
+            "text/plain",
+            match health.applied() {
+                applied if applied.is_empty() => "ready\n".to_owned(),
+                applied => format!("ready: {applied}\n"),
+            },
+        ),
         (&Method::GET, "/readyz") => (
             503,
             "text/plain",

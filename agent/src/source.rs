@@ -27,6 +27,14 @@
 //!
 //! [`StateFile`] is the read itself: checked by [`crate::trust`] unless the operator allowed
 //! an insecure state file.
+//!
+//! The file is one of two sources ([`Watch`] and [`Reader`]): the other is one Secret watched
+//! through the Kubernetes API ([`kubernetes`]). The daemon waits on a [`Watch`] and reads a
+//! [`Snapshot`] (state bytes and a label naming where they came from) or a [`ReadError`]
+//! (missing, not listed yet, unreadable) from a [`Reader`]; everything after the read (the
+//! pipeline, the plan, the apply, readiness and metrics) is the same for both.
+
+pub mod kubernetes;
 
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
@@ -377,6 +385,15 @@ pub enum ReadError {
     /// on the file; read it again.
     #[error(transparent)]
     Replaced(TrustError),
+    /// The Secret is gone from the API (deleted): `source_object_missing`.
+    #[error("{0}")]
+    ObjectMissing(String),
+    /// No complete list of the Secret yet (the API server unreachable, say).
+    #[error("{0}")]
+    NotListed(String),
+    /// The Secret has no such key: an invalid state.
+    #[error("{0}")]
+    NoKey(String),
 }
 
 impl StateFile {
@@ -499,6 +516,129 @@ impl StateBytes for OpenState {
         let mut bytes = vec![0; self.len];
         self.read_at(0, &mut bytes)?;
         Ok(std::borrow::Cow::Owned(bytes))
+    }
+}
+
+/// What the daemon waits on: the next change of its source.
+pub enum Watch {
+    File(StateSource),
+    Kubernetes(kubernetes::Watch),
+}
+
+impl Watch {
+    /// Until the source may have changed. Cancel-safe (see [`StateSource::changed`]).
+    pub async fn changed(&mut self) {
+        match self {
+            Self::File(source) => source.changed().await,
+            Self::Kubernetes(watch) => watch.changed().await,
+        }
+    }
+}
+
+/// What the daemon reads a state from.
+#[derive(Debug, Clone)]
+pub enum Reader {
+    File(StateFile),
+    Kubernetes(kubernetes::Latest),
+}
+
+impl Reader {
+    /// The source, as readiness, status and logs name it (`file /etc/wgfence/state.json`,
+    /// `secret wgfence/state key state.json`).
+    pub fn name(&self) -> String {
+        match self {
+            Self::File(file) => format!("file {}", file.path().display()),
+            Self::Kubernetes(latest) => latest.secret().to_string(),
+        }
+    }
+
+    /// The state as it is now, open to be read in pieces.
+    pub fn open(&self) -> Result<Snapshot, ReadError> {
+        match self {
+            Self::File(file) => file.open().map(Snapshot::File),
+            Self::Kubernetes(latest) => match latest.read() {
+                kubernetes::Read::Object { bytes, origin } => {
+                    Ok(Snapshot::Object { bytes, origin })
+                }
+                kubernetes::Read::NoKey { origin } => Err(ReadError::NoKey(format!(
+                    "{origin}: the Secret has no key {:?}",
+                    latest.secret().key
+                ))),
+                kubernetes::Read::NotListed { why } => Err(ReadError::NotListed(why)),
+                kubernetes::Read::Missing { why } => Err(ReadError::ObjectMissing(why)),
+            },
+        }
+    }
+}
+
+/// A state as read: its bytes, and what they are (the file, or a Secret at a resourceVersion).
+#[derive(Debug)]
+pub enum Snapshot {
+    File(OpenState),
+    Object {
+        bytes: std::sync::Arc<[u8]>,
+        /// `secret NS/NAME key KEY resourceVersion RV`.
+        origin: String,
+    },
+}
+
+impl Snapshot {
+    /// See [`OpenState::written_since_open`]; an object read from the API never changes.
+    pub fn written_since_open(&self) -> bool {
+        match self {
+            Self::File(file) => file.written_since_open(),
+            Self::Object { .. } => false,
+        }
+    }
+
+    /// The resourceVersion of an object from the API.
+    pub fn origin(&self) -> Option<&str> {
+        match self {
+            Self::File(_) => None,
+            Self::Object { origin, .. } => Some(origin),
+        }
+    }
+}
+
+impl StateBytes for Snapshot {
+    type Error = std::io::Error;
+
+    fn len(&self) -> usize {
+        match self {
+            Self::File(file) => file.len(),
+            Self::Object { bytes, .. } => bytes.len(),
+        }
+    }
+
+    fn each_piece(&self, f: &mut dyn FnMut(&[u8])) -> std::io::Result<()> {
+        match self {
+            Self::File(file) => file.each_piece(f),
+            Self::Object { bytes, .. } => {
+                f(bytes);
+                Ok(())
+            }
+        }
+    }
+
+    fn read_at(&self, offset: usize, buf: &mut [u8]) -> std::io::Result<()> {
+        match self {
+            Self::File(file) => file.read_at(offset, buf),
+            Self::Object { bytes, .. } => {
+                let piece = offset
+                    .checked_add(buf.len())
+                    .and_then(|end| bytes.get(offset..end))
+                    .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::UnexpectedEof))?;
+                buf.copy_from_slice(piece);
+                Ok(())
+            }
+        }
+    }
+
+    fn all(&self) -> std::io::Result<std::borrow::Cow<'_, [u8]>> {
+        match self {
+            Self::File(file) => file.all(),
+            Self::Object { bytes, .. } => Ok(std::borrow::Cow::Borrowed(bytes)),
+        }
     }
 }
 

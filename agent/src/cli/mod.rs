@@ -175,6 +175,8 @@ fn state_path(interface: &str, state: Option<&Path>) -> Option<PathBuf> {
     state
         .map(Path::to_path_buf)
         .or_else(|| AgentStatus::read(interface).ok().map(|a| a.state_file))
+        // An agent on the Kubernetes source has no state file.
+        .filter(|p| !p.as_os_str().is_empty())
 }
 
 /// `value` as indented JSON on stdout.

@@ -5,8 +5,9 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 use anyhow::{Context as _, Result};
 use clap::ValueEnum;
 use wgfence::{
-    daemon::{self, RunOptions},
+    daemon::{self, RunOptions, SourceOptions},
     dataplane::HookMode,
+    source::kubernetes::SecretRef,
 };
 
 use super::{DatapathArgs, Target};
@@ -15,10 +16,29 @@ use super::{DatapathArgs, Target};
 pub struct Run {
     #[command(flatten)]
     pub target: Target,
+    /// Where the state comes from: `file` (`--state`) or `kubernetes` (`--secret`, watched
+    /// through the API server: a change applies within a second of the API write, where a
+    /// mounted Secret changes only when kubelet re-projects it, 60-90 s later).
+    #[arg(long, value_enum, default_value_t = SourceKind::File)]
+    source: SourceKind,
     /// The state file. Its directory is watched, so Kubernetes volume updates (a `..data`
     /// symlink swap), in-place edits and renames all apply within a second.
-    #[arg(long, short)]
-    state: PathBuf,
+    #[arg(long, short, required_if_eq("source", "file"), conflicts_with_all = ["secret", "kubeconfig"])]
+    state: Option<PathBuf>,
+    /// `--source kubernetes`: the Secret, as NAMESPACE/NAME. Only that object is listed and
+    /// watched (the agent's RBAC may grant get, list and watch on it alone).
+    #[arg(
+        long,
+        value_name = "NAMESPACE/NAME",
+        required_if_eq("source", "kubernetes")
+    )]
+    secret: Option<String>,
+    /// `--source kubernetes`: the Secret's key that holds the state.
+    #[arg(long, default_value = "state.json")]
+    key: String,
+    /// `--source kubernetes`: a kubeconfig file, instead of the pod's service account.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
     /// Serve /metrics, /healthz and /readyz here (use 0.0.0.0:9586 to expose beyond the node).
     #[arg(long, default_value = "127.0.0.1:9586")]
     metrics_addr: SocketAddr,
@@ -56,6 +76,13 @@ pub struct Run {
     allow_insecure_state: bool,
 }
 
+/// `--source`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum SourceKind {
+    File,
+    Kubernetes,
+}
+
 /// `--attach`.
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum AttachHook {
@@ -77,9 +104,22 @@ impl From<AttachHook> for HookMode {
 impl Run {
     pub fn execute(self) -> Result<ExitCode> {
         let interface = self.target.interface;
+        let source = match (self.source, self.state, self.secret) {
+            (SourceKind::File, Some(state), _) => SourceOptions::File(state),
+            (SourceKind::Kubernetes, None, Some(secret)) => {
+                SourceOptions::Kubernetes(SecretRef::parse(&secret, &self.key, self.kubeconfig)?)
+            }
+            (SourceKind::File, None, _) => anyhow::bail!("--source file needs --state"),
+            (SourceKind::Kubernetes, Some(_), _) => {
+                anyhow::bail!("--source kubernetes takes --secret, not --state")
+            }
+            (SourceKind::Kubernetes, None, None) => {
+                anyhow::bail!("--source kubernetes needs --secret NAMESPACE/NAME")
+            }
+        };
         daemon::run(RunOptions {
             interface: interface.clone(),
-            state: self.state,
+            source,
             bpffs: self.target.bpffs,
             metrics_addr: (!self.no_metrics).then_some(self.metrics_addr),
             health_addr: self.health_addr,

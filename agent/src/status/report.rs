@@ -165,6 +165,7 @@ pub fn peer_names(state: Option<&Path>, agent: Option<&AgentStatus>) -> BTreeMap
     state
         .map(Path::to_path_buf)
         .or_else(|| agent.map(|a| a.state_file.clone()))
+        .filter(|p| !p.as_os_str().is_empty())
         .and_then(|p| std::fs::read_to_string(p).ok())
         .and_then(|text| crate::state::parse(&text).ok())
         .map(|desired| {
@@ -448,7 +449,11 @@ impl Report {
                 format!(": {}", a.reason)
             }
         )?;
-        writeln!(f, "state file       {}", a.state_file.display())?;
+        if a.state_file.as_os_str().is_empty() {
+            writeln!(f, "source           {}", a.source)?;
+        } else {
+            writeln!(f, "state file       {}", a.state_file.display())?;
+        }
         if last.ok {
             writeln!(
                 f,

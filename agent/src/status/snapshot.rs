@@ -87,6 +87,10 @@ pub struct AgentStatus {
     pub pid: u32,
     pub interface: String,
     pub state_file: PathBuf,
+    /// The state's source and what of it is applied: `file PATH`, or `secret NS/NAME key KEY`
+    /// with ` resourceVersion RV` once a version is applied.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub source: String,
     pub ready: bool,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub reason: String,
@@ -120,6 +124,14 @@ impl StatusFile {
                 ..AgentStatus::default()
             },
             warned: false,
+        }
+    }
+
+    /// The source, and what of it is applied.
+    pub fn source(&mut self, what: &str) {
+        if self.status.source != what {
+            what.clone_into(&mut self.status.source);
+            self.write();
         }
     }
 
