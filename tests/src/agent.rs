@@ -141,6 +141,8 @@ pub struct Agent {
     wrapper: Vec<String>,
     /// The container the agent runs in, if it runs from its image.
     pub container: Option<Podman>,
+    /// The source's arguments in place of `--state STATE` (`--source kubernetes ...`).
+    source_args: Vec<String>,
 }
 
 impl Agent {
@@ -194,6 +196,22 @@ impl Agent {
         agent
     }
 
+    /// `wgfence run --source kubernetes --secret SECRET --kubeconfig KUBECONFIG` on the
+    /// gateway's interface (the API server in the node namespace: [`crate::kube`]).
+    pub fn start_kubernetes(gw: &Gateway, kubeconfig: &Path, secret: &str, extra: &[&str]) -> Self {
+        let mut agent = Self::prepare(binary(), gw, Layout::Plain, METRICS, &[]);
+        agent.source_args = vec![
+            "--source".into(),
+            "kubernetes".into(),
+            "--secret".into(),
+            secret.into(),
+            "--kubeconfig".into(),
+            kubeconfig.to_string_lossy().into_owned(),
+        ];
+        agent.spawn(gw, extra);
+        agent
+    }
+
     fn start_with(
         bin: PathBuf,
         gw: &Gateway,
@@ -236,6 +254,7 @@ impl Agent {
             generation: AtomicU32::new(0),
             wrapper: wrapper.iter().map(|s| (*s).to_owned()).collect(),
             container: None,
+            source_args: Vec::new(),
         };
         match layout {
             Layout::Kubernetes => symlink("..data/state.json", &agent.state).expect("symlink"),
@@ -277,7 +296,12 @@ impl Agent {
                 "--interface",
                 &self.interface,
             ])
-            .args(["--state", &state, "--metrics-addr", &self.metrics])
+            .args(if self.source_args.is_empty() {
+                vec!["--state".to_owned(), state]
+            } else {
+                self.source_args.clone()
+            })
+            .args(["--metrics-addr", &self.metrics])
             .args(extra)
             .stdin(Stdio::null())
             .stdout(log)

@@ -6,6 +6,7 @@ pub mod agent;
 pub mod bench;
 pub mod container;
 pub mod demo;
+pub mod kube;
 pub mod net;
 pub mod packet;
 pub mod probe;
