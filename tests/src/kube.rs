@@ -27,7 +27,7 @@ use k8s_openapi::{
     ByteString,
 };
 use kube::{
-    api::{DeleteParams, Patch, PatchParams, PostParams},
+    api::{DeleteParams, ListParams, Patch, PatchParams, PostParams},
     config::{KubeConfigOptions, Kubeconfig},
     Api, Client, Config,
 };
@@ -383,6 +383,26 @@ impl ApiServer {
         });
     }
 
+    /// `kubectl apply -k DIR` as admin, `DIR` relative to the repository (e.g. the deploy
+    /// overlay). `--validate=false`: the manifests use fields newer than v1.20
+    /// (`appArmorProfile`), which this API server drops.
+    pub fn apply_kustomization(&self, dir: &str) {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(dir);
+        let out = command_in(&self.ns, "kubectl")
+            .arg("--kubeconfig")
+            .arg(self.kubeconfig(User::Admin))
+            .args(["apply", "--validate=false", "-k"])
+            .arg(&path)
+            .output()
+            .unwrap_or_else(|e| panic!("kubectl (cargo xtask setup installs it): {e}"));
+        assert!(
+            out.status.success(),
+            "kubectl apply -k {dir}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// Grants the agent get/list/watch on the one Secret `namespace/name` (a Role with
     /// `resourceNames` and its RoleBinding), as the deploy overlay does.
     pub fn grant_agent(&self, namespace: &str, name: &str) {
@@ -494,12 +514,22 @@ impl ApiServer {
 
     /// The agent's `list` of every Secret in `namespace`: the HTTP status.
     pub fn agent_list_secrets(&self, namespace: &str) -> u16 {
+        self.agent_list(namespace, ListParams::default())
+    }
+
+    /// The agent's `list` of Secret `namespace/name` by field selector (what its watcher
+    /// sends): the HTTP status.
+    pub fn agent_list_secret(&self, namespace: &str, name: &str) -> u16 {
+        self.agent_list(
+            namespace,
+            ListParams::default().fields(&format!("metadata.name={name}")),
+        )
+    }
+
+    fn agent_list(&self, namespace: &str, params: ListParams) -> u16 {
         let namespace = namespace.to_owned();
         self.with(User::Agent, |c| async move {
-            match Api::<Secret>::namespaced(c, &namespace)
-                .list(&Default::default())
-                .await
-            {
+            match Api::<Secret>::namespaced(c, &namespace).list(&params).await {
                 Ok(_) => 200,
                 Err(kube::Error::Api(status)) => status.code,
                 Err(e) => panic!("the agent's list in {namespace}: {e}"),

@@ -290,11 +290,32 @@ fn least_privilege(r: &Rendered) {
         "{}: enforcement must not be evicted before other pods",
         r.dir
     );
-    assert_eq!(
-        spec["automountServiceAccountToken"], false,
-        "{}: the agent does not talk to the API server",
-        r.dir
-    );
+    if api_source(r) {
+        // The token is what the agent reads its Secret with (and all its Role allows).
+        assert_eq!(
+            spec["automountServiceAccountToken"], true,
+            "{}: --source=kubernetes needs the service account's token",
+            r.dir
+        );
+    } else {
+        assert_eq!(
+            spec["automountServiceAccountToken"], false,
+            "{}: the agent does not talk to the API server",
+            r.dir
+        );
+        assert!(
+            r.of_kind("Role").is_empty() && r.of_kind("RoleBinding").is_empty(),
+            "{}: a role for an agent that does not talk to the API server",
+            r.dir
+        );
+    }
+    for kind in ["ClusterRole", "ClusterRoleBinding"] {
+        assert!(
+            r.of_kind(kind).is_empty(),
+            "{}: the agent needs nothing cluster-wide ({kind})",
+            r.dir
+        );
+    }
     let containers = array(&spec["containers"])
         .iter()
         .chain(array(&spec["initContainers"]));
@@ -585,11 +606,120 @@ fn rollout_and_resources(r: &Rendered) {
 }
 
 /// Everything that holds for the base and for every overlay.
+/// Whether the agent takes its state from the API (`--source=kubernetes`).
+fn api_source(r: &Rendered) -> bool {
+    r.arg("--source").as_deref() == Some("kubernetes")
+}
+
+/// `--source=kubernetes`: no state volume; `--secret` names a Secret of the pod's own
+/// namespace (through the downward API), and one Role, bound to the pod's service account,
+/// grants get, list and watch on that Secret alone.
+fn api_grant(r: &Rendered) -> String {
+    assert!(
+        r.arg("--state").is_none(),
+        "{}: --state with --source=kubernetes",
+        r.dir
+    );
+    let secret = r
+        .arg("--secret")
+        .unwrap_or_else(|| panic!("{}: --source=kubernetes without --secret", r.dir));
+    let (ns, name) = secret
+        .split_once('/')
+        .unwrap_or_else(|| panic!("{}: --secret={secret} is not NAMESPACE/NAME", r.dir));
+    let ns = match ns.strip_prefix("$(").and_then(|v| v.strip_suffix(')')) {
+        Some(var) => {
+            let env = array(&r.agent()["env"])
+                .iter()
+                .find(|e| e["name"] == var)
+                .unwrap_or_else(|| panic!("{}: --secret uses $({var}), which is not set", r.dir));
+            assert_eq!(
+                env["valueFrom"]["fieldRef"]["fieldPath"], "metadata.namespace",
+                "{}: $({var}) is not the pod's namespace",
+                r.dir
+            );
+            r.namespace().to_owned()
+        }
+        None => ns.to_owned(),
+    };
+    assert_eq!(
+        ns,
+        r.namespace(),
+        "{}: the Secret is in another namespace",
+        r.dir
+    );
+    assert!(
+        array(&r.pod()["spec"]["volumes"])
+            .iter()
+            .all(|v| v["secret"].is_null()),
+        "{}: a Secret volume beside --source=kubernetes",
+        r.dir
+    );
+    let sa = str_at(&r.pod()["spec"]["serviceAccountName"]);
+    let account = r
+        .find("ServiceAccount", sa)
+        .unwrap_or_else(|| panic!("{}: no ServiceAccount {sa}", r.dir));
+    assert_ne!(
+        account["automountServiceAccountToken"], false,
+        "{}: ServiceAccount {sa} mounts no token",
+        r.dir
+    );
+    let bindings: Vec<&Value> = r
+        .of_kind("RoleBinding")
+        .into_iter()
+        .filter(|b| {
+            array(&b["subjects"]).iter().any(|s| {
+                s["kind"] == "ServiceAccount" && s["name"] == sa && s["namespace"] == ns.as_str()
+            })
+        })
+        .collect();
+    assert_eq!(bindings.len(), 1, "{}: one RoleBinding for {sa}", r.dir);
+    let binding = bindings[0];
+    assert_eq!(binding["roleRef"]["kind"], "Role", "{}", r.dir);
+    let role_name = str_at(&binding["roleRef"]["name"]);
+    let role = r
+        .find("Role", role_name)
+        .unwrap_or_else(|| panic!("{}: the binding's Role {role_name} is not emitted", r.dir));
+    let rules = array(&role["rules"]);
+    assert_eq!(rules.len(), 1, "{}: Role {role_name}: one rule", r.dir);
+    let rule = &rules[0];
+    let strings =
+        |v: &Value| -> BTreeSet<String> { array(v).iter().map(|s| str_at(s).to_owned()).collect() };
+    assert_eq!(
+        strings(&rule["apiGroups"]),
+        BTreeSet::from([String::new()]),
+        "{}",
+        r.dir
+    );
+    assert_eq!(
+        strings(&rule["resources"]),
+        BTreeSet::from(["secrets".to_owned()]),
+        "{}",
+        r.dir
+    );
+    assert_eq!(
+        strings(&rule["resourceNames"]),
+        BTreeSet::from([name.to_owned()]),
+        "{}: the Role's resourceNames must be exactly --secret's name",
+        r.dir
+    );
+    assert_eq!(
+        strings(&rule["verbs"]),
+        ["get", "list", "watch"].map(str::to_owned).into(),
+        "{}: get, list and watch, nothing more",
+        r.dir
+    );
+    name.to_owned()
+}
+
 fn check(r: &Rendered, external: &[(&str, &str)]) -> (String, u16) {
     one_namespace(r);
     references_resolve(r, external);
     least_privilege(r);
-    let secret = state_mount(r);
+    let secret = if api_source(r) {
+        api_grant(r)
+    } else {
+        state_mount(r)
+    };
     bpffs_mount(r);
     let port = probes_reach_the_agent(r);
     rollout_and_resources(r);
@@ -665,6 +795,19 @@ fn the_example_overlay_renders_consistently() {
         );
     }
     assert_eq!(r.of_kind("PrometheusRule").len(), 1, "the alerts");
+}
+
+/// The API source's overlay: the same DaemonSet, reading its one Secret through the API with
+/// a Role on that Secret alone. The Secret is the control plane's to write.
+#[test]
+fn the_kubernetes_api_overlay_renders_consistently() {
+    let r = Rendered::build("deploy/overlays/kubernetes-api");
+    let (secret, _) = check(&r, &[("Secret", "wgfence-state")]);
+    assert_eq!(secret, "wgfence-state");
+    assert!(r.of_kind("Secret").is_empty(), "the overlay emits a Secret");
+    let args: Vec<&str> = array(&r.agent()["args"]).iter().map(str_at).collect();
+    assert_eq!(args[0], "run");
+    assert!(args.contains(&"--source=kubernetes"), "{args:?}");
 }
 
 /// RFC 4648 base64 with padding and line breaks ignored (what kustomize writes).

@@ -365,23 +365,28 @@ fn an_agent_restarted_while_the_api_is_down_keeps_enforcing_what_is_pinned() {
     );
 }
 
-/// The agent's token reads its one Secret and nothing else: not another Secret of its
-/// namespace, not a list of them, not a Secret of another namespace.
+/// The agent's token, bound by the deploy overlay's own Role and RoleBinding (applied with
+/// kubectl), reads its one Secret and nothing else: not another Secret of its namespace, not
+/// a list of them, not a Secret of another namespace.
 #[test]
 fn the_agents_token_cannot_read_any_other_secret() {
     wgfence_tests::require_root();
     let node = Netns::new("wgft-kube-");
     let api = ApiServer::start(&node);
-    api.create_namespace(NS);
-    api.grant_agent(NS, SECRET);
+    api.apply_kustomization("deploy/overlays/kubernetes-api");
+    let secret = "wgfence-state";
+    api.create_secret(NS, secret, "{}");
+    assert_eq!(api.agent_get_secret(NS, secret), 200);
+    assert_eq!(api.agent_list_secret(NS, secret), 200);
     api.create_secret(NS, SECRET, "{}");
     api.create_secret(NS, "other", "{}");
     api.create_secret("default", SECRET, "{}");
-    assert_eq!(api.agent_get_secret(NS, SECRET), 200);
+    assert_eq!(api.agent_get_secret(NS, SECRET), 403);
     assert_eq!(api.agent_get_secret(NS, "other"), 403);
     assert_eq!(api.agent_get_secret("default", SECRET), 403);
     assert_eq!(api.agent_get_secret("kube-system", "any"), 403);
     assert_eq!(api.agent_list_secrets(NS), 403);
     assert_eq!(api.agent_list_secrets("default"), 403);
+    assert_eq!(api.agent_list_secret(NS, "other"), 403);
     drop(api);
 }
