@@ -38,6 +38,8 @@ use crate::net::{unique, Netns};
 pub const KUBE_APISERVER: &str = "/opt/k8s-test/bin/kube-apiserver";
 /// The API server's address inside the node namespace.
 pub const API: &str = "127.0.0.1:6443";
+/// The same server, as the agent's kubeconfig names it.
+pub const AGENT_API: &str = "127.0.0.2:6443";
 const ADMIN_TOKEN: &str = "wgft-admin-token";
 const AGENT_TOKEN: &str = "wgft-agent-token";
 /// The agent's identity: the DaemonSet's service account.
@@ -166,7 +168,7 @@ impl ApiServer {
         );
         fs::write(
             d.join("san.cnf"),
-            "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+            "subjectAltName=IP:127.0.0.1,IP:127.0.0.2,DNS:localhost\n",
         )
         .unwrap_or_else(|e| panic!("san.cnf: {e}"));
         openssl(
@@ -208,15 +210,17 @@ impl ApiServer {
 
     fn kubeconfig_text(&self, user: User) -> String {
         let ca = fs::read(self.dir.join("ca.crt")).unwrap_or_else(|e| panic!("ca.crt: {e}"));
-        let token = match user {
-            User::Admin => ADMIN_TOKEN,
-            User::Agent => AGENT_TOKEN,
+        // The agent reaches the server at an address of its own, so a test can cut the
+        // agent's path alone ([`ApiServer::cut_agent`]).
+        let (token, addr) = match user {
+            User::Admin => (ADMIN_TOKEN, API),
+            User::Agent => (AGENT_TOKEN, AGENT_API),
         };
         serde_json::json!({
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{ "name": "t", "cluster": {
-                "server": format!("https://{API}"),
+                "server": format!("https://{addr}"),
                 "certificate-authority-data": base64(&ca),
             }}],
             "users": [{ "name": "u", "user": { "token": token } }],
@@ -274,7 +278,9 @@ impl ApiServer {
         let child = command_in(&self.ns, KUBE_APISERVER)
             .args([
                 "--etcd-servers=http://127.0.0.1:2379",
-                "--bind-address=127.0.0.1",
+                // Loopback only (the namespace's): 127.0.0.1 for the test, 127.0.0.2 for the
+                // agent.
+                "--bind-address=0.0.0.0",
                 "--advertise-address=127.0.0.1",
                 "--secure-port=6443",
                 "--insecure-port=0",
@@ -329,6 +335,29 @@ impl ApiServer {
         let text = fs::read_to_string(self.dir.join(name)).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    /// Cuts (`true`) or restores the agent's path to the API server: every packet between
+    /// 127.0.0.2:6443 and the agent dropped, silently, as a network partition does (no reset:
+    /// the agent's connections stay open and learn nothing).
+    pub fn cut_agent(&self, cut: bool) {
+        let op = if cut { "-I" } else { "-D" };
+        for rule in [
+            ["-d", "127.0.0.2", "--dport", "6443"],
+            ["-s", "127.0.0.2", "--sport", "6443"],
+        ] {
+            let out = command_in(&self.ns, "iptables")
+                .args([op, "INPUT", "-p", "tcp"])
+                .args(rule)
+                .args(["-j", "DROP"])
+                .output()
+                .unwrap_or_else(|e| panic!("iptables: {e}"));
+            assert!(
+                out.status.success(),
+                "iptables {op}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
     }
 
     /// SIGKILL to the API server (etcd keeps running, with everything written).

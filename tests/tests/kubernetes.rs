@@ -113,18 +113,18 @@ fn a_secret_patch_that_removes_a_peer_stops_its_traffic_within_a_second() {
 
     let only_first = state(vec![gw.peer_json(0, None)]);
     let mut new_rv = String::new();
-    let mut sent = SystemTime::now();
+    let mut request = Duration::ZERO;
     let latency = last_echo_after(&gw, 1, || {
-        sent = SystemTime::now();
+        let sent = SystemTime::now();
         let (at, rv) = api.patch_secret(NS, SECRET, &only_first);
+        request = at.duration_since(sent).unwrap_or_default();
         new_rv = rv;
         at
     });
     // `None`: no echo was answered after the response (the pings are 2 ms apart).
     eprintln!(
         "API write's response to the revoked peer's last echo: {latency:?} (the request took \
-         {:?})",
-        SystemTime::now().duration_since(sent).unwrap_or_default()
+         {request:?})"
     );
     assert!(
         latency.is_none_or(|l| l <= Duration::from_secs(1)),
@@ -304,10 +304,92 @@ fn an_api_server_restart_loses_no_enforcement_and_the_next_change_applies_within
         "the change applied {since_write:?} after the write; log:\n{}",
         agent.log_text()
     );
+    // How the watch came back (a resumed watch, or a 410 Gone and a new list).
+    for line in agent
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("watching the Secret"))
+    {
+        eprintln!("{line}");
+    }
     assert_eq!(
         probe(&gw.peers[1].ns, Kind::Tcp(443), ip("10.2.3.4")),
         Reach::Blocked
     );
+}
+
+/// The agent's path to the API server cut (packets dropped silently) while two changes are
+/// written: the agent keeps enforcing what it has (it cannot know), and once the path is back
+/// it converges on the last of them, never applying the first on top of it.
+#[test]
+fn a_network_cut_converges_on_the_last_write_without_a_gap() {
+    let gw = Gateway::new(3);
+    let all = state(vec![
+        gw.peer_json(0, Some(icmp_only())),
+        gw.peer_json(1, None),
+        gw.peer_json(2, None),
+    ]);
+    let (api, rv) = api_with_secret(&gw, &all);
+    let agent = start_agent(&gw, &api);
+    wait_applied(&agent, &gw, &rv, Duration::from_secs(20));
+
+    api.cut_agent(true);
+    let cut = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        api.patch_secret(
+            NS,
+            SECRET,
+            &state(vec![
+                gw.peer_json(0, Some(icmp_only())),
+                gw.peer_json(2, None),
+            ]),
+        );
+        let (_, last) = api.patch_secret(
+            NS,
+            SECRET,
+            &state(vec![
+                gw.peer_json(0, Some(icmp_only())),
+                gw.peer_json(1, None),
+            ]),
+        );
+        std::thread::sleep(Duration::from_secs(2));
+        // Nothing reached the agent: the last state it had is enforced, and it still says so.
+        assert_eq!(agent.metric(&gw, "wgfence_peers"), 3.0);
+        assert_eq!(
+            probe(&gw.peers[2].ns, Kind::Tcp(443), ip("10.2.3.4")),
+            Reach::Reached
+        );
+        assert_eq!(
+            probe(&gw.peers[0].ns, Kind::Tcp(443), ip("10.1.2.3")),
+            Reach::Blocked
+        );
+        last
+    }));
+    api.cut_agent(false);
+    let last = cut.unwrap_or_else(|e| std::panic::resume_unwind(e));
+    let took = wait_applied(&agent, &gw, &last, Duration::from_secs(45));
+    eprintln!("the path restored: the last write applied {took:?} later");
+    assert_eq!(agent.metric(&gw, "wgfence_peers"), 2.0);
+    assert_eq!(
+        probe(&gw.peers[2].ns, Kind::Tcp(443), ip("10.2.3.4")),
+        Reach::Blocked
+    );
+    assert_eq!(
+        probe(&gw.peers[1].ns, Kind::Tcp(443), ip("10.2.3.4")),
+        Reach::Reached
+    );
+    // The intermediate version (peer 2 kept, peer 1 revoked) was never applied after the last.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        probe(&gw.peers[1].ns, Kind::Tcp(443), ip("10.2.3.4")),
+        Reach::Reached
+    );
+    for line in agent
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("watching the Secret"))
+    {
+        eprintln!("{line}");
+    }
 }
 
 /// The agent restarted while the API server is unreachable: the pinned datapath keeps

@@ -47,6 +47,8 @@ const MIN_BACKOFF: Duration = Duration::from_millis(50);
 /// The server ends each watch after this long, and the watcher gives up on one silent for
 /// this plus 5 s: how long a network cut that drops packets silently goes unnoticed.
 const WATCH_TIMEOUT_SECS: u32 = 30;
+/// At most one warning about the watch's errors this often.
+const WARN_EVERY: Duration = Duration::from_secs(60);
 
 /// Which Secret, which key of it, and how to reach the API server.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -260,12 +262,22 @@ async fn follow(api: Api<Secret>, latest: Latest, wake: Arc<Notify>, on_error: i
         .boxed();
     // The object of a list in progress: a list replaces what is known only once complete.
     let mut listing: Option<Option<Secret>> = None;
+    // Errors since the last event: one warning a minute at most (a retry every 400 ms would
+    // log 9,000 lines an hour), the rest debug; the next event says how many there were.
+    let mut failing = 0u64;
+    let mut warned: Option<tokio::time::Instant> = None;
     while let Some(event) = events.next().await {
         let event = match event {
             Ok(event) => event,
             Err(e) => {
                 let why = crate::error_chain(&e);
-                tracing::warn!(secret = %latest.secret, error = %why, "watching the Secret; retrying");
+                if warned.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
+                    warned = Some(tokio::time::Instant::now());
+                    tracing::warn!(secret = %latest.secret, error = %why, "watching the Secret; retrying every 400 ms at most");
+                } else {
+                    tracing::debug!(secret = %latest.secret, error = %why, "watching the Secret; retrying");
+                }
+                failing += 1;
                 on_error();
                 let mut shared = latest.shared.lock().unwrap_or_else(PoisonError::into_inner);
                 if shared.error.is_none() && matches!(shared.known, Known::NotListed) {
@@ -278,6 +290,10 @@ async fn follow(api: Api<Secret>, latest: Latest, wake: Arc<Notify>, on_error: i
                 continue;
             }
         };
+        if failing > 0 {
+            tracing::info!(secret = %latest.secret, errors = failing, "watching the Secret again");
+            failing = 0;
+        }
         let update = match event {
             Event::Init => {
                 listing = Some(None);
