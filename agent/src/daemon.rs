@@ -1,4 +1,9 @@
-//! `wgfence run`: the loop from the state file to the kernel.
+//! `wgfence run`: the loop from the state's source to the kernel.
+//!
+//! The source is a [`Watch`] to wait on and a [`Reader`] to read from: the state file, or one
+//! Secret through the Kubernetes API ([`crate::source::kubernetes`]). The loop knows no more
+//! of it than the label readiness and status name it by; "the state file" below is whichever
+//! it is.
 //!
 //! Start-up adopts what is pinned (maps keep enforcing, the program is replaced through the
 //! pinned link) and reads the kernel's state; nothing is removed until a valid state has been

@@ -17,6 +17,7 @@ pub mod replies;
 pub mod report;
 pub mod restart;
 pub mod revocation;
+pub mod revocation_api;
 pub mod sandbox;
 pub mod soak;
 pub mod throughput;
@@ -30,13 +31,14 @@ use report::Report;
 
 /// Every scenario, by the name `--only` takes, in the order they run. The apply scenario runs
 /// before the revocation scenario, which compares with the restore times it measured.
-pub const SCENARIOS: [(&str, Scenario); 9] = [
+pub const SCENARIOS: [(&str, Scenario); 10] = [
     ("per_packet", per_packet::run),
     ("parse", parse::run),
     ("apply", apply::run),
     ("throughput", throughput::run),
     ("churn", churn::run),
     ("revocation", revocation::run),
+    ("revocation_api", revocation_api::run),
     ("restart", restart::run),
     ("replies", replies::run),
     ("soak", soak::run),

@@ -6,7 +6,7 @@ use serde_json::{json, Map, Value};
 
 /// The sections of the report, in the order docs/benchmarks.md shows them, numbered from 1 in
 /// this order whichever scenarios ran. A scenario names its sections by these headings.
-pub const SECTIONS: [&str; 12] = [
+pub const SECTIONS: [&str; 13] = [
     "Per-packet cost beside the floor",
     "Apply cost of one changed peer",
     "No-op: the same state, shuffled",
@@ -19,6 +19,8 @@ pub const SECTIONS: [&str; 12] = [
     "Agent restart under traffic, and agent memory",
     "Reply flows and drop events",
     "Soak",
+    // Last, so that the sections before keep their numbers (and their links).
+    "Revocation latency through the Kubernetes API",
 ];
 
 /// A report being written: the scenarios add sections in the order they run; the Markdown has
