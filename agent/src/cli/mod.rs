@@ -197,6 +197,23 @@ mod tests {
     }
 
     #[test]
+    fn run_takes_a_file_or_a_secret_never_both() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["wgfence", "run", "--interface", "wg0"];
+            all.extend_from_slice(args);
+            Cli::try_parse_from(&all)
+        };
+        assert!(parse(&["--state", "s.json"]).is_ok());
+        assert!(parse(&["--source", "kubernetes", "--secret", "ns/state"]).is_ok());
+        assert!(parse(&["--source", "kubernetes", "--secret", "ns/s", "--key", "k"]).is_ok());
+        // Each source needs its own argument, and takes no other's.
+        assert!(parse(&[]).is_err());
+        assert!(parse(&["--source", "kubernetes"]).is_err());
+        assert!(parse(&["--state", "s.json", "--secret", "ns/state"]).is_err());
+        assert!(parse(&["--state", "s.json", "--kubeconfig", "k"]).is_err());
+    }
+
+    #[test]
     fn every_interface_command_takes_the_same_target_options() {
         for cmd in [
             "run", "plan", "status", "monitor", "detach", "explain", "verify",

@@ -23,7 +23,7 @@ pub struct Run {
     source: SourceKind,
     /// The state file. Its directory is watched, so Kubernetes volume updates (a `..data`
     /// symlink swap), in-place edits and renames all apply within a second.
-    #[arg(long, short, required_if_eq("source", "file"), conflicts_with_all = ["secret", "kubeconfig"])]
+    #[arg(long, short, required_unless_present = "secret", conflicts_with_all = ["secret", "kubeconfig"])]
     state: Option<PathBuf>,
     /// `--source kubernetes`: the Secret, as NAMESPACE/NAME. Only that object is listed and
     /// watched (the agent's RBAC may grant get, list and watch on it alone).
