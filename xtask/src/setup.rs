@@ -31,12 +31,11 @@ const PACKAGES: &[&str] = &[
     "iperf3",
     "iptables",
     "netcat-openbsd",
-    // The Kubernetes source's tests: etcd under the API server, openssl for its PKI, curl for
-    // its readiness.
-    "etcd-server",
-    "openssl",
-    "curl",
 ];
+/// The Kubernetes source's tests: etcd under the API server, openssl for its PKI, curl for its
+/// readiness. Installed with the API server, as root only: an unprivileged build (the
+/// Containerfile's `source` stage) needs none of it.
+const KUBE_TEST_PACKAGES: &[&str] = &["etcd-server", "openssl", "curl"];
 /// Debian's rustc 1.96 and its library source: builds `core` for the BPF target.
 const COMPILER_PACKAGES: &[&str] = &["rustc-web", "rust-web-src"];
 /// Inside a rustc sysroot: the library source `-Z build-std=core` needs.
@@ -249,16 +248,20 @@ fn kube_apiserver() -> Result<()> {
         util::query(Command::new(&binary).arg("--version"))
             .filter(|v| v.contains(KUBE_APISERVER_VERSION))
     };
-    if let Some(v) = version() {
-        eprintln!("ok: kube-apiserver: {} ({})", v.trim(), binary.display());
+    if !util::is_root() {
+        if version().is_none() || !missing_packages(KUBE_TEST_PACKAGES).is_empty() {
+            eprintln!(
+                "warning: the Kubernetes source's tests need kube-apiserver \
+                 {KUBE_APISERVER_VERSION} at {} and {} (as root: cargo xtask setup)",
+                binary.display(),
+                KUBE_TEST_PACKAGES.join(" ")
+            );
+        }
         return Ok(());
     }
-    if !util::is_root() {
-        eprintln!(
-            "warning: no kube-apiserver {KUBE_APISERVER_VERSION} at {}; the Kubernetes source's \
-             tests need it (as root: cargo xtask setup)",
-            binary.display()
-        );
+    ensure_packages(KUBE_TEST_PACKAGES)?;
+    if let Some(v) = version() {
+        eprintln!("ok: kube-apiserver: {} ({})", v.trim(), binary.display());
         return Ok(());
     }
     eprintln!(
