@@ -318,6 +318,48 @@ fn an_api_server_restart_loses_no_enforcement_and_the_next_change_applies_within
     );
 }
 
+/// A watch resumed from a version the restarted API server no longer serves (writes to other
+/// objects moved the store on while the agent saw none of them) ends in `410 Gone`: the agent
+/// lists again and converges on the current version, with no gap in enforcement.
+#[test]
+fn a_410_gone_lists_again_and_converges() {
+    let gw = Gateway::new(2);
+    let good = state(vec![
+        gw.peer_json(0, Some(icmp_only())),
+        gw.peer_json(1, None),
+    ]);
+    let (mut api, rv) = api_with_secret(&gw, &good);
+    let agent = start_agent(&gw, &api);
+    wait_applied(&agent, &gw, &rv, Duration::from_secs(20));
+    // Writes the agent's watch (one object, by name) never sees.
+    for i in 0..5 {
+        api.create_secret(NS, &format!("unrelated-{i}"), "{}");
+    }
+    api.kill_apiserver();
+    api.start_apiserver();
+    let (_, rv) = api.patch_secret(NS, SECRET, &state(vec![gw.peer_json(0, Some(icmp_only()))]));
+    wait_applied(&agent, &gw, &rv, Duration::from_secs(5));
+    assert_eq!(
+        probe(&gw.peers[1].ns, Kind::Tcp(443), ip("10.2.3.4")),
+        Reach::Blocked
+    );
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Ping, ip("10.1.2.3")),
+        Reach::Reached
+    );
+    let log = agent.log_text();
+    let gone: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("watching the Secret") && l.contains("too old resource version"))
+        .collect();
+    assert!(
+        !gone.is_empty(),
+        "no 410 Gone (`too old resource version`) in the agent's log (the test did not \
+         provoke one):\n{log}"
+    );
+    eprintln!("{}", gone[0]);
+}
+
 /// The agent's path to the API server cut (packets dropped silently) while two changes are
 /// written: the agent keeps enforcing what it has (it cannot know), and once the path is back
 /// it converges on the last of them, never applying the first on top of it.
