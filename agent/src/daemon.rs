@@ -66,6 +66,8 @@ pub struct RunOptions {
     pub settings: crate::settings::DatapathSettings,
     /// Read a state file that users other than root can change (see [`crate::trust`]).
     pub allow_insecure_state: bool,
+    /// The largest state file read (`--max-state-bytes`, see [`crate::input`]).
+    pub max_state_bytes: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -303,6 +305,17 @@ impl Core {
                 tracing::error!("{why}; keeping what is enforced");
                 self.not_ready(&why);
                 self.applied = None;
+                Err(Next::Idle)
+            }
+            Err(e @ ReadError::Refused(_)) => {
+                // Not a regular file, or over --max-state-bytes: rejected like an invalid
+                // state, without a byte read.
+                let why = e.to_string();
+                tracing::error!("{why}\nthe last good state stays applied");
+                self.metrics.state_rejected.inc();
+                self.not_ready(&why);
+                self.applied = None;
+                self.rejected = None;
                 Err(Next::Idle)
             }
             Err(e) => {
@@ -590,7 +603,11 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     // Bind before touching the kernel: a second agent started by mistake on the same node
     // fails here, before it could replace the running one's program.
     let listeners = bind(&options).await?;
-    let state_file = StateFile::new(&options.state, !options.allow_insecure_state);
+    let state_file = StateFile::new(
+        &options.state,
+        !options.allow_insecure_state,
+        options.max_state_bytes,
+    );
     let parsing = prepare(state_file.clone());
     let reconciler = adopt(&options, &metrics)?;
     let (pipeline, prepared) = match parsing {

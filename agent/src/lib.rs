@@ -11,6 +11,7 @@ pub mod clock;
 pub mod daemon;
 pub mod dataplane;
 pub mod explain;
+pub mod input;
 pub mod metrics;
 pub mod monitor;
 pub mod plan;

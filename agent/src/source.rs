@@ -47,6 +47,7 @@ use notify::{
 use tokio::sync::Notify;
 
 use crate::{
+    input::{self, InputError},
     state::StateBytes,
     trust::{self, TrustError},
 };
@@ -356,12 +357,14 @@ fn absolute(path: &Path) -> Result<PathBuf, SourceError> {
     }
 }
 
-/// The state file, read the one way the agent reads it: checked by [`crate::trust`] (only
-/// root may change what the path leads to) unless the operator allowed an insecure file.
+/// The state file, read the one way the agent reads it: a regular file of at most
+/// `max_bytes` ([`crate::input`]), checked by [`crate::trust`] (only root may change what the
+/// path leads to) unless the operator allowed an insecure file.
 #[derive(Debug, Clone)]
 pub struct StateFile {
     path: PathBuf,
     trusted_only: bool,
+    max_bytes: u64,
 }
 
 /// Why the state file could not be read.
@@ -373,6 +376,10 @@ pub enum ReadError {
     Unreadable(std::io::Error),
     #[error("state file not trusted")]
     Untrusted(#[source] TrustError),
+    /// Not a regular file, or larger than `--max-state-bytes`: a verdict on the file, like a
+    /// rejected state (the last good state stays applied).
+    #[error("state file refused: {0}")]
+    Refused(InputError),
     /// Replaced between the open and the check (a volume update in progress): not a verdict
     /// on the file; read it again.
     #[error(transparent)]
@@ -380,11 +387,13 @@ pub enum ReadError {
 }
 
 impl StateFile {
-    /// `trusted_only`: read the file only if [`crate::trust`] approves its path.
-    pub fn new(path: &Path, trusted_only: bool) -> Self {
+    /// `trusted_only`: read the file only if [`crate::trust`] approves its path; `max_bytes`:
+    /// `--max-state-bytes`.
+    pub fn new(path: &Path, trusted_only: bool, max_bytes: u64) -> Self {
         Self {
             path: path.to_owned(),
             trusted_only,
+            max_bytes,
         }
     }
 
@@ -395,19 +404,20 @@ impl StateFile {
     /// The file's bytes.
     pub fn read(&self) -> Result<Vec<u8>, ReadError> {
         if !self.trusted_only {
-            return std::fs::read(&self.path).map_err(io_error);
+            return input::read(&self.path, self.max_bytes).map_err(input_error);
         }
-        trust::read_trusted(&self.path).map_err(trust_error)
+        trust::read_trusted(&self.path, self.max_bytes).map_err(trust_error)
     }
 
     /// Opens the file to be read in pieces ([`OpenState`]), checked as [`Self::read`] checks.
+    /// The pieces are read up to the length the file had when it was opened (at most
+    /// `max_bytes`): a file that grows meanwhile is read again on its change's event.
     pub fn open(&self) -> Result<OpenState, ReadError> {
-        let file = if self.trusted_only {
-            trust::open_trusted(&self.path).map_err(trust_error)?
+        let (file, opened) = if self.trusted_only {
+            trust::open_trusted(&self.path, self.max_bytes).map_err(trust_error)?
         } else {
-            std::fs::File::open(&self.path).map_err(io_error)?
+            input::open(&self.path, self.max_bytes).map_err(input_error)?
         };
-        let opened = file.metadata().map_err(io_error)?;
         let len = usize::try_from(opened.len()).map_err(|e| io_error(std::io::Error::other(e)))?;
         Ok(OpenState {
             file,
@@ -425,9 +435,17 @@ fn io_error(e: std::io::Error) -> ReadError {
     }
 }
 
+fn input_error(e: InputError) -> ReadError {
+    match e {
+        InputError::Io { source, .. } => io_error(source),
+        e => ReadError::Refused(e),
+    }
+}
+
 fn trust_error(e: TrustError) -> ReadError {
     match e {
         TrustError::Io { source, .. } => io_error(source),
+        TrustError::Input(e) => input_error(e),
         e @ TrustError::Changed { .. } => ReadError::Replaced(e),
         e => ReadError::Untrusted(e),
     }
@@ -541,7 +559,7 @@ mod tests {
         let dir = TempDir::new("torn");
         let path = dir.0.join("state.json");
         ok(fs::write(&path, "{\"version\": 1, \"peers\": []}"));
-        let file = StateFile::new(&path, false);
+        let file = StateFile::new(&path, false, input::DEFAULT_MAX_STATE_BYTES);
         let opened = ok(file.open());
         assert!(!opened.written_since_open());
         let mut all = Vec::new();
@@ -662,7 +680,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn reading_the_file_is_not_a_change() {
         not_reported("a read", |path| {
-            let _ = ok(trust::read_trusted(path));
+            let _ = ok(trust::read_trusted(path, input::DEFAULT_MAX_STATE_BYTES));
             let _ = ok(fs::read(path));
         })
         .await;
