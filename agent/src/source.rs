@@ -25,7 +25,8 @@
 //! agent does not read half a file and reject it. A read that finds the same bytes as last
 //! time costs nothing more.
 //!
-//! [`StateFile`] is the read itself: checked by [`crate::trust`] unless the operator allowed
+//! [`StateFile`] is the read itself: a regular file of at most `--max-state-bytes`, opened
+//! without blocking ([`crate::input`]), checked by [`crate::trust`] unless the operator allowed
 //! an insecure state file.
 
 use std::{
