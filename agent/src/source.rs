@@ -572,6 +572,45 @@ mod tests {
         assert!(opened.read_at(0, &mut vec![0; opened.len()]).is_err());
     }
 
+    /// Both ways the daemon reads (checked by trust, and `--allow-insecure-state`), at start-up
+    /// (`read`) and on every change (`open`), refuse a FIFO without a writer at once and a file
+    /// over the limit, as `Refused`: what the daemon reports like a rejected state.
+    #[test]
+    fn every_read_refuses_a_fifo_and_an_oversized_file() {
+        let dir = TempDir::new("refused");
+        let fifo = dir.0.join("fifo.json");
+        let c = std::ffi::CString::new(fifo.to_string_lossy().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+        let big = dir.0.join("big.json");
+        ok(fs::write(&big, vec![b' '; 101]));
+        // On a thread: a read that blocks fails the test instead of hanging it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut wrong = Vec::new();
+            for trusted in [true, false] {
+                for path in [&fifo, &big] {
+                    let file = StateFile::new(path, trusted, 100);
+                    if !matches!(file.read(), Err(ReadError::Refused(_))) {
+                        wrong.push(format!("read {} (trusted: {trusted})", path.display()));
+                    }
+                    if !matches!(file.open(), Err(ReadError::Refused(_))) {
+                        wrong.push(format!("open {} (trusted: {trusted})", path.display()));
+                    }
+                }
+                if StateFile::new(&big, trusted, 101).read().is_err() {
+                    wrong.push(format!("a file at the limit (trusted: {trusted})"));
+                }
+            }
+            let _ = tx.send(wrong);
+        });
+        let wrong = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("a read blocked for 5 s");
+        assert!(wrong.is_empty(), "not refused as they should be: {wrong:?}");
+        drop(dir);
+    }
+
     /// A directory with a `state.json` of `{}`, watched.
     fn watched(name: &str) -> (TempDir, PathBuf, StateSource) {
         let dir = TempDir::new(name);
