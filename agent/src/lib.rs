@@ -66,6 +66,18 @@ pub fn drop_later<T: Send + 'static>(value: T) {
     }
 }
 
+/// Cases for a slow property test: `full` in the long suite (`cargo xtask test --full` sets
+/// `WGFENCE_FULL_SUITE`), a fifth of it (at least 16) in the suite CI runs, where the fuzz
+/// targets of fuzz/ search the same properties, optimised, in the same run.
+#[cfg(test)]
+pub(crate) fn proptest_cases(full: u32) -> u32 {
+    if std::env::var_os("WGFENCE_FULL_SUITE").is_some() {
+        full
+    } else {
+        (full / 5).max(16)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[derive(Debug, thiserror::Error)]

@@ -1,13 +1,27 @@
-//! `cargo xtask test`: what CI runs. Set up, check formatting, lint, run the unit tests, then the
-//! privileged integration tests (root: network namespaces, BPF, wireguard-go), then `image
-//! --run` (the container image built and run as the DaemonSet runs it), then `vm-test`:
-//! the conformance subset on Debian's 5.10, 6.1 and 6.12 kernels under qemu.
+//! `cargo xtask test`: what CI runs. Set up, check formatting, lint, run the unit tests, a short
+//! fuzz run, the privileged integration tests (root: network namespaces, BPF, wireguard-go),
+//! then `vm-test` on two guests: Debian's 6.1 (the legacy TC hook) and 6.12 (tcx), booted side
+//! by side under qemu with the debug agent the integration tests ran (the agent is built
+//! once). The guests' kernels are fetched in the background meanwhile.
+//!
+//! `cargo xtask test --full` runs everything: every VM guest (5.10, 6.1, 6.12, and 6.12 told
+//! `--attach tc`) with the release agent, each fuzz target for [`FULL_FUZZ_SECONDS`], the
+//! planner's property tests at their full case counts, the differential test on 10^6 packets
+//! per program variant instead of its seeded sample, and `image --run` (the container image
+//! built and run as the DaemonSet runs it). tests/README.md says which suite proves which
+//! promise of the README and docs/.
+//!
+//! Every run ends with a table of where its time went: each step, each cargo build inside a
+//! test step, each test binary (also when a step fails).
 
 use std::{
-    cell::Cell,
+    cell::RefCell,
     ffi::OsString,
+    fmt::Write as _,
     io::{BufRead as _, BufReader},
     process::{Command, Stdio},
+    sync::{Arc, Mutex, PoisonError},
+    thread,
     time::Instant,
 };
 
@@ -16,29 +30,38 @@ use clap::Args;
 
 use crate::{fuzz, image, oldagent, setup, util, vm};
 
-/// Seconds each fuzz target runs in `cargo xtask test` (CI has 2 cores and 90 minutes).
-const FUZZ_SECONDS: u64 = 25;
+/// Seconds each fuzz target runs in `cargo xtask test` (most of the step is the build).
+const FUZZ_SECONDS: u64 = 20;
+/// Seconds each fuzz target runs in `cargo xtask test --full`.
+const FULL_FUZZ_SECONDS: u64 = 300;
+/// Packets per program variant of the differential test in `--full` (the test's own default
+/// is the seeded sample CI runs).
+const FULL_DIFFERENTIAL_PACKETS: u64 = 1_000_000;
 
 #[derive(Args)]
 pub struct Options {
+    /// Everything: every VM guest, the long fuzz run, the full differential test and
+    /// `image --run` (see tests/README.md).
+    #[arg(long)]
+    pub full: bool,
     /// Skip `cargo fmt --check` and `cargo clippy`.
     #[arg(long)]
     pub no_lint: bool,
     /// Skip the privileged integration tests (lint and unit tests need no root).
     #[arg(long)]
     pub unit: bool,
-    /// Skip the short fuzzing run of every cargo-fuzz target.
+    /// Skip the fuzzing run of every cargo-fuzz target.
     #[arg(long)]
     pub no_fuzz: bool,
-    /// Skip `image --run` (the container image built and run as the DaemonSet runs it).
+    /// Skip `image --run` in `--full`.
     #[arg(long)]
     pub no_image: bool,
-    /// Skip `vm-test` (Debian's 5.10, 6.1 and 6.12 kernels under qemu, 5 to 7 minutes each).
+    /// Skip `vm-test`.
     #[arg(long)]
     pub no_vm: bool,
-    /// Seconds each fuzz target runs.
-    #[arg(long, default_value_t = FUZZ_SECONDS)]
-    pub fuzz_seconds: u64,
+    /// Seconds each fuzz target runs (default 20; 300 with --full).
+    #[arg(long)]
+    pub fuzz_seconds: Option<u64>,
     /// Arguments for the integration test binaries, e.g. a test name filter.
     #[arg(last = true, value_name = "TEST_ARGS")]
     pub test_args: Vec<OsString>,
@@ -54,19 +77,49 @@ pub fn run(options: Options) -> Result<()> {
              root, or pass --unit for lint and unit tests only"
         );
     }
-    let root = util::workspace_root()?;
-    let start = Instant::now();
-    let totals = Totals::default();
+    let timings = Timings::default();
+    let result = steps(&options, &timings);
+    // The table also when a step failed: it says which steps ran, and for how long.
+    eprintln!("{}", timings.table());
+    result?;
+    eprintln!(
+        "test: all steps passed in {:.1}s",
+        timings.start.elapsed().as_secs_f64()
+    );
+    // One closing line for every test binary together.
+    let (passed, failed, ignored) = timings.totals();
+    println!("tests: {passed} passed, {failed} failed, {ignored} skipped");
+    Ok(())
+}
 
-    step("setup", || {
+fn steps(options: &Options, t: &Timings) -> Result<()> {
+    let root = util::workspace_root()?;
+    let full = options.full;
+    t.step("setup", || {
         setup::run(if options.unit {
             setup::Bpffs::IfRoot
         } else {
             setup::Bpffs::Require
         })
     })?;
+    // The guests' kernels come from the archive: fetched while the host builds and tests.
+    let vm_options = (!options.unit && !options.no_vm).then(|| {
+        if full {
+            vm::Options::all()
+        } else {
+            // The agent that "build the agent" makes below.
+            vm::Options::ci(util::target_dir(&root).join("debug").join("wgfence"))
+        }
+    });
+    let prefetch = vm_options.clone().map(|vm_options| {
+        thread::spawn(move || {
+            let start = Instant::now();
+            let result = vm::prefetch(&vm_options);
+            (result, start.elapsed().as_secs_f64())
+        })
+    });
     if !options.no_lint {
-        step("fmt", || {
+        t.step("fmt", || {
             util::run(util::cargo_command(&root).args(["fmt", "--all", "--", "--check"]))?;
             // fuzz/ is a workspace of its own, which `--all` does not reach.
             util::run(util::cargo_command(&root).args([
@@ -78,7 +131,7 @@ pub fn run(options: Options) -> Result<()> {
                 "--check",
             ]))
         })?;
-        step("clippy", || {
+        t.step("clippy", || {
             util::run(util::cargo_command(&root).args([
                 "clippy",
                 "--workspace",
@@ -91,11 +144,13 @@ pub fn run(options: Options) -> Result<()> {
             ]))
         })?;
     }
-    if !options.no_fuzz {
-        step("cargo-fuzz", fuzz::ensure_cargo_fuzz)?;
-    }
-    step("unit tests", || {
-        totals.run(util::cargo_command(&root).args([
+    t.step("unit tests", || {
+        let mut cmd = util::cargo_command(&root);
+        if full {
+            // The planner's property tests at their full case counts.
+            cmd.env("WGFENCE_FULL_SUITE", "1");
+        }
+        t.cargo_test(cmd.args([
             "test",
             "--workspace",
             "--exclude",
@@ -105,18 +160,24 @@ pub fn run(options: Options) -> Result<()> {
         ]))
     })?;
     if !options.no_fuzz {
-        // A short run of each target from the committed corpus: a regression in the parser or
-        // the planner that the corpus reaches fails here.
+        t.step("cargo-fuzz", fuzz::ensure_cargo_fuzz)?;
+        let seconds = options.fuzz_seconds.unwrap_or(if full {
+            FULL_FUZZ_SECONDS
+        } else {
+            FUZZ_SECONDS
+        });
+        // A run of each target from the committed corpus: a regression in the parser or the
+        // planner that the corpus reaches fails here.
         for target in fuzz::TARGETS {
-            step(&format!("fuzz {target}"), || {
-                fuzz::fuzz(&root, target, options.fuzz_seconds, true)
+            t.step(&format!("fuzz {target}"), || {
+                fuzz::fuzz(&root, target, seconds, true)
             })?;
         }
     }
     if !options.unit {
         // The end-to-end tests run the agent binary, which `cargo test` does not build for
         // another package's tests.
-        step("build the agent", || {
+        t.step("build the agent", || {
             util::run(util::cargo_command(&root).args([
                 "build",
                 "--package",
@@ -127,9 +188,9 @@ pub fn run(options: Options) -> Result<()> {
         })?;
         // The upgrade tests start from a datapath of an older map layout, made by that
         // version's own agent.
-        let old = std::cell::RefCell::new(Vec::new());
+        let old = RefCell::new(Vec::new());
         for agent in oldagent::ALL {
-            step(
+            t.step(
                 &format!("build the layout-{} agent (upgrade tests)", agent.layout),
                 || {
                     old.borrow_mut().push((agent.env, agent.build(&root)?));
@@ -137,114 +198,279 @@ pub fn run(options: Options) -> Result<()> {
                 },
             )?;
         }
-        step("integration tests", || {
+        t.step("integration tests", || {
             let mut cmd = util::cargo_command(&root);
             for (env, bin) in old.borrow().iter() {
                 cmd.env(env, bin);
+            }
+            if full {
+                cmd.env(
+                    "WGFENCE_DIFF_PACKETS",
+                    FULL_DIFFERENTIAL_PACKETS.to_string(),
+                );
             }
             cmd.env("RUST_BACKTRACE", "1")
                 .args(["test", "--package", "wgfence-tests"]);
             if !options.test_args.is_empty() {
                 cmd.arg("--").args(&options.test_args);
             }
-            totals.run(&mut cmd)
+            t.cargo_test(&mut cmd)
         })?;
     }
-    if !options.unit && !options.no_image {
-        step("image --run", || image::run(&image::Options { run: true }))?;
+    if let Some(prefetch) = prefetch {
+        let (result, seconds) = prefetch
+            .join()
+            .map_err(|_| anyhow::anyhow!("the kernel prefetch thread panicked"))?;
+        t.record("vm-test kernels (fetched in the background)", seconds, true);
+        result.context("fetching the guests' kernels")?;
     }
-    if !options.unit && !options.no_vm {
-        // Last: every kernel of the matrix (they fit CI's budget with wide room, see README).
-        step("vm-test (5.10, 6.1, 6.12)", || vm::run(vm::Options::all()))?;
+    if full && !options.unit && !options.no_image {
+        t.step("image --run", || image::run(&image::Options { run: true }))?;
     }
-    eprintln!(
-        "test: all steps passed in {:.1}s",
-        start.elapsed().as_secs_f64()
-    );
-    // One closing line for every test binary together.
-    println!(
-        "tests: {} passed, {} failed, {} skipped",
-        totals.passed.get(),
-        totals.failed.get(),
-        totals.ignored.get()
-    );
+    if let Some(vm_options) = vm_options {
+        let names = vm_options.guest_names().join(", ");
+        t.step(&format!("vm-test ({names})"), || vm::run(vm_options))?;
+    }
     Ok(())
 }
 
-/// Test counts summed over the `test result:` lines of every test binary.
-#[derive(Default)]
-struct Totals {
-    passed: Cell<u64>,
-    failed: Cell<u64>,
-    ignored: Cell<u64>,
+/// Where the time went: every step, and inside the `cargo test` steps the build and each test
+/// binary; plus the test counts of every binary.
+struct Timings {
+    start: Instant,
+    rows: RefCell<Vec<Row>>,
+    counts: RefCell<(u64, u64, u64)>,
 }
 
-impl Totals {
-    /// Runs `cargo test ...`, passing its output through and counting its results.
-    fn run(&self, cmd: &mut Command) -> Result<()> {
+struct Row {
+    /// Steps at 0; a build or test binary inside a step at 1.
+    depth: u8,
+    name: String,
+    seconds: f64,
+    ok: bool,
+}
+
+impl Default for Timings {
+    fn default() -> Self {
+        Self {
+            start: Instant::now(),
+            rows: RefCell::default(),
+            counts: RefCell::default(),
+        }
+    }
+}
+
+impl Timings {
+    /// Runs one step, announcing it, timing it and naming it if it fails.
+    fn step(&self, name: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {
+        eprintln!("==> {name}");
+        let start = Instant::now();
+        // The step's own row goes before the rows its cargo test adds.
+        let at = self.rows.borrow().len();
+        let result = f().with_context(|| format!("step `{name}` failed"));
+        let seconds = start.elapsed().as_secs_f64();
+        eprintln!(
+            "==> {name}: {} ({seconds:.1}s)",
+            if result.is_ok() { "ok" } else { "FAILED" }
+        );
+        self.rows.borrow_mut().insert(
+            at,
+            Row {
+                depth: 0,
+                name: name.to_owned(),
+                seconds,
+                ok: result.is_ok(),
+            },
+        );
+        result
+    }
+
+    fn record(&self, name: &str, seconds: f64, ok: bool) {
+        self.rows.borrow_mut().push(Row {
+            depth: 0,
+            name: name.to_owned(),
+            seconds,
+            ok,
+        });
+    }
+
+    /// Runs `cargo test ...`, passing its output through, counting its results and timing its
+    /// build (until the first test binary runs) and each test binary.
+    fn cargo_test(&self, cmd: &mut Command) -> Result<()> {
         let line = util::display(cmd);
         eprintln!("+ {line}");
+        let start = Instant::now();
+        let at = self.rows.borrow().len();
         let mut child = cmd
             .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
             .spawn()
             .with_context(|| format!("cannot run `{line}`"))?;
+        // Cargo names each test binary on stderr as it starts it ("Running tests/x.rs (...)");
+        // the binary's own result line, on stdout, says how long it ran.
+        let running: Arc<Mutex<Option<String>>> = Arc::default();
+        let built: Arc<Mutex<Option<f64>>> = Arc::default();
+        let stderr = child.stderr.take().map(|stderr| {
+            let (running, built) = (Arc::clone(&running), Arc::clone(&built));
+            thread::spawn(move || {
+                for text in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    eprintln!("{text}");
+                    if let Some(name) = running_binary(&text) {
+                        let mut built = built.lock().unwrap_or_else(PoisonError::into_inner);
+                        built.get_or_insert(start.elapsed().as_secs_f64());
+                        *running.lock().unwrap_or_else(PoisonError::into_inner) = Some(name);
+                    }
+                }
+            })
+        });
         if let Some(stdout) = child.stdout.take() {
             for text in BufReader::new(stdout).lines() {
                 let text = text.context("reading test output")?;
                 println!("{text}");
-                self.add(&text);
+                let Some(result) = TestResult::parse(&text) else {
+                    continue;
+                };
+                let mut counts = self.counts.borrow_mut();
+                counts.0 += result.passed;
+                counts.1 += result.failed;
+                counts.2 += result.ignored;
+                let name = running
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take()
+                    .unwrap_or_else(|| "(a test binary)".to_owned());
+                self.rows.borrow_mut().push(Row {
+                    depth: 1,
+                    name: format!("{name}: {} tests", result.passed + result.failed),
+                    seconds: result.seconds,
+                    ok: result.failed == 0,
+                });
             }
         }
         let status = child
             .wait()
             .with_context(|| format!("waiting for `{line}`"))?;
+        if let Some(stderr) = stderr {
+            let _ = stderr.join();
+        }
+        let built = *built.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(seconds) = built {
+            // Before the binaries' rows: the build came first.
+            self.rows.borrow_mut().insert(
+                at,
+                Row {
+                    depth: 1,
+                    name: "build".to_owned(),
+                    seconds,
+                    ok: true,
+                },
+            );
+        }
         util::check(status, &line)
     }
 
-    /// Adds a line like `test result: ok. 34 passed; 0 failed; 2 ignored; ...`.
-    fn add(&self, line: &str) {
-        let Some(rest) = line.strip_prefix("test result: ") else {
-            return;
+    fn totals(&self) -> (u64, u64, u64) {
+        *self.counts.borrow()
+    }
+
+    /// The table, as markdown (tests/README.md keeps one).
+    fn table(&self) -> String {
+        let mut out = String::from("\n| step | seconds |\n|---|---:|\n");
+        for row in self.rows.borrow().iter() {
+            let indent = if row.depth == 0 { "" } else { "&nbsp;&nbsp;" };
+            let failed = if row.ok { "" } else { " **FAILED**" };
+            let _ = writeln!(out, "| {indent}{}{failed} | {:.0} |", row.name, row.seconds);
+        }
+        let _ = writeln!(out, "| total | {:.0} |", self.start.elapsed().as_secs_f64());
+        out
+    }
+}
+
+/// `tests/agent.rs` from cargo's `     Running tests/agent.rs (target/debug/deps/agent-1f2e)`,
+/// `unittests src/lib.rs (wgfence)` from a unit test binary's line.
+fn running_binary(line: &str) -> Option<String> {
+    let rest = line.trim_start().strip_prefix("Running ")?;
+    let (what, path) = rest.split_once(" (")?;
+    let file = path.trim_end_matches(')').rsplit('/').next()?;
+    // deps/<crate>-<hash>
+    let krate = file.rsplit_once('-').map_or(file, |(name, _)| name);
+    Some(match what.strip_prefix("unittests ") {
+        Some(source) => format!("unit tests {source} ({krate})"),
+        None => what.to_owned(),
+    })
+}
+
+/// A line like `test result: ok. 34 passed; 0 failed; 2 ignored; ...; finished in 1.32s`.
+#[derive(Debug, PartialEq)]
+struct TestResult {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+    seconds: f64,
+}
+
+impl TestResult {
+    fn parse(line: &str) -> Option<Self> {
+        let rest = line.strip_prefix("test result: ")?;
+        let mut result = TestResult {
+            passed: 0,
+            failed: 0,
+            ignored: 0,
+            seconds: 0.0,
         };
         for part in rest.split(';') {
+            if let Some(time) = part.trim().strip_prefix("finished in ") {
+                result.seconds = time.trim_end_matches('s').parse().unwrap_or(0.0);
+                continue;
+            }
             let mut words = part.split_whitespace().rev();
             let (Some(what), Some(n)) = (words.next(), words.next()) else {
                 continue;
             };
             let Ok(n) = n.parse::<u64>() else { continue };
-            let counter = match what {
-                "passed" => &self.passed,
-                "failed" => &self.failed,
-                "ignored" => &self.ignored,
-                _ => continue,
-            };
-            counter.set(counter.get() + n);
+            match what {
+                "passed" => result.passed = n,
+                "failed" => result.failed = n,
+                "ignored" => result.ignored = n,
+                _ => {}
+            }
         }
+        Some(result)
     }
-}
-
-/// Runs one step, announcing it and naming it if it fails.
-fn step(name: &str, f: impl FnOnce() -> Result<()>) -> Result<()> {
-    eprintln!("==> {name}");
-    let start = Instant::now();
-    f().with_context(|| format!("step `{name}` failed"))?;
-    eprintln!("==> {name}: ok ({:.1}s)", start.elapsed().as_secs_f64());
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
-    use super::Totals;
+    use super::{running_binary, TestResult};
 
     #[test]
-    fn totals_sum_cargo_test_result_lines() {
-        let t = Totals::default();
-        t.add("test result: ok. 34 passed; 0 failed; 2 ignored; 0 measured; 0 filtered out; finished in 1.32s");
-        t.add("test result: FAILED. 3 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out");
-        t.add("running 3 tests");
+    fn reads_cargo_test_result_lines() {
         assert_eq!(
-            (t.passed.get(), t.failed.get(), t.ignored.get()),
-            (37, 1, 2)
+            TestResult::parse("test result: ok. 34 passed; 0 failed; 2 ignored; 0 measured; 0 filtered out; finished in 1.32s"),
+            Some(TestResult { passed: 34, failed: 0, ignored: 2, seconds: 1.32 })
         );
+        assert_eq!(
+            TestResult::parse(
+                "test result: FAILED. 3 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out"
+            )
+            .map(|r| (r.passed, r.failed)),
+            Some((3, 1))
+        );
+        assert_eq!(TestResult::parse("running 3 tests"), None);
+    }
+
+    #[test]
+    fn names_the_running_test_binary() {
+        assert_eq!(
+            running_binary("     Running tests/agent.rs (target/debug/deps/agent-1f2e3d)")
+                .as_deref(),
+            Some("tests/agent.rs")
+        );
+        assert_eq!(
+            running_binary("     Running unittests src/lib.rs (target/debug/deps/wgfence-5126)")
+                .as_deref(),
+            Some("unit tests src/lib.rs (wgfence)")
+        );
+        assert_eq!(running_binary("   Compiling wgfence v0.1.0"), None);
     }
 }
