@@ -18,11 +18,17 @@ use std::{
     cell::RefCell,
     ffi::OsString,
     fmt::Write as _,
+    fs,
     io::{BufRead as _, BufReader},
+    os::unix::process::CommandExt as _,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
-    sync::{Arc, Mutex, PoisonError},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        mpsc, Arc, Mutex, PoisonError,
+    },
     thread,
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use anyhow::{bail, Context, Result};
@@ -159,18 +165,17 @@ fn steps(options: &Options, t: &Timings) -> Result<()> {
             "wgfence-tests",
         ]))
     })?;
-    if !options.no_fuzz {
+    let fuzz_seconds = options.fuzz_seconds.unwrap_or(if full {
+        FULL_FUZZ_SECONDS
+    } else {
+        FUZZ_SECONDS
+    });
+    if options.unit && !options.no_fuzz {
+        // No integration tests to run beside: the fuzz targets in the foreground.
         t.step("cargo-fuzz", fuzz::ensure_cargo_fuzz)?;
-        let seconds = options.fuzz_seconds.unwrap_or(if full {
-            FULL_FUZZ_SECONDS
-        } else {
-            FUZZ_SECONDS
-        });
-        // A run of each target from the committed corpus: a regression in the parser or the
-        // planner that the corpus reaches fails here.
         for target in fuzz::TARGETS {
             t.step(&format!("fuzz {target}"), || {
-                fuzz::fuzz(&root, target, seconds, true)
+                fuzz::fuzz(&root, target, fuzz_seconds, true)
             })?;
         }
     }
@@ -186,23 +191,9 @@ fn steps(options: &Options, t: &Timings) -> Result<()> {
                 "wgfence",
             ]))
         })?;
-        // The upgrade tests start from a datapath of an older map layout, made by that
-        // version's own agent.
-        let old = RefCell::new(Vec::new());
-        for agent in oldagent::ALL {
-            t.step(
-                &format!("build the layout-{} agent (upgrade tests)", agent.layout),
-                || {
-                    old.borrow_mut().push((agent.env, agent.build(&root)?));
-                    Ok(())
-                },
-            )?;
-        }
-        t.step("integration tests", || {
+        // `cargo test -p wgfence-tests` of these test files (all of them if none).
+        let integration = |names: &[&String]| {
             let mut cmd = util::cargo_command(&root);
-            for (env, bin) in old.borrow().iter() {
-                cmd.env(env, bin);
-            }
             if full {
                 cmd.env(
                     "WGFENCE_DIFF_PACKETS",
@@ -211,11 +202,83 @@ fn steps(options: &Options, t: &Timings) -> Result<()> {
             }
             cmd.env("RUST_BACKTRACE", "1")
                 .args(["test", "--package", "wgfence-tests"]);
+            for name in names {
+                cmd.args(["--test", name]);
+            }
+            cmd
+        };
+        // The integration tests' build, alone: nothing beside it while it takes both cores.
+        t.step("build the integration tests", || {
+            util::run(integration(&[]).args(["--no-run"]))
+        })?;
+        // The upgrade tests' older agents and the fuzz runs need only spare CPU: they run at
+        // idle priority beside the integration tests, which wait on namespaces, sessions and
+        // packets much of the time. The older agents come first: the upgrade tests, run last,
+        // wait for them.
+        let mut jobs: Vec<Job> = oldagent::ALL
+            .iter()
+            .map(|agent| Job {
+                name: format!("build the layout-{} agent (upgrade tests)", agent.layout),
+                args: vec![format!("v{}-agent", agent.layout)],
+            })
+            .collect();
+        if !options.no_fuzz {
+            // A run of each target from the committed corpus: a regression in the parser or
+            // the planner that the corpus reaches fails here.
+            jobs.extend(fuzz::TARGETS.iter().map(|target| {
+                Job {
+                    name: format!("fuzz {target}"),
+                    args: ["fuzz", target, "--seconds", &fuzz_seconds.to_string()]
+                        .map(str::to_owned)
+                        .to_vec(),
+                }
+            }));
+        }
+        let background = Background::start(&root, jobs, oldagent::ALL.len())?;
+        let files = integration_files(&root)?;
+        let (upgrade, others): (Vec<_>, Vec<_>) = files
+            .iter()
+            .partition(|name| name.as_str() == UPGRADE_TESTS);
+        let result = t.step("integration tests", || {
+            // With the library's and the binaries' own tests.
+            let mut cmd = integration(&others);
+            cmd.args(["--lib", "--bins"]);
             if !options.test_args.is_empty() {
                 cmd.arg("--").args(&options.test_args);
             }
             t.cargo_test(&mut cmd)
-        })?;
+        });
+        let result = result.and_then(|()| {
+            let waited = Instant::now();
+            let old = background.wait_first(t);
+            t.record(
+                "waiting for the older agents",
+                waited.elapsed().as_secs_f64(),
+                old.is_ok(),
+            );
+            old?;
+            t.step("integration tests: upgrade", || {
+                let mut cmd = integration(&upgrade);
+                for agent in oldagent::ALL {
+                    cmd.env(agent.env, agent.binary(&root));
+                }
+                if !options.test_args.is_empty() {
+                    cmd.arg("--").args(&options.test_args);
+                }
+                t.cargo_test(&mut cmd)
+            })
+        });
+        let waited = Instant::now();
+        let rest = background.finish(t, result.is_err());
+        if result.is_ok() {
+            t.record(
+                "waiting for the fuzz runs",
+                waited.elapsed().as_secs_f64(),
+                rest.is_ok(),
+            );
+        }
+        result?;
+        rest?;
     }
     if let Some(prefetch) = prefetch {
         let (result, seconds) = prefetch
@@ -232,6 +295,183 @@ fn steps(options: &Options, t: &Timings) -> Result<()> {
         t.step(&format!("vm-test ({names})"), || vm::run(vm_options))?;
     }
     Ok(())
+}
+
+/// The integration test file that needs the older agents; run after the others.
+const UPGRADE_TESTS: &str = "upgrade";
+
+/// The integration test files: tests/tests/<name>.rs.
+fn integration_files(root: &Path) -> Result<Vec<String>> {
+    let dir = root.join("tests").join("tests");
+    let mut names = Vec::new();
+    for entry in fs::read_dir(&dir).with_context(|| format!("cannot read {}", dir.display()))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|ext| ext == "rs") {
+            if let Some(stem) = path.file_stem() {
+                names.push(stem.to_string_lossy().into_owned());
+            }
+        }
+    }
+    names.sort();
+    if !names.iter().any(|name| name == UPGRADE_TESTS) {
+        bail!("no {UPGRADE_TESTS}.rs in {}", dir.display());
+    }
+    Ok(names)
+}
+
+/// A background job that ended: its name, seconds and outcome.
+type Done = (String, f64, Result<()>);
+
+/// One background job: `cargo xtask ARGS`.
+struct Job {
+    name: String,
+    args: Vec<String>,
+}
+
+/// Jobs run one after the other as child `xtask` processes under `chrt --idle 0` (SCHED_IDLE:
+/// they run only on a core nothing else wants, so the tests beside them keep the CPU they
+/// ask for), their output in target/test-background.log.
+struct Background {
+    thread: Option<thread::JoinHandle<Vec<Done>>>,
+    /// Told once the first `first` jobs ended (with whether they all passed).
+    first: mpsc::Receiver<bool>,
+    cancel: Arc<AtomicBool>,
+    log: PathBuf,
+}
+
+impl Background {
+    fn start(root: &Path, jobs: Vec<Job>, first: usize) -> Result<Self> {
+        let exe = std::env::current_exe().context("the path of this xtask binary")?;
+        let chrt = util::find_program("chrt").context("chrt not found: install util-linux")?;
+        let log = util::target_dir(root).join("test-background.log");
+        let file =
+            fs::File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
+        let cancel = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel();
+        let stop = Arc::clone(&cancel);
+        let root = root.to_path_buf();
+        eprintln!(
+            "==> in the background (idle priority): {}; output in {}",
+            jobs.iter()
+                .map(|j| j.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            log.display()
+        );
+        let thread = thread::spawn(move || {
+            let mut done = Vec::new();
+            let mut all_ok = true;
+            for (i, job) in jobs.into_iter().enumerate() {
+                let start = Instant::now();
+                let result = if stop.load(Ordering::Relaxed) {
+                    Err(anyhow::anyhow!("not started: a step before it failed"))
+                } else {
+                    run_job(&chrt, &exe, &root, &job, &file, &stop)
+                };
+                all_ok &= result.is_ok();
+                done.push((job.name, start.elapsed().as_secs_f64(), result));
+                if i + 1 == first {
+                    let _ = tx.send(all_ok);
+                }
+            }
+            done
+        });
+        Ok(Self {
+            thread: Some(thread),
+            first: rx,
+            cancel,
+            log,
+        })
+    }
+
+    /// Waits until the first jobs ended; fails if one failed.
+    fn wait_first(&self, t: &Timings) -> Result<()> {
+        match self.first.recv() {
+            Ok(true) => Ok(()),
+            Ok(false) | Err(_) => {
+                t.note_log(&self.log);
+                bail!("a background job failed (see {})", self.log.display())
+            }
+        }
+    }
+
+    /// Waits for every job (stopping them first if `abort`), records each, and fails if one
+    /// failed.
+    fn finish(mut self, t: &Timings, abort: bool) -> Result<()> {
+        if abort {
+            self.cancel.store(true, Ordering::Relaxed);
+        }
+        let Some(thread) = self.thread.take() else {
+            return Ok(());
+        };
+        let done = thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("the background thread panicked"))?;
+        let mut failed = Vec::new();
+        for (name, seconds, result) in done {
+            t.record(
+                &format!("{name} (in the background)"),
+                seconds,
+                result.is_ok(),
+            );
+            if let Err(e) = result {
+                failed.push(format!("{name}: {e:#}"));
+            }
+        }
+        if failed.is_empty() || abort {
+            return Ok(());
+        }
+        t.note_log(&self.log);
+        bail!(
+            "in the background: {} (see {})",
+            failed.join("; "),
+            self.log.display()
+        )
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Runs one job to its end, or kills its process group once `stop` is set.
+fn run_job(
+    chrt: &Path,
+    exe: &Path,
+    root: &Path,
+    job: &Job,
+    log: &fs::File,
+    stop: &AtomicBool,
+) -> Result<()> {
+    let mut cmd = Command::new(chrt);
+    cmd.args(["--idle", "0"])
+        .arg(exe)
+        .args(&job.args)
+        .current_dir(root)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log.try_clone()?)
+        // Its own process group: a stop ends its cargo and fuzzer too.
+        .process_group(0);
+    let line = util::display(&cmd);
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot run `{line}`"))?;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return util::check(status, &line);
+        }
+        if stop.load(Ordering::Relaxed) {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .status();
+            let _ = child.wait();
+            bail!("stopped: a step beside it failed");
+        }
+        thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// Where the time went: every step, and inside the `cargo test` steps the build and each test
@@ -367,6 +607,17 @@ impl Timings {
             );
         }
         util::check(status, &line)
+    }
+
+    /// Prints the last lines of a background log, where a failure's reason is.
+    fn note_log(&self, log: &Path) {
+        let text = fs::read_to_string(log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        eprintln!("--- the last lines of {}:", log.display());
+        for line in &lines[lines.len().saturating_sub(40)..] {
+            eprintln!("{line}");
+        }
+        eprintln!("---");
     }
 
     fn totals(&self) -> (u64, u64, u64) {
