@@ -112,7 +112,9 @@ fn old_binary(layout: u32, commit: &str) -> PathBuf {
         return bin.into();
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let bin = root.join(format!("target/v{layout}-agent/{commit}/wgfence"));
+    let bin = root.join(format!(
+        "target/v{layout}-agent/{commit}/src/target/debug/wgfence"
+    ));
     assert!(
         bin.is_file(),
         "no layout-{layout} agent at {}: build it with `cargo xtask v{layout}-agent` (cargo \

@@ -1,10 +1,6 @@
 //! The agents of older map layouts that the upgrade tests start from: the `wgfence` binary of
-//! the last commit of each layout ([`V1`], [`V2`]), built with that commit's own Cargo.lock
-//! and copied to `target/v<layout>-agent/<commit>/wgfence`.
-//!
-//! Both build in one target directory of their own (`target/old-agents/`): the crates their
-//! lock files share are compiled once for both, and neither touches the workspace's
-//! `target/debug/wgfence`.
+//! the last commit of each layout ([`V1`], [`V2`]), built once with that commit's own
+//! Cargo.lock into `target/v<layout>-agent/<commit>/` and reused from there.
 //!
 //! The source is exported with `git archive` rather than checked out as a `git worktree`: a
 //! worktree registers itself in `.git`, and `cargo clean` (which removes `target/`) would leave
@@ -49,19 +45,19 @@ pub const V2: OldAgent = OldAgent {
 pub const ALL: [OldAgent; 2] = [V1, V2];
 
 impl OldAgent {
-    /// Where the binary is once built: `target/v<layout>-agent/<commit>/wgfence`.
+    /// Where the binary is once built: `target/v<layout>-agent/<commit>/src/target/debug/wgfence`.
     pub fn binary(&self, root: &Path) -> PathBuf {
-        self.dir(root).join("wgfence")
-    }
-
-    fn dir(&self, root: &Path) -> PathBuf {
-        util::target_dir(root)
-            .join(format!("v{}-agent", self.layout))
-            .join(&self.commit[..7])
+        self.source_dir(root)
+            .join("target")
+            .join("debug")
+            .join("wgfence")
     }
 
     fn source_dir(&self, root: &Path) -> PathBuf {
-        self.dir(root).join("src")
+        util::target_dir(root)
+            .join(format!("v{}-agent", self.layout))
+            .join(&self.commit[..7])
+            .join("src")
     }
 
     /// Exports the commit's tree (once) and builds its agent (cargo makes a rebuild a no-op).
@@ -104,11 +100,10 @@ fn build(agent: &OldAgent, root: &Path) -> Result<PathBuf> {
         let _ = fs::remove_dir_all(&src);
         fs::rename(&tmp, &src).with_context(|| format!("renaming to {}", src.display()))?;
     }
-    let target = util::target_dir(root).join("old-agents");
     let mut cmd = Command::new(util::cargo());
     cmd.current_dir(&src)
-        // The old agents' own target directory, never the workspace's.
-        .env("CARGO_TARGET_DIR", &target)
+        // Its own target directory (src/target), never the workspace's.
+        .env_remove("CARGO_TARGET_DIR")
         .env_remove("CARGO_BUILD_TARGET_DIR")
         .args([
             "build",
@@ -119,15 +114,10 @@ fn build(agent: &OldAgent, root: &Path) -> Result<PathBuf> {
             "wgfence",
         ]);
     util::run(&mut cmd).with_context(|| format!("building the layout-{layout} agent"))?;
-    // Cargo links target/old-agents/debug/wgfence to the build just made (also when it was
-    // fresh): copy it out before the other layout's build links its own there.
-    let built = target.join("debug").join("wgfence");
-    if !built.is_file() {
-        bail!("the build succeeded but {} does not exist", built.display());
-    }
     let bin = agent.binary(root);
-    fs::copy(&built, &bin)
-        .with_context(|| format!("copying {} to {}", built.display(), bin.display()))?;
+    if !bin.is_file() {
+        bail!("the build succeeded but {} does not exist", bin.display());
+    }
     Ok(bin)
 }
 
