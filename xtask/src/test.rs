@@ -16,6 +16,7 @@
 
 use std::{
     cell::RefCell,
+    collections::VecDeque,
     ffi::OsString,
     fmt::Write as _,
     fs,
@@ -548,7 +549,9 @@ impl Timings {
             .with_context(|| format!("cannot run `{line}`"))?;
         // Cargo names each test binary on stderr as it starts it ("Running tests/x.rs (...)");
         // the binary's own result line, on stdout, says how long it ran.
-        let running: Arc<Mutex<Option<String>>> = Arc::default();
+        // In order: a name is taken by the next result line (the binaries run one at a time,
+        // but cargo may name the next before this thread has read the last one's result).
+        let running: Arc<Mutex<VecDeque<String>>> = Arc::default();
         let built: Arc<Mutex<Option<f64>>> = Arc::default();
         let stderr = child.stderr.take().map(|stderr| {
             let (running, built) = (Arc::clone(&running), Arc::clone(&built));
@@ -558,7 +561,10 @@ impl Timings {
                     if let Some(name) = running_binary(&text) {
                         let mut built = built.lock().unwrap_or_else(PoisonError::into_inner);
                         built.get_or_insert(start.elapsed().as_secs_f64());
-                        *running.lock().unwrap_or_else(PoisonError::into_inner) = Some(name);
+                        running
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .push_back(name);
                     }
                 }
             })
@@ -577,7 +583,7 @@ impl Timings {
                 let name = running
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
-                    .take()
+                    .pop_front()
                     .unwrap_or_else(|| "(a test binary)".to_owned());
                 self.rows.borrow_mut().push(Row {
                     depth: 1,
@@ -638,9 +644,14 @@ impl Timings {
 }
 
 /// `tests/agent.rs` from cargo's `     Running tests/agent.rs (target/debug/deps/agent-1f2e)`,
-/// `unittests src/lib.rs (wgfence)` from a unit test binary's line.
+/// `unit tests src/lib.rs (wgfence)` from a unit test binary's line, `doc tests wgfence` from
+/// `   Doc-tests wgfence`.
 fn running_binary(line: &str) -> Option<String> {
-    let rest = line.trim_start().strip_prefix("Running ")?;
+    let line = line.trim_start();
+    if let Some(krate) = line.strip_prefix("Doc-tests ") {
+        return Some(format!("doc tests {}", krate.trim()));
+    }
+    let rest = line.strip_prefix("Running ")?;
     let (what, path) = rest.split_once(" (")?;
     let file = path.trim_end_matches(')').rsplit('/').next()?;
     // deps/<crate>-<hash>
@@ -721,6 +732,10 @@ mod tests {
             running_binary("     Running unittests src/lib.rs (target/debug/deps/wgfence-5126)")
                 .as_deref(),
             Some("unit tests src/lib.rs (wgfence)")
+        );
+        assert_eq!(
+            running_binary("   Doc-tests wgfence_common").as_deref(),
+            Some("doc tests wgfence_common")
         );
         assert_eq!(running_binary("   Compiling wgfence v0.1.0"), None);
     }
