@@ -25,7 +25,7 @@ use std::{
     path::{Path, PathBuf},
     process::{Command, Stdio},
     sync::{
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicI32, Ordering},
         mpsc, Arc, Mutex, PoisonError,
     },
     thread,
@@ -359,6 +359,7 @@ impl Background {
                 .join(", "),
             log.display()
         );
+        forward_signals();
         let thread = thread::spawn(move || {
             let mut done = Vec::new();
             let mut all_ok = true;
@@ -460,18 +461,57 @@ fn run_job(
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot run `{line}`"))?;
-    loop {
-        if let Some(status) = child.try_wait()? {
-            return util::check(status, &line);
+    let group = libc::pid_t::try_from(child.id()).context("a pid beyond pid_t")?;
+    JOB_GROUP.store(group, Ordering::SeqCst);
+    let result = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break util::check(status, &line),
+            Ok(None) => {}
+            Err(e) => break Err(e).context("waiting for a background job"),
         }
         if stop.load(Ordering::Relaxed) {
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .status();
+            kill_group(group);
             let _ = child.wait();
-            bail!("stopped: a step beside it failed");
+            break Err(anyhow::anyhow!("stopped: a step beside it failed"));
         }
         thread::sleep(Duration::from_millis(200));
+    };
+    JOB_GROUP.store(0, Ordering::SeqCst);
+    result
+}
+
+/// The process group of the background job running now (0: none), for [`on_signal`].
+static JOB_GROUP: AtomicI32 = AtomicI32::new(0);
+
+fn kill_group(group: libc::pid_t) {
+    if group > 0 {
+        // SAFETY: kill(2) with a negative pid signals that process group; no memory is shared.
+        unsafe {
+            libc::kill(-group, libc::SIGKILL);
+        }
+    }
+}
+
+/// A background job runs in a process group of its own, which the terminal's Ctrl-C does not
+/// reach: SIGINT and SIGTERM kill its group first, then end this process as they would have.
+fn forward_signals() {
+    for signal in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: `on_signal` only calls async-signal-safe functions (kill, signal, raise).
+        unsafe {
+            libc::signal(
+                signal,
+                on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            );
+        }
+    }
+}
+
+extern "C" fn on_signal(signal: libc::c_int) {
+    kill_group(JOB_GROUP.load(Ordering::SeqCst));
+    // SAFETY: async-signal-safe; the default action ends the process as the signal would.
+    unsafe {
+        libc::signal(signal, libc::SIG_DFL);
+        libc::raise(signal);
     }
 }
 
