@@ -75,6 +75,8 @@ pub struct RunOptions {
     pub settings: crate::settings::DatapathSettings,
     /// Read a state file that users other than root can change (see [`crate::trust`]).
     pub allow_insecure_state: bool,
+    /// The largest state file read (`--max-state-bytes`, see [`crate::input`]).
+    pub max_state_bytes: u64,
 }
 
 /// `--source`: a state file, or one Secret watched through the Kubernetes API.
@@ -372,6 +374,17 @@ impl Core {
                 self.applied = None;
                 Err(Next::Idle)
             }
+            Err(e @ ReadError::Refused(_)) => {
+                // Not a regular file, or over --max-state-bytes: rejected like an invalid
+                // state, without a byte read.
+                let why = e.to_string();
+                tracing::error!("{why}\nthe last good state stays applied");
+                self.metrics.state_rejected.inc();
+                self.not_ready(&why);
+                self.applied = None;
+                self.rejected = None;
+                Err(Next::Idle)
+            }
             Err(e) => {
                 let why = e.to_string();
                 tracing::warn!(source = %self.reader.name(), "{why}; keeping what is enforced");
@@ -664,7 +677,11 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     // The file is parsed while the datapath attaches; a Secret is read once the watch has
     // listed it (the first load).
     let parsing = match &options.source {
-        SourceOptions::File(path) => prepare(StateFile::new(path, !options.allow_insecure_state)),
+        SourceOptions::File(path) => prepare(StateFile::new(
+            path,
+            !options.allow_insecure_state,
+            options.max_state_bytes,
+        )),
         SourceOptions::Kubernetes(_) => None,
     };
     let reconciler = adopt(&options, &metrics)?;
@@ -689,7 +706,11 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     let (source, reader, state_path) = match &options.source {
         SourceOptions::File(path) => (
             Watch::File(StateSource::watch(path)?),
-            Reader::File(StateFile::new(path, !options.allow_insecure_state)),
+            Reader::File(StateFile::new(
+                path,
+                !options.allow_insecure_state,
+                options.max_state_bytes,
+            )),
             path.clone(),
         ),
         SourceOptions::Kubernetes(secret) => {

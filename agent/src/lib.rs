@@ -11,6 +11,7 @@ pub mod clock;
 pub mod daemon;
 pub mod dataplane;
 pub mod explain;
+pub mod input;
 pub mod metrics;
 pub mod monitor;
 pub mod plan;
@@ -62,6 +63,18 @@ pub fn drop_later<T: Send + 'static>(value: T) {
     if let Some(tx) = freer {
         // Only fails if the thread is gone: then the value comes back and is freed here.
         let _ = tx.send(Box::new(value));
+    }
+}
+
+/// Cases for a slow property test: `full` in the long suite (`cargo xtask test --full` sets
+/// `WGFENCE_FULL_SUITE`), a fifth of it (at least 16) in the suite CI runs, where the fuzz
+/// targets of fuzz/ search the same properties, optimised, in the same run.
+#[cfg(test)]
+pub(crate) fn proptest_cases(full: u32) -> u32 {
+    if std::env::var_os("WGFENCE_FULL_SUITE").is_some() {
+        full
+    } else {
+        (full / 5).max(16)
     }
 }
 

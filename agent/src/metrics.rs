@@ -165,7 +165,8 @@ impl Metrics {
             state_rejected: registered(
                 r,
                 "wgfence_state_rejected",
-                "State files rejected by validation (the last good state stays applied)",
+                "State files rejected by validation, or refused unread (not a regular file, over \
+                 --max-state-bytes); the last good state stays applied",
             ),
             bpf_map_writes: registered(
                 r,

@@ -157,7 +157,11 @@ impl Watch {
 
     fn load_names(&mut self) {
         let agent = AgentStatus::read(&self.interface).ok();
-        self.names = peer_names(self.state.as_deref(), agent.as_ref());
+        self.names = peer_names(
+            self.state.as_deref(),
+            agent.as_ref(),
+            crate::input::DEFAULT_MAX_STATE_BYTES,
+        );
         self.names_at = Instant::now();
     }
 

@@ -2422,7 +2422,7 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(300))]
+        #![proptest_config(ProptestConfig::with_cases(crate::proptest_cases(300)))]
 
         #[test]
         fn plans_converge_safely_and_an_equal_state_plans_nothing(
@@ -2451,7 +2451,7 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(300))]
+        #![proptest_config(ProptestConfig::with_cases(crate::proptest_cases(300)))]
 
         /// The same, planning only what differs from the previous state (what the agent does
         /// between resyncs): it must end where a full plan ends, just as safely.
@@ -3020,7 +3020,7 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(300))]
+        #![proptest_config(ProptestConfig::with_cases(crate::proptest_cases(300)))]
 
         /// A full plan leaves out the peers the kernel has as asked, and is still the plan of
         /// every peer, op for op (or the same error): against a kernel that converged, one a

@@ -25,7 +25,8 @@
 //! agent does not read half a file and reject it. A read that finds the same bytes as last
 //! time costs nothing more.
 //!
-//! [`StateFile`] is the read itself: checked by [`crate::trust`] unless the operator allowed
+//! [`StateFile`] is the read itself: a regular file of at most `--max-state-bytes`, opened
+//! without blocking ([`crate::input`]), checked by [`crate::trust`] unless the operator allowed
 //! an insecure state file.
 //!
 //! The file is one of two sources ([`Watch`] and [`Reader`]): the other is one Secret watched
@@ -55,6 +56,7 @@ use notify::{
 use tokio::sync::Notify;
 
 use crate::{
+    input::{self, InputError},
     state::StateBytes,
     trust::{self, TrustError},
 };
@@ -364,12 +366,14 @@ fn absolute(path: &Path) -> Result<PathBuf, SourceError> {
     }
 }
 
-/// The state file, read the one way the agent reads it: checked by [`crate::trust`] (only
-/// root may change what the path leads to) unless the operator allowed an insecure file.
+/// The state file, read the one way the agent reads it: a regular file of at most
+/// `max_bytes` ([`crate::input`]), checked by [`crate::trust`] (only root may change what the
+/// path leads to) unless the operator allowed an insecure file.
 #[derive(Debug, Clone)]
 pub struct StateFile {
     path: PathBuf,
     trusted_only: bool,
+    max_bytes: u64,
 }
 
 /// Why the state file could not be read.
@@ -381,6 +385,10 @@ pub enum ReadError {
     Unreadable(std::io::Error),
     #[error("state file not trusted")]
     Untrusted(#[source] TrustError),
+    /// Not a regular file, or larger than `--max-state-bytes`: a verdict on the file, like a
+    /// rejected state (the last good state stays applied).
+    #[error("state file refused: {0}")]
+    Refused(InputError),
     /// Replaced between the open and the check (a volume update in progress): not a verdict
     /// on the file; read it again.
     #[error(transparent)]
@@ -397,11 +405,13 @@ pub enum ReadError {
 }
 
 impl StateFile {
-    /// `trusted_only`: read the file only if [`crate::trust`] approves its path.
-    pub fn new(path: &Path, trusted_only: bool) -> Self {
+    /// `trusted_only`: read the file only if [`crate::trust`] approves its path; `max_bytes`:
+    /// `--max-state-bytes`.
+    pub fn new(path: &Path, trusted_only: bool, max_bytes: u64) -> Self {
         Self {
             path: path.to_owned(),
             trusted_only,
+            max_bytes,
         }
     }
 
@@ -412,19 +422,20 @@ impl StateFile {
     /// The file's bytes.
     pub fn read(&self) -> Result<Vec<u8>, ReadError> {
         if !self.trusted_only {
-            return std::fs::read(&self.path).map_err(io_error);
+            return input::read(&self.path, self.max_bytes).map_err(input_error);
         }
-        trust::read_trusted(&self.path).map_err(trust_error)
+        trust::read_trusted(&self.path, self.max_bytes).map_err(trust_error)
     }
 
     /// Opens the file to be read in pieces ([`OpenState`]), checked as [`Self::read`] checks.
+    /// The pieces are read up to the length the file had when it was opened (at most
+    /// `max_bytes`): a file that grows meanwhile is read again on its change's event.
     pub fn open(&self) -> Result<OpenState, ReadError> {
-        let file = if self.trusted_only {
-            trust::open_trusted(&self.path).map_err(trust_error)?
+        let (file, opened) = if self.trusted_only {
+            trust::open_trusted(&self.path, self.max_bytes).map_err(trust_error)?
         } else {
-            std::fs::File::open(&self.path).map_err(io_error)?
+            input::open(&self.path, self.max_bytes).map_err(input_error)?
         };
-        let opened = file.metadata().map_err(io_error)?;
         let len = usize::try_from(opened.len()).map_err(|e| io_error(std::io::Error::other(e)))?;
         Ok(OpenState {
             file,
@@ -442,9 +453,17 @@ fn io_error(e: std::io::Error) -> ReadError {
     }
 }
 
+fn input_error(e: InputError) -> ReadError {
+    match e {
+        InputError::Io { source, .. } => io_error(source),
+        e => ReadError::Refused(e),
+    }
+}
+
 fn trust_error(e: TrustError) -> ReadError {
     match e {
         TrustError::Io { source, .. } => io_error(source),
+        TrustError::Input(e) => input_error(e),
         e @ TrustError::Changed { .. } => ReadError::Replaced(e),
         e => ReadError::Untrusted(e),
     }
@@ -681,7 +700,7 @@ mod tests {
         let dir = TempDir::new("torn");
         let path = dir.0.join("state.json");
         ok(fs::write(&path, "{\"version\": 1, \"peers\": []}"));
-        let file = StateFile::new(&path, false);
+        let file = StateFile::new(&path, false, input::DEFAULT_MAX_STATE_BYTES);
         let opened = ok(file.open());
         assert!(!opened.written_since_open());
         let mut all = Vec::new();
@@ -691,6 +710,45 @@ mod tests {
         ok(fs::write(&path, "{}"));
         assert!(opened.written_since_open());
         assert!(opened.read_at(0, &mut vec![0; opened.len()]).is_err());
+    }
+
+    /// Both ways the daemon reads (checked by trust, and `--allow-insecure-state`), at start-up
+    /// (`read`) and on every change (`open`), refuse a FIFO without a writer at once and a file
+    /// over the limit, as `Refused`: what the daemon reports like a rejected state.
+    #[test]
+    fn every_read_refuses_a_fifo_and_an_oversized_file() {
+        let dir = TempDir::new("refused");
+        let fifo = dir.0.join("fifo.json");
+        let c = std::ffi::CString::new(fifo.to_string_lossy().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+        let big = dir.0.join("big.json");
+        ok(fs::write(&big, vec![b' '; 101]));
+        // On a thread: a read that blocks fails the test instead of hanging it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut wrong = Vec::new();
+            for trusted in [true, false] {
+                for path in [&fifo, &big] {
+                    let file = StateFile::new(path, trusted, 100);
+                    if !matches!(file.read(), Err(ReadError::Refused(_))) {
+                        wrong.push(format!("read {} (trusted: {trusted})", path.display()));
+                    }
+                    if !matches!(file.open(), Err(ReadError::Refused(_))) {
+                        wrong.push(format!("open {} (trusted: {trusted})", path.display()));
+                    }
+                }
+                if StateFile::new(&big, trusted, 101).read().is_err() {
+                    wrong.push(format!("a file at the limit (trusted: {trusted})"));
+                }
+            }
+            let _ = tx.send(wrong);
+        });
+        let wrong = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("a read blocked for 5 s");
+        assert!(wrong.is_empty(), "not refused as they should be: {wrong:?}");
+        drop(dir);
     }
 
     /// A directory with a `state.json` of `{}`, watched.
@@ -802,7 +860,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn reading_the_file_is_not_a_change() {
         not_reported("a read", |path| {
-            let _ = ok(trust::read_trusted(path));
+            let _ = ok(trust::read_trusted(path, input::DEFAULT_MAX_STATE_BYTES));
             let _ = ok(fs::read(path));
         })
         .await;

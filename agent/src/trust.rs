@@ -24,6 +24,8 @@ use std::{
     path::{Component, Path, PathBuf},
 };
 
+use crate::input::{self, InputError};
+
 /// Symlinks followed before giving up (the kernel's limit is 40 too).
 pub(crate) const MAX_SYMLINKS: usize = 40;
 
@@ -51,6 +53,9 @@ pub enum TrustError {
     SymlinkLoop { path: PathBuf },
     #[error("{path} changed while it was being checked; not read")]
     Changed { path: PathBuf },
+    /// Not a regular file, too large, or not opened at all ([`crate::input`]).
+    #[error(transparent)]
+    Input(#[from] InputError),
     #[error("{path}")]
     Io {
         path: PathBuf,
@@ -65,37 +70,26 @@ pub fn check_state_path(path: &Path) -> Result<(), TrustError> {
     check_path(path).map(drop)
 }
 
-/// Opens the state file the check approved, and no other: the file is opened first, the path
-/// checked, and the opened file must be the one the check reached (device and inode), so a
-/// file swapped in between (in a sticky directory, say) is never read. A missing file is an
-/// `Io` error of kind `NotFound`.
-pub fn open_trusted(path: &Path) -> Result<fs::File, TrustError> {
-    let io_err = |source| TrustError::Io {
-        path: path.to_owned(),
-        source,
-    };
-    let file = fs::File::open(path).map_err(io_err)?;
-    let opened = file.metadata().map_err(io_err)?;
+/// Opens the state file the check approved, and no other: the file is opened first (as
+/// [`input::open`] opens it: without blocking, a regular file of at most `limit` bytes), the
+/// path checked, and the opened file must be the one the check reached (device and inode), so
+/// a file swapped in between (in a sticky directory, say) is never read. A missing file is an
+/// [`InputError::Io`] of kind `NotFound`.
+pub fn open_trusted(path: &Path, limit: u64) -> Result<(fs::File, fs::Metadata), TrustError> {
+    let (file, opened) = input::open(path, limit)?;
     if check_path(path)? != Some((opened.dev(), opened.ino())) {
         return Err(TrustError::Changed {
             path: path.to_owned(),
         });
     }
-    Ok(file)
+    Ok((file, opened))
 }
 
-/// Reads the state file the check approved, and no other ([`open_trusted`]).
-pub fn read_trusted(path: &Path) -> Result<Vec<u8>, TrustError> {
-    use std::io::Read as _;
-    let io_err = |source| TrustError::Io {
-        path: path.to_owned(),
-        source,
-    };
-    let mut file = open_trusted(path)?;
-    let len = file.metadata().map_err(io_err)?.len();
-    let mut bytes = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
-    file.read_to_end(&mut bytes).map_err(io_err)?;
-    Ok(bytes)
+/// Reads the state file the check approved, and no other ([`open_trusted`]), at most `limit`
+/// bytes ([`input::read_opened`]).
+pub fn read_trusted(path: &Path, limit: u64) -> Result<Vec<u8>, TrustError> {
+    let (file, opened) = open_trusted(path, limit)?;
+    Ok(input::read_opened(path, &file, &opened, limit)?)
 }
 
 /// The check; `Some((device, inode))` of the file the path reaches, `None` if it reaches none.
@@ -327,16 +321,21 @@ pub(crate) mod tests {
         let dir = Dir::new("read");
         let file = dir.0.join("state.json");
         write(&file, 0o644);
-        assert!(read_trusted(&file).is_ok_and(|b| !b.is_empty()));
+        let limit = input::DEFAULT_MAX_STATE_BYTES;
+        assert!(read_trusted(&file, limit).is_ok_and(|b| !b.is_empty()));
+        assert!(matches!(
+            read_trusted(&file, 1),
+            Err(TrustError::Input(InputError::TooLarge { .. }))
+        ));
         chmod(&file, 0o666);
         assert!(matches!(
-            read_trusted(&file),
+            read_trusted(&file, limit),
             Err(TrustError::Writable { .. })
         ));
         let missing = dir.0.join("missing.json");
         assert!(matches!(
-            read_trusted(&missing),
-            Err(TrustError::Io { source, .. }) if source.kind() == ErrorKind::NotFound
+            read_trusted(&missing, limit),
+            Err(TrustError::Input(e)) if e.io().is_some_and(|e| e.kind() == ErrorKind::NotFound)
         ));
     }
 

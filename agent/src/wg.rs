@@ -34,6 +34,14 @@ pub const WIREGUARD_GO_MAX_PEERS: usize = 1 << 16;
 /// How long an update waits for the userspace implementation's answer.
 const UAPI_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The most peers one update creates and sends a handshake initiation to at once
+/// ([`kicked`]); an update creating more (a first start on an empty device) sends none.
+pub const MAX_HANDSHAKE_KICKS: usize = 256;
+
+/// The keepalive interval switched on (and off again in the same update) to make the device
+/// send a created peer a handshake initiation at once.
+const KICK_KEEPALIVE: u16 = 25;
+
 /// Where userspace implementations put their UAPI sockets.
 const UAPI_DIRS: [&str; 2] = ["/var/run/wireguard", "/run/wireguard"];
 
@@ -161,19 +169,33 @@ impl WireGuard {
     }
 
     /// Applies per-peer creates and updates in one device update (never `replace_peers`).
+    /// Created peers with an endpoint and no keepalive are sent a handshake initiation in the
+    /// same update ([`kicked`]).
     pub fn apply_changes(&mut self, changes: &[&WgPeerChange]) -> Result<(), WgError> {
         if changes.is_empty() {
             return Ok(());
         }
         self.ensure_present()?;
+        let kicked = kicked(changes);
         if self.backend == Backend::Userspace {
             let mut request = String::from("set=1\n");
             for change in changes {
                 uapi_change(&mut request, change);
             }
+            for key in &kicked {
+                uapi_kick(&mut request, key);
+            }
             self.uapi_set(request)?;
         } else {
-            let peers: Vec<PeerConfigBuilder> = changes.iter().map(|c| builder(c)).collect();
+            let mut peers: Vec<PeerConfigBuilder> = changes.iter().map(|c| builder(c)).collect();
+            for key in &kicked {
+                // Per peer, in order: on (the kernel sends a keepalive, so a handshake), off.
+                peers.push(
+                    PeerConfigBuilder::new(&Key(key.0))
+                        .set_persistent_keepalive_interval(KICK_KEEPALIVE),
+                );
+                peers.push(PeerConfigBuilder::new(&Key(key.0)).unset_persistent_keepalive());
+            }
             DeviceUpdate::new()
                 .add_peers(&peers)
                 .apply(&self.name, self.backend)
@@ -280,6 +302,42 @@ fn hex(bytes: &[u8; 32]) -> String {
     s
 }
 
+/// The created peers an update sends a handshake initiation to at once: those with an
+/// endpoint and no keepalive (a keepalive the state sets already makes WireGuard send one), if
+/// the update creates at most [`MAX_HANDSHAKE_KICKS`] of them.
+///
+/// Why: a peer revoked earlier and now brought back (by a push, or by an agent restarted onto
+/// another state) may still hold the session the device forgot when it was removed. Its
+/// packets go into that session, which the device no longer knows and drops, and the peer
+/// starts a new handshake only when it has had no answer for 15 s (WireGuard's keepalive plus
+/// rekey timeouts): its traffic came back up to 15 s after the agent had applied it. A
+/// handshake initiation from the device replaces the stale session at once. A first start on
+/// an empty device, creating thousands of peers, sends none (a handshake storm, and retries for
+/// 90 s toward every peer that is offline).
+fn kicked(changes: &[&WgPeerChange]) -> Vec<WgKey> {
+    let keys: Vec<WgKey> = changes
+        .iter()
+        .filter(|c| c.create && c.endpoint.is_some())
+        .filter(|c| c.persistent_keepalive.flatten().is_none_or(|s| s == 0))
+        .map(|c| c.key)
+        .collect();
+    if keys.len() > MAX_HANDSHAKE_KICKS {
+        return Vec::new();
+    }
+    keys
+}
+
+/// Switches `key`'s keepalive on and off again: switched on, the implementation sends a
+/// keepalive at once, and without a session that is a handshake initiation.
+fn uapi_kick(request: &mut String, key: &WgKey) {
+    let key = hex(&key.0);
+    let _ = writeln!(
+        request,
+        "public_key={key}\npersistent_keepalive_interval={KICK_KEEPALIVE}\n\
+         public_key={key}\npersistent_keepalive_interval=0"
+    );
+}
+
 /// One peer's change in the UAPI's `set` syntax (the keys of wireguard-go's IPC protocol).
 fn uapi_change(request: &mut String, change: &WgPeerChange) {
     let _ = writeln!(request, "public_key={}", hex(&change.key.0));
@@ -338,6 +396,51 @@ fn uapi_socket(interface: &str) -> Option<std::path::PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn created(n: u8, keepalive: Option<u16>, endpoint: bool) -> WgPeerChange {
+        WgPeerChange {
+            key: WgKey([n; 32]),
+            peer: format!("p{n}"),
+            create: true,
+            endpoint: endpoint.then(|| "198.51.100.7:51820".parse().unwrap()),
+            preshared_key: None,
+            persistent_keepalive: keepalive.map(Some),
+            add_allowed_ips: vec![],
+        }
+    }
+
+    /// A created peer with an endpoint and no keepalive is kicked: keepalive on, then off, in
+    /// the same request; not one without an endpoint, one whose own keepalive already makes
+    /// WireGuard send one, an update of a peer the device has, or any peer of an update that
+    /// creates more than the bound.
+    #[test]
+    fn created_peers_with_an_endpoint_are_sent_a_handshake() {
+        let plain = created(1, None, true);
+        let keepalive = created(2, Some(25), true);
+        let no_endpoint = created(3, None, false);
+        let mut update = created(4, None, true);
+        update.create = false;
+        let keys = kicked(&[&plain, &keepalive, &no_endpoint, &update]);
+        assert_eq!(keys, vec![WgKey([1; 32])]);
+        let mut request = String::new();
+        uapi_kick(&mut request, &keys[0]);
+        let key = "01".repeat(32);
+        assert_eq!(
+            request,
+            format!(
+                "public_key={key}\npersistent_keepalive_interval=25\n\
+                 public_key={key}\npersistent_keepalive_interval=0\n"
+            )
+        );
+        let many: Vec<WgPeerChange> = (0..=MAX_HANDSHAKE_KICKS)
+            .map(|n| {
+                let mut c = created(0, None, true);
+                c.key = WgKey([(n % 251) as u8; 32]);
+                c
+            })
+            .collect();
+        assert!(kicked(&many.iter().collect::<Vec<_>>()).is_empty());
+    }
 
     /// The UAPI text of a change: what wireguard-control's userspace backend sent for it.
     #[test]

@@ -316,6 +316,22 @@ impl Agent {
         self.spawn(gw, extra);
     }
 
+    /// Moves the state, while the agent is stopped, to another path: `linked/state.json`, a
+    /// symlink into another directory (`elsewhere/state.json`, absolute), laid out and updated
+    /// from now on as [`Layout::LinkElsewhere`]. The next [`Agent::restart`] runs on it.
+    pub fn relink_elsewhere(&mut self) {
+        assert!(self.child.is_none(), "the agent still runs");
+        let elsewhere = self.dir.join("elsewhere");
+        fs::create_dir_all(&elsewhere).unwrap_or_else(|e| panic!("{}: {e}", elsewhere.display()));
+        let linked = self.dir.join("linked");
+        fs::create_dir_all(&linked).unwrap_or_else(|e| panic!("{}: {e}", linked.display()));
+        let state = linked.join("state.json");
+        let _ = fs::remove_file(&state);
+        symlink(elsewhere.join("state.json"), &state).expect("symlink");
+        self.state = state;
+        self.layout = Layout::LinkElsewhere;
+    }
+
     /// Replaces the state file the way its layout is updated in production. Returns when the
     /// new state became visible at the path: just before the rename that publishes it (or,
     /// written in place, when the write began), so a latency is the agent's, not the writer's.

@@ -17,6 +17,37 @@ use wgfence::{
     policy::{compile, CompiledPolicy, Rule},
 };
 
+/// Busy loops on every CPU (and more), for as long as it lives: a machine as loaded as a CI
+/// runner shared with other builds. Each loop is a `sh` child of the test, killed (by its pid)
+/// and reaped when this is dropped, also when the test fails.
+pub struct CpuLoad(Vec<std::process::Child>);
+
+impl CpuLoad {
+    /// `per_cpu` busy loops per online CPU.
+    pub fn start(per_cpu: usize) -> Self {
+        let cpus = std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get);
+        let children = (0..cpus * per_cpu)
+            .map(|_| {
+                std::process::Command::new("sh")
+                    .args(["-c", "while :; do :; done"])
+                    .stdin(std::process::Stdio::null())
+                    .spawn()
+                    .expect("starting a busy loop")
+            })
+            .collect();
+        Self(children)
+    }
+}
+
+impl Drop for CpuLoad {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// An address literal of a test (panics on a typo).
 /// Spawns `command`, retrying while the kernel answers ETXTBSY: an executable a test has just
 /// written can still be open for writing in a child another test thread forked meanwhile (until

@@ -624,16 +624,24 @@ fn reply_times(child: Child) -> Vec<f64> {
 #[test]
 fn a_peer_expires_in_the_kernel_with_no_agent_running_and_a_clock_set_back_does_not_revive_it() {
     let gw = Gateway::new(2);
+    let mut agent = Agent::start(
+        &gw,
+        Layout::Plain,
+        &state(vec![gw.peer_json(0, None), gw.peer_json(1, None)]),
+        &[],
+    );
+    agent.wait_ready(&gw);
+    // The window is given once the agent runs, so a slow start (a loaded machine) cannot eat
+    // it: it expires on a whole second, 4 to 5 s from now.
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap();
-    // Expires on a whole second, 5 to 6 s from now.
-    let expires = now.as_secs() + 6;
+    let expires = now.as_secs() + 5;
     let mut windowed = gw.peer_json(0, None);
     windowed["expires"] = wgfence::state::format_time(expires).into();
-    let s = state(vec![windowed, gw.peer_json(1, None)]);
-    let mut agent = Agent::start(&gw, Layout::Plain, &s, &[]);
-    agent.wait_ready(&gw);
+    let before = agent.reconciles(&gw);
+    agent.write_state(&state(vec![windowed, gw.peer_json(1, None)]));
+    agent.wait_reconciles(&gw, before, 1.0);
     // `status` shows the window.
     let p0 = status_of(&gw, "peer0");
     assert_eq!(

@@ -17,7 +17,7 @@ use std::{
     io::{BufRead as _, BufReader, Write as _},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::mpsc,
+    sync::{mpsc, Mutex, PoisonError},
     thread,
     time::{Duration, Instant},
 };
@@ -91,8 +91,6 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    const ALL: [Kernel; 3] = [Kernel::V5_10, Kernel::V6_1, Kernel::V6_12];
-
     fn series(self) -> &'static str {
         match self {
             Kernel::V5_10 => "5.10",
@@ -110,16 +108,6 @@ impl Kernel {
         }
     }
 
-    /// The `--attach` values a guest runs with: the agent's default (`auto`: tcx where the
-    /// kernel has it, else tc) everywhere, and the legacy tc hook also on 6.12, the one kernel
-    /// here that has both.
-    fn attach_modes(self) -> &'static [Option<&'static str>] {
-        match self {
-            Kernel::V6_12 => &[None, Some("tc")],
-            Kernel::V5_10 | Kernel::V6_1 => &[None],
-        }
-    }
-
     /// Package names are `PREFIX<version>-cloud-amd64-unsigned`.
     fn package_prefix(self) -> &'static str {
         match self {
@@ -130,17 +118,61 @@ impl Kernel {
     }
 }
 
+/// One guest: a kernel, and the hook its agent is told to use (`auto` unless named).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, ValueEnum)]
+pub enum Guest {
+    #[value(name = "5.10")]
+    V5_10,
+    #[value(name = "6.1")]
+    V6_1,
+    #[value(name = "6.12")]
+    V6_12,
+    /// 6.12 with `--attach tc`: the legacy hook on a kernel that has tcx.
+    #[value(name = "6.12-tc")]
+    V6_12Tc,
+}
+
+impl Guest {
+    const ALL: [Guest; 4] = [Guest::V5_10, Guest::V6_1, Guest::V6_12, Guest::V6_12Tc];
+
+    fn kernel(self) -> Kernel {
+        match self {
+            Guest::V5_10 => Kernel::V5_10,
+            Guest::V6_1 => Kernel::V6_1,
+            Guest::V6_12 | Guest::V6_12Tc => Kernel::V6_12,
+        }
+    }
+
+    fn attach(self) -> Option<&'static str> {
+        match self {
+            Guest::V6_12Tc => Some("tc"),
+            Guest::V5_10 | Guest::V6_1 | Guest::V6_12 => None,
+        }
+    }
+
+    fn name(self) -> String {
+        guest_name(self.kernel(), self.attach())
+    }
+}
+
 /// Seconds one guest may run (a passing run takes 5 to 7 minutes under TCG on two shared
 /// cores, most of it the differential test).
 const DEFAULT_TIMEOUT: u64 = 900;
 
 const PACKAGE_SUFFIX: &str = "-cloud-amd64-unsigned";
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 pub struct Options {
-    /// Only this kernel (repeat for several); default: all three.
+    /// Only this kernel's guests (repeat for several; 6.12 boots twice: tcx, then `--attach
+    /// tc`); default: every guest.
     #[arg(long = "kernel", value_enum)]
     pub kernels: Vec<Kernel>,
+    /// Only this guest (repeat for several): 5.10, 6.1, 6.12, or 6.12-tc.
+    #[arg(long = "guest", value_enum)]
+    pub guests: Vec<Guest>,
+    /// Guests booted at once (each has one virtual CPU); default: the host's CPUs.
+    #[arg(long)]
+    pub jobs: Option<usize>,
     /// Seconds one guest may run before it is killed and counted as failed.
     #[arg(long, default_value_t = DEFAULT_TIMEOUT)]
     pub timeout: u64,
@@ -150,17 +182,63 @@ pub struct Options {
     /// Run this agent binary instead of building the release agent (e.g. another branch's).
     #[arg(long, value_name = "PATH")]
     pub agent: Option<PathBuf>,
+    /// Rounds of the differential test in each guest (generated states, each loaded anew);
+    /// default: the test's 12.
+    #[arg(long, value_name = "N")]
+    pub diff_rounds: Option<u64>,
 }
 
 impl Options {
-    /// Every kernel, the default timeout, the agent built from this tree.
+    /// Every guest, the default timeout, the agent built from this tree.
     pub fn all() -> Self {
         Self {
             kernels: Vec::new(),
+            guests: Vec::new(),
+            jobs: None,
             timeout: DEFAULT_TIMEOUT,
             refresh: false,
             agent: None,
+            diff_rounds: None,
         }
+    }
+
+    /// The guests `cargo xtask test` boots: 6.1 (no tcx: the legacy TC hook, as on every
+    /// kernel before 6.6) and 6.12 (tcx), running `agent` (the debug agent the integration
+    /// tests ran, so the suite builds the agent once). `--full` boots every guest with the
+    /// release agent.
+    /// The differential test runs 4 of its 12 rounds in each guest: a round's program and
+    /// probe loads cost most of its time under emulation, and the 12,000 packets still reach
+    /// every verdict (the test asserts it).
+    pub fn ci(agent: PathBuf) -> Self {
+        Self {
+            guests: vec![Guest::V6_1, Guest::V6_12],
+            agent: Some(agent),
+            diff_rounds: Some(4),
+            ..Self::all()
+        }
+    }
+
+    /// The guests to boot, in order.
+    fn selected(&self) -> Vec<Guest> {
+        let every = self.guests.is_empty() && self.kernels.is_empty();
+        Guest::ALL
+            .into_iter()
+            .filter(|guest| {
+                every || self.guests.contains(guest) || self.kernels.contains(&guest.kernel())
+            })
+            .collect()
+    }
+
+    /// The kernels those guests need.
+    fn selected_kernels(&self) -> Vec<Kernel> {
+        let mut kernels: Vec<Kernel> = self.selected().iter().map(|g| g.kernel()).collect();
+        kernels.dedup();
+        kernels
+    }
+
+    /// The names of the guests to boot: `6.1`, `6.12-tc`.
+    pub fn guest_names(&self) -> Vec<String> {
+        self.selected().into_iter().map(Guest::name).collect()
     }
 }
 
@@ -182,9 +260,21 @@ struct Report {
     log: PathBuf,
 }
 
+/// Installs the host packages and fetches the selected guests' kernels (cached): what
+/// `cargo xtask test` does in the background while it builds and tests.
+pub fn prefetch(options: &Options) -> Result<()> {
+    setup::ensure_packages(PACKAGES).context("vm-test: host packages")?;
+    let work = util::target_dir(&util::workspace_root()?).join("vm");
+    for kernel in options.selected_kernels() {
+        fetch_kernel(&work, kernel, options.refresh)
+            .with_context(|| format!("fetching the {} kernel", kernel.series()))?;
+    }
+    Ok(())
+}
+
 pub fn run(options: Options) -> Result<()> {
-    let agent = match options.agent {
-        Some(agent) => agent,
+    let agent = match &options.agent {
+        Some(agent) => agent.clone(),
         // Sets up what building needs, then builds the release agent the guests run.
         None => build::build(false)?.agent,
     };
@@ -192,33 +282,58 @@ pub fn run(options: Options) -> Result<()> {
     let differential = build_differential().context("building the differential test")?;
     let root = util::workspace_root()?;
     let work = util::target_dir(&root).join("vm");
-    let mut kernels: Vec<Kernel> = if options.kernels.is_empty() {
-        Kernel::ALL.to_vec()
-    } else {
-        options.kernels.clone()
-    };
-    kernels.sort();
-    kernels.dedup();
 
-    let mut reports = Vec::new();
-    for kernel in kernels {
+    let mut images = BTreeMap::new();
+    for kernel in options.selected_kernels() {
         let unpacked = fetch_kernel(&work, kernel, options.refresh)
             .with_context(|| format!("fetching the {} kernel", kernel.series()))?;
         let image = build_image(&work, kernel, &unpacked, &agent, &differential)
             .with_context(|| format!("building the {} guest image", kernel.series()))?;
-        for &attach in kernel.attach_modes() {
-            let name = guest_name(kernel, attach);
-            eprintln!("==> vm-test {name}");
-            let report = boot(&work, kernel, attach, &unpacked, &image, options.timeout)
-                .with_context(|| format!("booting {name}"))?;
-            eprintln!(
-                "==> vm-test {name}: {} in {:.1}s (console: {})",
-                if report.passed { "PASS" } else { "FAIL" },
-                report.wall_seconds,
-                report.log.display()
-            );
-            reports.push(report);
+        images.insert(kernel, (unpacked, image));
+    }
+    let guests = options.selected();
+    let jobs = options
+        .jobs
+        .unwrap_or_else(|| thread::available_parallelism().map_or(1, |n| n.get()))
+        .clamp(1, guests.len().max(1));
+    // Each guest has one virtual CPU, and TCG runs it on one host thread: `jobs` guests side
+    // by side, each taking the next guest from the queue.
+    let queue = Mutex::new(guests.iter().copied().enumerate());
+    let results = Mutex::new(Vec::new());
+    thread::scope(|scope| {
+        for _ in 0..jobs {
+            scope.spawn(|| loop {
+                let next = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
+                let Some((at, guest)) = next else { break };
+                let name = guest.name();
+                let result = match images.get(&guest.kernel()) {
+                    Some((unpacked, image)) => {
+                        eprintln!("==> vm-test {name}");
+                        boot(&work, guest, unpacked, image, &options)
+                            .with_context(|| format!("booting {name}"))
+                    }
+                    None => Err(anyhow::anyhow!("no image was built for {name}")),
+                };
+                if let Ok(report) = &result {
+                    eprintln!(
+                        "==> vm-test {name}: {} in {:.1}s (console: {})",
+                        if report.passed { "PASS" } else { "FAIL" },
+                        report.wall_seconds,
+                        report.log.display()
+                    );
+                }
+                results
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push((at, result));
+            });
         }
+    });
+    let mut results = results.into_inner().unwrap_or_else(PoisonError::into_inner);
+    results.sort_by_key(|(at, _)| *at);
+    let mut reports = Vec::new();
+    for (_, result) in results {
+        reports.push(result?);
     }
     let table = table(&reports);
     println!("{table}");
@@ -515,24 +630,23 @@ fn build_image(
             .arg(&empty),
     )?;
 
-    let mut programs = vec![(agent.to_path_buf(), "wgfence".to_owned())];
+    let mut libraries = BTreeSet::new();
     for name in GUEST_PROGRAMS {
         let path = util::find_program(name).with_context(|| format!("{name} not found"))?;
-        programs.push((path, (*name).to_owned()));
+        copy(&path, &root.join("usr/bin").join(name))?;
+        libraries.extend(shared_libraries(&path)?);
     }
-    let mut libraries = BTreeSet::new();
-    for (path, name) in &programs {
-        copy(path, &root.join("usr/bin").join(name))?;
-        libraries.extend(shared_libraries(path)?);
+    // Our binaries without their debug information (the debug agent and the test binary:
+    // about a tenth of their size): the image stays small.
+    for (binary, name) in [(agent, "wgfence"), (differential, "differential")] {
+        util::run(
+            Command::new("objcopy")
+                .arg("--strip-debug")
+                .arg(binary)
+                .arg(root.join("usr/bin").join(name)),
+        )?;
+        libraries.extend(shared_libraries(binary)?);
     }
-    // The test binary without its debug information (84 MB -> a tenth): the image stays small.
-    util::run(
-        Command::new("objcopy")
-            .arg("--strip-debug")
-            .arg(differential)
-            .arg(root.join("usr/bin/differential")),
-    )?;
-    libraries.extend(shared_libraries(differential)?);
     for lib in &libraries {
         let relative = lib.strip_prefix("/").unwrap_or(lib);
         copy(lib, &root.join(relative))?;
@@ -733,9 +847,9 @@ fn module_name(path: &str) -> &str {
 }
 
 /// Kills the guest when dropped: no qemu outlives the host side, whatever way it ends.
-struct Guest(Child);
+struct Qemu(Child);
 
-impl Drop for Guest {
+impl Drop for Qemu {
     fn drop(&mut self) {
         if matches!(self.0.try_wait(), Ok(None)) {
             let _ = self.0.kill();
@@ -754,18 +868,21 @@ fn guest_name(kernel: Kernel, attach: Option<&str>) -> String {
 
 fn boot(
     work: &Path,
-    kernel: Kernel,
-    attach: Option<&str>,
+    guest: Guest,
     unpacked: &Unpacked,
     image: &Path,
-    timeout: u64,
+    options: &Options,
 ) -> Result<Report> {
-    let name = guest_name(kernel, attach);
+    let (attach, timeout) = (guest.attach(), options.timeout);
+    let name = guest.name();
     let log_path = work.join(format!("console-{name}.log"));
     let mut append = String::from("console=ttyS0 quiet panic=-1 rdinit=/init");
     if let Some(attach) = attach {
         // Read by conformance.sh, which passes it to `wgfence run --attach`.
         let _ = write!(append, " wgfence.attach={attach}");
+    }
+    if let Some(rounds) = options.diff_rounds {
+        let _ = write!(append, " wgfence.diff_rounds={rounds}");
     }
     let mut log = fs::File::create(&log_path)
         .with_context(|| format!("cannot create {}", log_path.display()))?;
@@ -792,7 +909,7 @@ fn boot(
     let mut child = cmd.spawn().context("cannot start qemu")?;
     let stdout = child.stdout.take().context("qemu has no stdout")?;
     let stderr = child.stderr.take().context("qemu has no stderr")?;
-    let mut guest = Guest(child);
+    let mut qemu = Qemu(child);
     let (tx, rx) = mpsc::channel::<String>();
     let tx2 = tx.clone();
     let readers = [
@@ -815,7 +932,7 @@ fn boot(
                 let _ = writeln!(log, "{line}");
                 // The console may prefix a line with terminal escapes.
                 if let Some(at) = line.find("VMTEST") {
-                    eprintln!("  {}", &line[at..]);
+                    eprintln!("  [{name}] {}", &line[at..]);
                     report.parse(&line[at..]);
                 }
             }
@@ -829,9 +946,9 @@ fn boot(
     }
     if timed_out {
         eprintln!("vm-test {name}: no verdict within {timeout}s, killing qemu");
-        let _ = guest.0.kill();
+        let _ = qemu.0.kill();
     }
-    let status = guest.0.wait().context("waiting for qemu")?;
+    let status = qemu.0.wait().context("waiting for qemu")?;
     for reader in readers {
         let _ = reader.join();
     }

@@ -16,6 +16,9 @@ AGENT_PID=
 # The hook the agent is told to use (`--attach`), from the kernel command line
 # (`wgfence.attach=tc`); the agent's default (auto) otherwise.
 ATTACH=$(sed -n 's/.*wgfence\.attach=\([a-z]*\).*/\1/p' /proc/cmdline)
+# The differential test's rounds (generated states; each loads the program anew, which costs
+# most of its time under emulation), from `wgfence.diff_rounds=N`; the test's default otherwise.
+DIFF_ROUNDS=$(sed -n 's/.*wgfence\.diff_rounds=\([0-9]*\).*/\1/p' /proc/cmdline)
 
 # Debian's busybox runs its own applets before anything in PATH (also through nsenter and
 # timeout): the full iproute2, iputils and coreutils programs are called by their paths.
@@ -93,7 +96,8 @@ last_wg_updates() {
 # reference model, under BPF_PROG_TEST_RUN (fewer packets than on the host: emulation) --------
 run_differential() {
     t0=$(now_ms)
-    WGFENCE_DIFF_PACKETS=12000 differential --test-threads=1 --nocapture --exact \
+    WGFENCE_DIFF_PACKETS=12000 WGFENCE_DIFF_ROUNDS=${DIFF_ROUNDS:-12} \
+        differential --test-threads=1 --nocapture --exact \
         both_variants_decide_like_the_reference_model >/tmp/differential.out 2>&1
     diff_rc=$?
     summary=$(sed -n 's/.*differential (\([a-z0-9]*\) variant): seed [0-9]*, \([0-9]* packets\) in.*/\1 \2/p' \

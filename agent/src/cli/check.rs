@@ -5,17 +5,19 @@ use std::{fmt, path::PathBuf, process::ExitCode};
 use anyhow::Result;
 use wgfence::state::{self, DesiredState};
 
-use super::read_state;
+use super::{read_state, StateArgs};
 
 #[derive(Debug, clap::Args)]
 pub struct Check {
     #[arg(long, short)]
     state: PathBuf,
+    #[command(flatten)]
+    read: StateArgs,
 }
 
 impl Check {
     pub fn execute(self) -> Result<ExitCode> {
-        match state::parse(&read_state(&self.state)?) {
+        match state::parse(&read_state(&self.state, self.read)?) {
             Ok(desired) => {
                 print!("{}", Valid::new(&self.state, &desired));
                 Ok(ExitCode::SUCCESS)

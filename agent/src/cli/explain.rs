@@ -18,7 +18,7 @@ use wgfence::{
 };
 use wgfence_common::{PROTO_ICMP, PROTO_TCP, PROTO_UDP};
 
-use super::{print_json, read_state, state_path, Target};
+use super::{print_json, read_state, state_path, StateArgs, Target};
 
 #[derive(Debug, clap::Args)]
 pub struct Explain {
@@ -29,6 +29,8 @@ pub struct Explain {
     /// State file to compare with and name rules by (default: the running agent's).
     #[arg(long, short)]
     state: Option<PathBuf>,
+    #[command(flatten)]
+    read: StateArgs,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -70,7 +72,10 @@ impl Explain {
     pub fn execute(self) -> Result<ExitCode> {
         let Target { interface, bpffs } = &self.target;
         let path = state_path(interface, self.state.as_deref());
-        let text = path.as_deref().map(read_state).transpose()?;
+        let text = path
+            .as_deref()
+            .map(|p| read_state(p, self.read))
+            .transpose()?;
         let desired = match (&path, &text) {
             (Some(path), Some(text)) => Some(parse_unchecked(path, text)?),
             _ => None,

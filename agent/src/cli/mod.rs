@@ -20,6 +20,7 @@ use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use wgfence::{
     dataplane::DEFAULT_BPFFS,
+    input::{self, DEFAULT_MAX_STATE_BYTES},
     settings::DatapathSettings,
     state::{self, DesiredState},
     status::AgentStatus,
@@ -161,13 +162,28 @@ impl DatapathArgs {
     }
 }
 
-fn read_state(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+/// How a command reads a state file (every command that reads one takes these).
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct StateArgs {
+    /// The largest state file read, in bytes: a larger one (or one that grows past it while
+    /// it is read) is refused before it is read, and `run` keeps the last good state. The
+    /// default is the maps' 131,072 peers at 2 KiB each.
+    #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_MAX_STATE_BYTES,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_state_bytes: u64,
+}
+
+/// Reads the state file at `path` as text: a regular file (opened without blocking, see
+/// [`wgfence::input`]) of at most `args.max_state_bytes`.
+fn read_state(path: &Path, args: StateArgs) -> Result<String> {
+    let bytes = input::read(path, args.max_state_bytes)
+        .with_context(|| format!("reading the state file {}", path.display()))?;
+    String::from_utf8(bytes).with_context(|| format!("{}: not UTF-8", path.display()))
 }
 
 /// Reads and validates the state file at `path`; its errors are named after it.
-fn parse_state(path: &Path) -> Result<DesiredState> {
-    state::parse(&read_state(path)?).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+fn parse_state(path: &Path, args: StateArgs) -> Result<DesiredState> {
+    state::parse(&read_state(path, args)?).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
 
 /// The state file a command compares with: `--state`, else the running agent's.

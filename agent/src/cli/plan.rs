@@ -5,7 +5,7 @@ use std::{path::PathBuf, process::ExitCode};
 use anyhow::{bail, Result};
 use wgfence::reconcile::preview;
 
-use super::{check::Notes, parse_state, DatapathArgs, Target};
+use super::{check::Notes, parse_state, DatapathArgs, StateArgs, Target};
 
 #[derive(Debug, clap::Args)]
 pub struct Plan {
@@ -14,6 +14,8 @@ pub struct Plan {
     /// The state file to compare with what is enforced.
     #[arg(long, short)]
     state: PathBuf,
+    #[command(flatten)]
+    read: StateArgs,
     /// `run`'s datapath settings, to compare with the kernel's settings entry.
     #[command(flatten)]
     datapath: DatapathArgs,
@@ -21,7 +23,7 @@ pub struct Plan {
 
 impl Plan {
     pub fn execute(self) -> Result<ExitCode> {
-        let desired = parse_state(&self.state)?;
+        let desired = parse_state(&self.state, self.read)?;
         print!("{}", Notes(&desired));
         let Target { interface, bpffs } = &self.target;
         let preview = preview(bpffs, interface, &desired, &self.datapath.settings())?;

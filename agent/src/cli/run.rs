@@ -10,7 +10,7 @@ use wgfence::{
     source::kubernetes::SecretRef,
 };
 
-use super::{DatapathArgs, Target};
+use super::{DatapathArgs, StateArgs, Target};
 
 #[derive(Debug, clap::Args)]
 pub struct Run {
@@ -39,6 +39,8 @@ pub struct Run {
     /// `--source kubernetes`: a kubeconfig file, instead of the pod's service account.
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
+    #[command(flatten)]
+    read: StateArgs,
     /// Serve /metrics, /healthz and /readyz here (use 0.0.0.0:9586 to expose beyond the node).
     #[arg(long, default_value = "127.0.0.1:9586")]
     metrics_addr: SocketAddr,
@@ -129,6 +131,7 @@ impl Run {
             settings: self.datapath.settings(),
             hook: self.attach.into(),
             allow_insecure_state: self.allow_insecure_state,
+            max_state_bytes: self.read.max_state_bytes,
         })
         .with_context(|| format!("wgfence run on {interface}"))?;
         Ok(ExitCode::SUCCESS)

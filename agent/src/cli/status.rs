@@ -9,7 +9,7 @@ use wgfence::{
     status::{report, rules},
 };
 
-use super::{parse_state, print_json, state_path, Target};
+use super::{parse_state, print_json, state_path, StateArgs, Target};
 
 #[derive(Debug, clap::Args)]
 pub struct Status {
@@ -21,6 +21,8 @@ pub struct Status {
     /// State file to name peers by (default: the running agent's).
     #[arg(long, short)]
     state: Option<PathBuf>,
+    #[command(flatten)]
+    read: StateArgs,
     /// List the rules of the applied policies with their hit counters instead: those with
     /// no hit since `--since` (default: none ever), to prune.
     #[arg(long)]
@@ -36,7 +38,12 @@ impl Status {
             return self.unused_rules();
         }
         let Target { interface, bpffs } = &self.target;
-        let report = report::report(bpffs, interface, self.state.as_deref())?;
+        let report = report::report(
+            bpffs,
+            interface,
+            self.state.as_deref(),
+            self.read.max_state_bytes,
+        )?;
         if self.json {
             print_json(&report)?;
         } else {
@@ -57,7 +64,7 @@ impl Status {
         let Target { interface, bpffs } = &self.target;
         let path = state_path(interface, self.state.as_deref())
             .context("no state file to read the rules from: pass --state (no agent runs here)")?;
-        let desired = parse_state(&path)?;
+        let desired = parse_state(&path, self.read)?;
         let unused = rules::unused_rules(bpffs, interface, &desired, since)?;
         if self.json {
             print_json(&unused)?;

@@ -5,7 +5,7 @@ use std::{path::PathBuf, process::ExitCode};
 use anyhow::{bail, Context as _, Result};
 use wgfence::{reconcile::read_pinned, verify::Verification};
 
-use super::{parse_state, print_json, state_path, Target};
+use super::{parse_state, print_json, state_path, StateArgs, Target};
 
 #[derive(Debug, clap::Args)]
 pub struct Verify {
@@ -14,6 +14,8 @@ pub struct Verify {
     /// State file to compare with (default: the running agent's).
     #[arg(long, short)]
     state: Option<PathBuf>,
+    #[command(flatten)]
+    read: StateArgs,
     /// Machine-readable output: a JSON array of {entry, what}.
     #[arg(long)]
     json: bool,
@@ -25,7 +27,7 @@ impl Verify {
         let Some(path) = state_path(interface, self.state.as_deref()) else {
             bail!("no state file: pass --state (no agent runs on {interface} here)");
         };
-        let desired = parse_state(&path)?;
+        let desired = parse_state(&path, self.read)?;
         let (actual, _) = read_pinned(bpffs, interface)
             .with_context(|| format!("reading the pinned maps and the peers of {interface}"))?;
         let verification = Verification::of(&desired, &actual, &path);

@@ -1022,7 +1022,10 @@ mod tests {
         let mut from_file = Pipeline::new();
         let mut read_from_file = |text: &str, pipeline: &mut Pipeline| {
             std::fs::write(&path, text).unwrap();
-            let opened = crate::source::StateFile::new(&path, false).open().unwrap();
+            let opened =
+                crate::source::StateFile::new(&path, false, crate::input::DEFAULT_MAX_STATE_BYTES)
+                    .open()
+                    .unwrap();
             assert!(opened.len() > 256 * 1024, "a file of several pieces");
             let fingerprint = from_file.fingerprint(&opened).unwrap();
             let changes = from_file.update_from(&opened, fingerprint, None).unwrap();

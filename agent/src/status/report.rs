@@ -159,14 +159,20 @@ pub enum ReportError {
     Dataplane(#[from] crate::dataplane::DataplaneError),
 }
 
-/// Peer names by address, from `state`, else from the running agent's state file; empty when
-/// neither can be read (names are a convenience: reports and events carry addresses anyway).
-pub fn peer_names(state: Option<&Path>, agent: Option<&AgentStatus>) -> BTreeMap<IpAddr, String> {
+/// Peer names by address, from `state`, else from the running agent's state file (read as
+/// every state file is, [`crate::input`], at most `max_bytes`); empty when neither can be read
+/// (names are a convenience: reports and events carry addresses anyway).
+pub fn peer_names(
+    state: Option<&Path>,
+    agent: Option<&AgentStatus>,
+    max_bytes: u64,
+) -> BTreeMap<IpAddr, String> {
     state
         .map(Path::to_path_buf)
         .or_else(|| agent.map(|a| a.state_file.clone()))
         .filter(|p| !p.as_os_str().is_empty())
-        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|p| crate::input::read(&p, max_bytes).ok())
+        .and_then(|bytes| String::from_utf8(bytes).ok())
         .and_then(|text| crate::state::parse(&text).ok())
         .map(|desired| {
             desired
@@ -178,14 +184,20 @@ pub fn peer_names(state: Option<&Path>, agent: Option<&AgentStatus>) -> BTreeMap
         .unwrap_or_default()
 }
 
-/// Collects the report. `state` (else the agent's state file) names the peers.
-pub fn report(bpffs: &Path, interface: &str, state: Option<&Path>) -> Result<Report, ReportError> {
+/// Collects the report. `state` (else the agent's state file, at most `max_state_bytes`) names
+/// the peers.
+pub fn report(
+    bpffs: &Path,
+    interface: &str,
+    state: Option<&Path>,
+    max_state_bytes: u64,
+) -> Result<Report, ReportError> {
     let (dir, running) = pinned_layout(bpffs, interface)?;
     let variant = Dataplane::running_variant(bpffs, interface)?;
     let maps = Dataplane::open_maps(bpffs, interface)?;
     let hooks = Hooks::read(bpffs, interface)?;
     let agent = AgentStatus::read(interface).ok();
-    let names = peer_names(state, agent.as_ref());
+    let names = peer_names(state, agent.as_ref(), max_state_bytes);
     let peers = PeerTable::read(&maps, &names)?;
     let counters = maps.counters()?;
     let by_reason = |pass: bool| -> BTreeMap<String, u64> {

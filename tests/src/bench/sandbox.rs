@@ -147,7 +147,7 @@ impl Target {
         let path = std::env::temp_dir().join(format!("wgfence-bench-{}.json", std::process::id()));
         std::fs::write(&path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let t = Instant::now();
-        let file = StateFile::new(&path, false)
+        let file = StateFile::new(&path, false, wgfence::input::DEFAULT_MAX_STATE_BYTES)
             .open()
             .expect("the state file just written");
         let fingerprint = pipeline.fingerprint(&file).expect("reading the state file");
