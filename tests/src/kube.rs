@@ -1,5 +1,5 @@
 //! A real Kubernetes API server for a test: etcd and kube-apiserver v1.20.2 (built from
-//! Debian's source package by `cargo xtask setup`, at [`KUBE_APISERVER`]), started in the
+//! Debian's source package by `cargo xtask kube-apiserver`, at [`KUBE_APISERVER`]), started in the
 //! gateway's node namespace, where the agent runs as a hostNetwork pod would. Each test has its
 //! own namespace, so the fixed loopback ports never collide between tests run in parallel; each
 //! has its own temporary directory with its own PKI (made with openssl), token file and etcd
@@ -34,7 +34,7 @@ use kube::{
 
 use crate::net::{unique, Netns};
 
-/// Where `cargo xtask setup` installs the API server (xtask/k8s/install-kube-apiserver.sh).
+/// Where `cargo xtask kube-apiserver` installs the API server (xtask/k8s/install-kube-apiserver.sh).
 pub const KUBE_APISERVER: &str = "/opt/k8s-test/bin/kube-apiserver";
 /// The API server's address inside the node namespace.
 pub const API: &str = "127.0.0.1:6443";
@@ -114,7 +114,7 @@ impl ApiServer {
     pub fn start(node: &Netns) -> Self {
         assert!(
             Path::new(KUBE_APISERVER).is_file(),
-            "no kube-apiserver at {KUBE_APISERVER}: `cargo xtask setup` builds it (about 4 \
+            "no kube-apiserver at {KUBE_APISERVER}: `cargo xtask kube-apiserver` (and `cargo xtask test`) builds it (about 4 \
              minutes, once; xtask/k8s/install-kube-apiserver.sh)"
         );
         let dir = std::env::temp_dir().join(unique("wgfence-kube-"));

@@ -3,7 +3,7 @@
 # package, for the Kubernetes source's integration tests (tests/src/kube.rs). No registry ships a
 # kube-apiserver here and the Go module proxy is unreachable; the source package vendors every Go
 # dependency. About 4 minutes and 1.5 GB of build cache (removed) the first time; a check of the
-# installed binary's version afterwards. `cargo xtask setup` runs it.
+# installed binary's version afterwards. `cargo xtask kube-apiserver` runs it (`cargo xtask test` too).
 set -euo pipefail
 PREFIX=${PREFIX:-/opt/k8s-test}
 BIN=$PREFIX/bin/kube-apiserver

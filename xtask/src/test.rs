@@ -1,5 +1,7 @@
 //! `cargo xtask test`: what CI runs. Set up, check formatting, lint, run the unit tests, a short
-//! fuzz run, the privileged integration tests (root: network namespaces, BPF, wireguard-go),
+//! fuzz run, the privileged integration tests (root: network namespaces, BPF, wireguard-go; the
+//! older agents' builds, the kube-apiserver build and the fuzz runs beside them at idle
+//! priority),
 //! then `vm-test` on two guests: Debian's 6.1 (the legacy TC hook) and 6.12 (tcx), booted side
 //! by side under qemu with the debug agent the integration tests ran (the agent is built
 //! once). The guests' kernels are fetched in the background meanwhile.
@@ -107,7 +109,17 @@ fn steps(options: &Options, t: &Timings) -> Result<()> {
             setup::Bpffs::IfRoot
         } else {
             setup::Bpffs::Require
-        })
+        })?;
+        if options.unit {
+            return Ok(());
+        }
+        // What the VM guests and the Kubernetes source's tests need from Debian, in one go
+        // here: the background jobs below then never wait on apt's lock for it.
+        let mut wanted = setup::KUBE_TEST_PACKAGES.to_vec();
+        if !options.no_vm {
+            wanted.extend_from_slice(vm::PACKAGES);
+        }
+        setup::ensure_packages(&wanted)
     })?;
     // The guests' kernels come from the archive: fetched while the host builds and tests.
     let vm_options = (!options.unit && !options.no_vm).then(|| {
@@ -212,10 +224,10 @@ fn steps(options: &Options, t: &Timings) -> Result<()> {
         t.step("build the integration tests", || {
             util::run(integration(&[]).args(["--no-run"]))
         })?;
-        // The upgrade tests' older agents and the fuzz runs need only spare CPU: they run at
-        // idle priority beside the integration tests, which wait on namespaces, sessions and
-        // packets much of the time. The older agents come first: the upgrade tests, run last,
-        // wait for them.
+        // The upgrade tests' older agents, the Kubernetes source's API server and the fuzz
+        // runs need only spare CPU: they run at idle priority beside the integration tests,
+        // which wait on namespaces, sessions and packets much of the time. The first come
+        // first: the tests that need them run last and wait for them.
         let mut jobs: Vec<Job> = oldagent::ALL
             .iter()
             .map(|agent| Job {
@@ -223,23 +235,35 @@ fn steps(options: &Options, t: &Timings) -> Result<()> {
                 args: vec![format!("v{}-agent", agent.layout)],
             })
             .collect();
+        jobs.push(Job {
+            name: "kube-apiserver (Kubernetes source tests)".to_owned(),
+            args: vec!["kube-apiserver".to_owned()],
+        });
+        let first = jobs.len();
         if !options.no_fuzz {
             // A run of each target from the committed corpus: a regression in the parser or
             // the planner that the corpus reaches fails here.
+            // Without AddressSanitizer in the CI suite: the targets' code is safe Rust, and the
+            // sanitizer's build and runtime cost most of the step. `--full` fuzzes under it.
             jobs.extend(fuzz::TARGETS.iter().map(|target| {
+                let seconds = fuzz_seconds.to_string();
+                let mut args: Vec<String> = ["fuzz", target, "--seconds", &seconds]
+                    .map(str::to_owned)
+                    .to_vec();
+                if !full {
+                    args.push("--no-sanitizer".to_owned());
+                }
                 Job {
                     name: format!("fuzz {target}"),
-                    args: ["fuzz", target, "--seconds", &fuzz_seconds.to_string()]
-                        .map(str::to_owned)
-                        .to_vec(),
+                    args,
                 }
             }));
         }
-        let background = Background::start(&root, jobs, oldagent::ALL.len())?;
+        let background = Background::start(&root, jobs, first)?;
         let files = integration_files(&root)?;
-        let (upgrade, others): (Vec<_>, Vec<_>) = files
+        let (late, others): (Vec<_>, Vec<_>) = files
             .iter()
-            .partition(|name| name.as_str() == UPGRADE_TESTS);
+            .partition(|name| LATE_TESTS.contains(&name.as_str()));
         let result = t.step("integration tests", || {
             // With the library's and the binaries' own tests.
             let mut cmd = integration(&others);
@@ -251,23 +275,26 @@ fn steps(options: &Options, t: &Timings) -> Result<()> {
         });
         let result = result.and_then(|()| {
             let waited = Instant::now();
-            let old = background.wait_first(t);
+            let ready = background.wait_first(t);
             t.record(
-                "waiting for the older agents",
+                "waiting for the older agents and the API server",
                 waited.elapsed().as_secs_f64(),
-                old.is_ok(),
+                ready.is_ok(),
             );
-            old?;
-            t.step("integration tests: upgrade", || {
-                let mut cmd = integration(&upgrade);
-                for agent in oldagent::ALL {
-                    cmd.env(agent.env, agent.binary(&root));
-                }
-                if !options.test_args.is_empty() {
-                    cmd.arg("--").args(&options.test_args);
-                }
-                t.cargo_test(&mut cmd)
-            })
+            ready?;
+            t.step(
+                &format!("integration tests: {}", LATE_TESTS.join(", ")),
+                || {
+                    let mut cmd = integration(&late);
+                    for agent in oldagent::ALL {
+                        cmd.env(agent.env, agent.binary(&root));
+                    }
+                    if !options.test_args.is_empty() {
+                        cmd.arg("--").args(&options.test_args);
+                    }
+                    t.cargo_test(&mut cmd)
+                },
+            )
         });
         let waited = Instant::now();
         let rest = background.finish(t, result.is_err());
@@ -298,8 +325,9 @@ fn steps(options: &Options, t: &Timings) -> Result<()> {
     Ok(())
 }
 
-/// The integration test file that needs the older agents; run after the others.
-const UPGRADE_TESTS: &str = "upgrade";
+/// The integration test files that need what the first background jobs make (the older
+/// agents, the API server); run after the others.
+const LATE_TESTS: [&str; 2] = ["kubernetes", "upgrade"];
 
 /// The integration test files: tests/tests/<name>.rs.
 fn integration_files(root: &Path) -> Result<Vec<String>> {
@@ -314,8 +342,11 @@ fn integration_files(root: &Path) -> Result<Vec<String>> {
         }
     }
     names.sort();
-    if !names.iter().any(|name| name == UPGRADE_TESTS) {
-        bail!("no {UPGRADE_TESTS}.rs in {}", dir.display());
+    if let Some(missing) = LATE_TESTS
+        .iter()
+        .find(|late| !names.iter().any(|n| n == *late))
+    {
+        bail!("no {missing}.rs in {}", dir.display());
     }
     Ok(names)
 }
