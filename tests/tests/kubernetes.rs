@@ -37,6 +37,15 @@ fn api_with_secret(gw: &Gateway, initial: &str) -> (ApiServer, String) {
     (api, rv)
 }
 
+/// An API server holding `state` in the Secret, and an agent that has applied it (that
+/// resourceVersion).
+fn enforcing(gw: &Gateway, state: &str) -> (ApiServer, Agent, String) {
+    let (api, rv) = api_with_secret(gw, state);
+    let agent = start_agent(gw, &api);
+    wait_applied(&agent, gw, &rv, Duration::from_secs(20));
+    (api, agent, rv)
+}
+
 fn start_agent(gw: &Gateway, api: &ApiServer) -> Agent {
     Agent::start_kubernetes(
         gw,
@@ -103,9 +112,7 @@ fn last_echo_after(gw: &Gateway, i: usize, act: impl FnOnce() -> SystemTime) -> 
 fn a_secret_patch_that_removes_a_peer_stops_its_traffic_within_a_second() {
     let gw = Gateway::new(2);
     let both = state(vec![gw.peer_json(0, None), gw.peer_json(1, None)]);
-    let (api, rv) = api_with_secret(&gw, &both);
-    let agent = start_agent(&gw, &api);
-    wait_applied(&agent, &gw, &rv, Duration::from_secs(20));
+    let (api, agent, _) = enforcing(&gw, &both);
     assert_eq!(
         probe(&gw.peers[1].ns, Kind::Ping, ip("10.1.2.3")),
         Reach::Reached
@@ -153,9 +160,7 @@ fn an_invalid_secret_is_rejected_whole_and_the_last_good_state_stays() {
         gw.peer_json(0, Some(icmp_only())),
         gw.peer_json(1, None),
     ]);
-    let (api, rv) = api_with_secret(&gw, &good);
-    let agent = start_agent(&gw, &api);
-    wait_applied(&agent, &gw, &rv, Duration::from_secs(20));
+    let (api, agent, _) = enforcing(&gw, &good);
 
     // Peer 1 removed and peer 0 opened up, with one invalid rule: nothing of it may apply.
     let mut bad = json!({ "version": 1, "peers": [gw.peer_json(0, None)] });
@@ -221,9 +226,7 @@ fn a_deleted_secret_keeps_the_last_good_state_and_says_so() {
         gw.peer_json(0, Some(icmp_only())),
         gw.peer_json(1, None),
     ]);
-    let (api, rv) = api_with_secret(&gw, &good);
-    let agent = start_agent(&gw, &api);
-    wait_applied(&agent, &gw, &rv, Duration::from_secs(20));
+    let (api, agent, _) = enforcing(&gw, &good);
     assert_eq!(agent.metric(&gw, "wgfence_source_object_missing"), 0.0);
 
     api.delete_secret(NS, SECRET);
@@ -267,9 +270,7 @@ fn an_api_server_restart_loses_no_enforcement_and_the_next_change_applies_within
         gw.peer_json(0, Some(icmp_only())),
         gw.peer_json(1, None),
     ]);
-    let (mut api, rv) = api_with_secret(&gw, &good);
-    let agent = start_agent(&gw, &api);
-    wait_applied(&agent, &gw, &rv, Duration::from_secs(20));
+    let (mut api, agent, _) = enforcing(&gw, &good);
     let errors = agent.metric(&gw, "wgfence_source_errors_total");
 
     api.kill_apiserver();
@@ -328,9 +329,7 @@ fn a_410_gone_lists_again_and_converges() {
         gw.peer_json(0, Some(icmp_only())),
         gw.peer_json(1, None),
     ]);
-    let (mut api, rv) = api_with_secret(&gw, &good);
-    let agent = start_agent(&gw, &api);
-    wait_applied(&agent, &gw, &rv, Duration::from_secs(20));
+    let (mut api, agent, _) = enforcing(&gw, &good);
     // Writes the agent's watch (one object, by name) never sees.
     for i in 0..5 {
         api.create_secret(NS, &format!("unrelated-{i}"), "{}");
@@ -371,9 +370,7 @@ fn a_network_cut_converges_on_the_last_write_without_a_gap() {
         gw.peer_json(1, None),
         gw.peer_json(2, None),
     ]);
-    let (api, rv) = api_with_secret(&gw, &all);
-    let agent = start_agent(&gw, &api);
-    wait_applied(&agent, &gw, &rv, Duration::from_secs(20));
+    let (api, agent, _) = enforcing(&gw, &all);
 
     api.cut_agent(true);
     let cut = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -444,9 +441,7 @@ fn an_agent_restarted_while_the_api_is_down_keeps_enforcing_what_is_pinned() {
         gw.peer_json(0, Some(icmp_only())),
         gw.peer_json(1, None),
     ]);
-    let (mut api, rv) = api_with_secret(&gw, &good);
-    let mut agent = start_agent(&gw, &api);
-    wait_applied(&agent, &gw, &rv, Duration::from_secs(20));
+    let (mut api, mut agent, rv) = enforcing(&gw, &good);
     agent.stop();
     api.kill_apiserver();
 
