@@ -259,8 +259,9 @@ fn steps(options: &Options, t: &Timings) -> Result<()> {
                 }
             }));
         }
-        let background = Background::start(&root, jobs, first)?;
+        // Before the jobs start: an error here must not leave them running.
         let files = integration_files(&root)?;
+        let background = Background::start(&root, jobs, first)?;
         let (late, others): (Vec<_>, Vec<_>) = files
             .iter()
             .partition(|name| LATE_TESTS.contains(&name.as_str()));
@@ -464,8 +465,14 @@ impl Background {
 }
 
 impl Drop for Background {
+    /// Left without `finish` (an early error, a panic): the running job's group is killed and
+    /// the thread joined, so no build or fuzzer outlives the test runner.
     fn drop(&mut self) {
         self.cancel.store(true, Ordering::Relaxed);
+        kill_group(JOB_GROUP.load(Ordering::SeqCst));
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }
 
