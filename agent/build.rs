@@ -106,6 +106,15 @@ fn build() -> Result<(), String> {
     std::fs::copy(&object, &embedded)
         .map_err(|e| format!("cannot copy {}: {e}", object.display()))?;
     println!("cargo:rustc-env=WGFENCE_BPF_OBJECT={}", embedded.display());
+    // The tick counter the agent runs to learn the kernel's tick rate: embedded too.
+    let tick = target_dir.join(TARGET).join("release").join("tick");
+    let tick_embedded = out_dir.join("tick.bpf.o");
+    std::fs::copy(&tick, &tick_embedded)
+        .map_err(|e| format!("cannot copy {}: {e}", tick.display()))?;
+    println!(
+        "cargo:rustc-env=WGFENCE_TICK_OBJECT={}",
+        tick_embedded.display()
+    );
     // The bench's floor programs: only their path is passed on (nothing embeds them).
     let floor = target_dir.join(TARGET).join("release").join("floor");
     let floor_copy = out_dir.join("floor.bpf.o");

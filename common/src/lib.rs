@@ -431,12 +431,19 @@ impl Config {
     }
 }
 
-/// Per-CPU state of the drop event rate limiter (a token bucket counted in nanoseconds).
+/// Per-CPU state of the drop event rate limiter: a token bucket counted in nanoseconds of
+/// credit, refilled from `jiffies` (no clock read for a refused event).
+///
+/// Until layout 3's agents of 2026-12-04, the second field held the CLOCK_MONOTONIC time of
+/// the last refill (`last_ns`); a map pinned by such an agent still shows that name in
+/// `bpftool map dump`, and the first refill after the program is replaced reads it as a jiffy
+/// count far away, which only grants one burst.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct EventBucket {
     pub credit_ns: u64,
-    pub last_ns: u64,
+    /// `jiffies` at the last refill.
+    pub last_jiffies: u64,
 }
 
 /// [`DropEvent::flags`]: `src_port` and `dst_port` hold the packet's ports.

@@ -316,3 +316,28 @@ fn a_flood_yields_at_most_the_configured_event_rate() {
     let limited = counters.get(wgfence_common::Counter::EventRateLimited);
     assert!(limited > 0 && limited + counters.get(wgfence_common::Counter::EventSent) >= sent);
 }
+
+/// The limiter refills from `jiffies`, so the agent must know how long a jiffy is: what it
+/// measures is a rate Linux is built with, and the kernel's own `CONFIG_HZ` where the kernel
+/// says it (`/proc/config.gz`, or `/boot/config-RELEASE`).
+#[test]
+fn the_agent_measures_the_kernel_tick_rate() {
+    wgfence_tests::require_root();
+    let hz = wgfence::dataplane::tick::measure_hz()
+        .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
+    assert!([100, 250, 300, 1000].contains(&hz), "{hz} Hz");
+    let config = Command::new("sh")
+        .args([
+            "-c",
+            "zcat /proc/config.gz 2>/dev/null || cat /boot/config-$(uname -r) 2>/dev/null",
+        ])
+        .output()
+        .expect("running sh");
+    let configured = String::from_utf8_lossy(&config.stdout)
+        .lines()
+        .find_map(|line| line.strip_prefix("CONFIG_HZ=")?.trim().parse::<u32>().ok());
+    match configured {
+        Some(configured) => assert_eq!(hz, configured, "measured against CONFIG_HZ"),
+        None => eprintln!("the kernel's config is not readable here; measured {hz} Hz"),
+    }
+}

@@ -150,6 +150,13 @@ pub enum DataplaneError {
     UpgradeThroughLayout2 { pin_dir: PathBuf },
     #[error("BPF_PROG_TEST_RUN")]
     TestRun(#[source] io::Error),
+    #[error(
+        "the kernel's tick counter moved {ticks} in {elapsed:?}: no tick rate Linux is built with"
+    )]
+    TickRate {
+        ticks: u32,
+        elapsed: std::time::Duration,
+    },
 }
 
 pub type Result<T, E = DataplaneError> = std::result::Result<T, E>;

@@ -30,6 +30,7 @@ mod maps;
 mod sys;
 pub mod tc;
 mod test_run;
+pub mod tick;
 mod upgrade;
 
 use std::{
@@ -1234,6 +1235,7 @@ fn load_object(
         .collect();
     let mut loader = EbpfLoader::new();
     loader.override_global(AYA_LOG_LEVEL, &log_level, false);
+    loader.override_global(tick::JIFFY_NS_GLOBAL, tick::jiffy_ns(), true);
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
     }

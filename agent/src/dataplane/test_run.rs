@@ -83,6 +83,7 @@ impl TestProgram {
     ) -> Result<Self> {
         let mut ebpf = loader
             .override_global("AYA_LOG_LEVEL", &0u8, false)
+            .override_global(super::tick::JIFFY_NS_GLOBAL, super::tick::jiffy_ns(), true)
             .load(OBJECT)?;
         let maps = Maps::from_ebpf(&mut ebpf)?;
         for program in programs {
