@@ -290,6 +290,12 @@ pub(crate) fn answer(
     match protocol {
         PROTO_TCP if ports.known => {
             let flags = tcp_flags(ctx, l4)?;
+            // A segment that opens a connection (SYN without ACK) answers none: the peer's
+            // side of a connection the network opened starts with its SYN-ACK. So a flood of
+            // the peer's own SYNs to denied places (a scan) costs no flow lookup.
+            if tcp_opens(flags) {
+                return None;
+            }
             Some(Answer::Flow {
                 peer_port: ports.src,
                 remote_port: ports.dst,

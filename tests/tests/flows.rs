@@ -166,6 +166,14 @@ fn replies_to_flows_the_network_started_pass_for_both_families() {
             &Packet::new(peer, node, icmp, 0).icmp(echo_reply, 78),
             Counter::DropPolicy,
         );
+        // A SYN without ACK opens a connection, on the flow's very ports too: no answer.
+        from_peer(
+            &mut p,
+            &Packet::new(peer, node, TCP, 51000)
+                .src_port(22)
+                .tcp_flags(TCP_SYN),
+            Counter::DropPolicy,
+        );
         // An echo request is not a reply, even with the flow's identifier.
         from_peer(
             &mut p,
