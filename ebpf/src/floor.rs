@@ -6,7 +6,10 @@
 //! - [`floor_lookup`]: the source address looked up in a hash map with the key and value sizes
 //!   of `wgf3_peers_v4`;
 //! - [`floor_lpm`]: that lookup, then the destination in an LPM trie with the key and value
-//!   sizes of `wgf3_policy_v4`.
+//!   sizes of `wgf3_policy_v4`;
+//! - [`floor_mim`]: that lookup, then the destination in a trie of the peer's policy alone,
+//!   found by policy id in a hash of maps: the floor of a layout with one trie per distinct
+//!   policy, which the bench measures beside today's one shared trie (issue 29).
 //!
 //! Packets are read directly (no helper); a short packet is dropped.
 #![no_std]
@@ -15,7 +18,7 @@
 use core::mem::size_of;
 
 use aya_ebpf::{
-    btf_maps::{lpm_trie::Key, HashMap, LpmTrie},
+    btf_maps::{lpm_trie::Key, HashMap, HashOfMaps, LpmTrie},
     macros::{btf_map, classifier},
     programs::TcContext,
 };
@@ -31,6 +34,13 @@ static PEERS: HashMap<PeerKeyV4, PeerEntry, { MAX_PEERS as usize }> = HashMap::n
 
 #[btf_map(name = "floor_policy")]
 static POLICY: LpmTrie<PolicyKeyV4, PolicyValue, { MAX_POLICY_ENTRIES as usize }> = LpmTrie::new();
+
+/// One policy's trie: destination prefixes only, no policy id in the key.
+pub type PolicyTrieV4 = LpmTrie<[u8; 4], PolicyValue, { MAX_POLICY_ENTRIES as usize }>;
+
+/// Policy id -> that policy's trie.
+#[btf_map(name = "floor_pol_of")]
+static POLICY_OF: HashOfMaps<u32, PolicyTrieV4, { MAX_PEERS as usize }> = HashOfMaps::new();
 
 /// The first 20 bytes of the packet (an IPv4 header without options).
 #[inline(always)]
@@ -91,6 +101,28 @@ pub fn floor_lpm(ctx: TcContext) -> i32 {
         },
     );
     match POLICY.get(&key) {
+        Some(_) => TCX_NEXT,
+        None => TCX_DROP,
+    }
+}
+
+#[classifier]
+pub fn floor_mim(ctx: TcContext) -> i32 {
+    let Some(ip) = head(&ctx) else {
+        return TCX_DROP;
+    };
+    // SAFETY: the value is copied out at once.
+    let Some(peer) = (unsafe {
+        PEERS.get(&PeerKeyV4 {
+            addr: addr(&ip, 12),
+        })
+    })
+    .copied() else {
+        return TCX_DROP;
+    };
+    let key = Key::new(32, addr(&ip, 16));
+    // SAFETY: the value is not kept past the lookup.
+    match unsafe { POLICY_OF.get_value(&peer.policy, &key) } {
         Some(_) => TCX_NEXT,
         None => TCX_DROP,
     }

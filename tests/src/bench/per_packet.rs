@@ -1,32 +1,34 @@
 //! The per-packet scenario of `cargo xtask bench`: wgfence's per-packet paths beside floor programs the bench
 //! loads itself (`ebpf/src/floor.rs`: an empty classifier, one hash lookup with the key and
 //! value sizes of `wgf3_peers_v4`, that lookup plus one LPM lookup with the key and value sizes
-//! of `wgf3_policy_v4`), with the same entries in their maps, on the same raw IPv4 packets,
+//! of `wgf3_policy_v4`, and that lookup plus a trie of the peer's policy alone behind a hash of
+//! maps), with the same entries in their maps, on the same raw IPv4 packets,
 //! under `BPF_PROG_TEST_RUN`, in one run: reported as ratios. Then one peer's packets on two
 //! CPUs at once against two peers' packets.
 
 use std::{
+    collections::BTreeMap,
     net::IpAddr,
     os::fd::{AsFd as _, BorrowedFd},
     time::Duration,
 };
 
 use aya::{
-    maps::{lpm_trie::Key, HashMap, LpmTrie},
+    maps::{lpm_trie::Key, HashMap, HashOfMaps, LpmTrie, MapData},
     programs::SchedClassifier,
     Ebpf, EbpfLoader,
 };
 use ipnet::IpNet;
 use serde_json::json;
 use wgfence::{
-    dataplane::{test_run, TestProgram, FLOOR_OBJECT_PATH},
+    dataplane::{test_run, PolicyEntry, TestProgram, FLOOR_OBJECT_PATH},
     policy::CompiledPolicy,
     settings::online_cpus,
     state::DesiredState,
 };
 use wgfence_common::{
-    PeerEntry, PeerKeyV4, PolicyKeyV4, PolicyValue, POLICY_ID_BITS, PROTO_ICMP, PROTO_TCP,
-    PROTO_UDP, VARIANT_L3,
+    PeerEntry, PeerKeyV4, PolicyKeyV4, PolicyValue, MAX_POLICY_ENTRIES, POLICY_ID_BITS, PROTO_ICMP,
+    PROTO_TCP, PROTO_UDP, VARIANT_L3,
 };
 
 use super::{
@@ -47,6 +49,7 @@ const ROUNDS: usize = 5;
 const EMPTY: &str = "floor_empty";
 const LOOKUP: &str = "floor_lookup";
 const LPM: &str = "floor_lpm";
+const MIM: &str = "floor_mim";
 
 /// The floor programs, loaded, with maps holding what wgfence's IPv4 maps hold.
 pub struct Floor {
@@ -90,7 +93,8 @@ impl Floor {
                 }
             }
         }
-        for name in [EMPTY, LOOKUP, LPM] {
+        fill_per_policy_tries(&mut ebpf, &maps.policies().unwrap());
+        for name in [EMPTY, LOOKUP, LPM, MIM] {
             let program: &mut SchedClassifier = ebpf
                 .program_mut(name)
                 .unwrap_or_else(|| panic!("no {name}"))
@@ -112,6 +116,30 @@ impl Floor {
             .fd()
             .unwrap_or_else(|e| panic!("{name}: {e}"))
             .as_fd()
+    }
+}
+
+/// `BPF_F_NO_PREALLOC`, which the kernel requires of LPM tries.
+const BPF_F_NO_PREALLOC: u32 = 1;
+
+/// The floor of a layout with one trie per distinct policy: each policy's IPv4 entries in a
+/// trie of its own (keyed by destination alone), published in `floor_pol_of` under its id.
+fn fill_per_policy_tries(ebpf: &mut Ebpf, entries: &[PolicyEntry]) {
+    let mut tries: BTreeMap<u32, LpmTrie<MapData, [u8; 4], PolicyValue>> = BTreeMap::new();
+    for e in entries {
+        let IpNet::V4(n) = e.prefix else { continue };
+        let trie = tries.entry(e.policy).or_insert_with(|| {
+            LpmTrie::create(MAX_POLICY_ENTRIES, BPF_F_NO_PREALLOC).expect("creating a policy trie")
+        });
+        let key = Key::new(u32::from(n.prefix_len()), n.network().octets());
+        trie.insert(&key, e.value, 0).expect("a policy trie");
+    }
+    let map = ebpf.map_mut("floor_pol_of").expect("no floor_pol_of");
+    let mut outer: HashOfMaps<_, u32, LpmTrie<MapData, [u8; 4], PolicyValue>> =
+        HashOfMaps::try_from(map).expect("floor_pol_of");
+    for (policy, trie) in tries {
+        // The outer map holds the trie from here on; this process's descriptor closes.
+        outer.insert(policy, &trie, 0).expect("floor_pol_of");
     }
 }
 
@@ -147,7 +175,10 @@ pub struct Packets {
     pub unknown: Vec<u8>,
     pub unrestricted: Vec<u8>,
     pub allowed: Vec<u8>,
+    /// A TCP SYN the policy denies.
     pub denied: Vec<u8>,
+    /// A UDP datagram the policy denies (with replies on it looks for a flow it answers).
+    pub denied_udp: Vec<u8>,
     /// A packet of another unrestricted peer (another counter slot).
     pub other_unrestricted: Vec<u8>,
 }
@@ -195,6 +226,18 @@ fn cases(p: &Packets) -> Vec<Case> {
             LPM,
             &p.denied,
         ),
+        floor(
+            "floor: lookup + the policy's own trie (map in map), allowed packet",
+            "floor_mim_allowed",
+            MIM,
+            &p.allowed,
+        ),
+        floor(
+            "floor: lookup + the policy's own trie (map in map), denied packet",
+            "floor_mim_denied",
+            MIM,
+            &p.denied,
+        ),
         wg(
             "unrestricted peer (pass)",
             "unrestricted",
@@ -214,7 +257,7 @@ fn cases(p: &Packets) -> Vec<Case> {
             (3, 1.25),
         ),
         wg(
-            "restricted, denied (replies and events off)",
+            "restricted, denied TCP SYN (replies and events off)",
             "denied_off",
             false,
             0,
@@ -223,11 +266,20 @@ fn cases(p: &Packets) -> Vec<Case> {
             (4, 1.25),
         ),
         wg(
-            "restricted, denied (replies and events on)",
+            "restricted, denied TCP SYN (replies and events on)",
             "denied_on",
             true,
             1000,
             &p.denied,
+            false,
+            (4, 1.5),
+        ),
+        wg(
+            "restricted, denied UDP (replies and events on)",
+            "denied_udp_on",
+            true,
+            1000,
+            &p.denied_udp,
             false,
             (4, 1.5),
         ),
@@ -349,8 +401,13 @@ fn compare(report: &mut Report, command: &str, states: &[(usize, DesiredState, P
              loads itself (`ebpf/src/floor.rs`, never loaded by the agent): an empty \
              classifier; one hash lookup with the key and value sizes and the entries of \
              `wgf3_peers_v4`; that lookup plus one LPM lookup with the key and value sizes and \
-             the entries of `wgf3_policy_v4`. Each wgfence path is divided by the floor that \
-             does its essential work on the same packet (a hit or a miss). Every figure \
+             the entries of `wgf3_policy_v4`; that lookup plus one lookup in a trie that holds \
+             only the peer's own policy's IPv4 entries, found by policy id in a hash of maps \
+             (the floor of a layout with one trie per distinct policy, which the datapath does \
+             not have yet: measured to see whether it is flat in N). Each wgfence path is \
+             divided by the floor that does its essential work on the same packet (a hit or a \
+             miss) in today's layout. A denied TCP SYN answers no flow, so it skips the reply \
+             lookup that a denied UDP datagram makes when replies are on. Every figure \
              includes the harness's own per-run cost (the empty classifier's row), which the \
              ratios do not subtract. Packets from the last peer of each kind; events on means \
              the agent's default 1,000/s node-wide, so a steady stream of drops is rate-limited. \
@@ -462,6 +519,7 @@ pub fn run(report: &mut Report, config: &Config) {
                 unrestricted: frame("unrestricted"),
                 allowed: frame("allowed"),
                 denied: frame("denied"),
+                denied_udp: frame("denied_udp"),
                 other_unrestricted: other,
             };
             (n, desired, packets)
@@ -512,6 +570,11 @@ fn test_packets(desired: &DesiredState) -> Vec<(&'static str, Vec<u8>, bool)> {
         .find(|d| !policy.permits(*d, PROTO_TCP, Some(1)))
         .map(|d| Packet::new(&src, &d.to_string(), TCP, 1).frame())
         .expect("no denied destination found");
+    let denied_udp = (0..10_000)
+        .map(|_| gen::destination(&mut rng, false))
+        .find(|d| !policy.permits(*d, PROTO_UDP, Some(1)))
+        .map(|d| Packet::new(&src, &d.to_string(), UDP, 1).frame())
+        .expect("no denied UDP destination found");
     let open_src = unrestricted.address.unwrap().to_string();
     vec![
         // The cheapest verdict (one hash lookup that misses): the floor of the harness.
@@ -527,5 +590,6 @@ fn test_packets(desired: &DesiredState) -> Vec<(&'static str, Vec<u8>, bool)> {
         ),
         ("allowed", allowed, true),
         ("denied", denied, false),
+        ("denied_udp", denied_udp, false),
     ]
 }
