@@ -116,6 +116,21 @@ pub fn peer(i: usize, pool: &[Value], rng: &mut Rng) -> Value {
     p
 }
 
+/// A generated state of `n` peers in which every restricted peer has a policy of its own (2
+/// to 16 rules drawn afresh): the policy mix that costs the agent the most memory.
+pub fn state_own_policies(n: usize, seed: u64) -> Value {
+    let mut rng = Rng::new(seed);
+    let peers: Vec<Value> = (0..n)
+        .map(|i| {
+            let own = [Value::Array(
+                (0..2 + rng.below(15)).map(|_| rule(&mut rng)).collect(),
+            )];
+            peer(i, &own, &mut rng)
+        })
+        .collect();
+    json!({ "version": 1, "peers": peers })
+}
+
 /// A generated state of `n` peers, as JSON.
 pub fn state(n: usize, seed: u64) -> Value {
     let mut rng = Rng::new(seed);

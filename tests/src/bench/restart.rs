@@ -55,16 +55,49 @@ fn rss_over_pushes(agent: &Agent, gw: &Gateway, state: &mut Value, pushes: usize
     (rss_kib(pid), status_kib(pid, "VmHWM:"))
 }
 
+/// Which policies the generated peers have.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mix {
+    /// A pool of N/100 policies that restricted peers share (what most gateways have).
+    Shared,
+    /// A policy of its own for every restricted peer.
+    OwnPolicy,
+}
+
+impl Mix {
+    fn label(self) -> &'static str {
+        match self {
+            Mix::Shared => "shared (N/100)",
+            Mix::OwnPolicy => "one per peer",
+        }
+    }
+
+    fn state(self, n: usize) -> Value {
+        match self {
+            Mix::Shared => gen::state(n, 6),
+            Mix::OwnPolicy => gen::state_own_policies(n, 6),
+        }
+    }
+}
+
 pub fn run(report: &mut Report, config: &Config) {
     // wireguard-go holds at most 65,536 peers: 60k is the largest N it can run.
     let sizes = config.sizes(&[1_000, 10_000, 60_000], &[10_000]);
     let pushes = if config.quick { 5 } else { 20 };
     let mut rows = Vec::new();
     let mut records = Vec::new();
-    for &n in &sizes {
-        progress(&format!("agent restart and memory, N={n}"));
+    // Every size with shared policies, and the largest again with a policy per peer.
+    let mut runs: Vec<(usize, Mix)> = sizes.iter().map(|&n| (n, Mix::Shared)).collect();
+    if let Some(&largest) = sizes.last() {
+        runs.push((largest, Mix::OwnPolicy));
+    }
+    for (n, mix) in runs {
+        progress(&format!(
+            "agent restart and memory, N={n}, policies {}",
+            mix.label()
+        ));
         let gw = Gateway::new(1);
-        let mut state = gen::state(n, 6);
+        let mut state = mix.state(n);
         if let Some(peers) = state["peers"].as_array_mut() {
             peers.push(gw.peer_json(0, None));
         }
@@ -117,9 +150,11 @@ pub fn run(report: &mut Report, config: &Config) {
         let writes = agent.metric(&gw, "wgfence_bpf_map_writes_total");
         let (tx, rx) = ping_totals(vec![ping]);
         let (steady, peak) = rss_over_pushes(&agent, &gw, &mut state, pushes);
+        let anon = agent.pid().map_or(0, |pid| status_kib(pid, "RssAnon:"));
         let file_kib = text.len() as u64 / 1024;
         rows.push(vec![
             n.to_string(),
+            mix.label().to_owned(),
             f(first_ready.as_secs_f64(), 1),
             f(ready_after.as_secs_f64(), 2),
             writes.to_string(),
@@ -128,13 +163,14 @@ pub fn run(report: &mut Report, config: &Config) {
             f(rss_first as f64 / 1024.0, 0),
             f(rss_restart as f64 / 1024.0, 0),
             f(steady as f64 / 1024.0, 0),
+            f(anon as f64 / 1024.0, 0),
             f(peak as f64 / 1024.0, 0),
             f(file_kib as f64 / 1024.0, 1),
         ]);
-        records.push(json!({ "peers": n, "first_ready_s": first_ready.as_secs_f64(), "restart_ready_s": ready_after.as_secs_f64(),
+        records.push(json!({ "peers": n, "own_policies": mix == Mix::OwnPolicy, "first_ready_s": first_ready.as_secs_f64(), "restart_ready_s": ready_after.as_secs_f64(),
             "restart_map_writes": writes, "transmitted": tx, "lost": tx - rx, "rss_mib": rss_first as f64 / 1024.0,
             "rss_after_restart_mib": rss_restart as f64 / 1024.0,
-            "rss_steady_mib": steady as f64 / 1024.0, "rss_peak_mib": peak as f64 / 1024.0,
+              "rss_steady_mib": steady as f64 / 1024.0, "rss_steady_anon_mib": anon as f64 / 1024.0, "rss_peak_mib": peak as f64 / 1024.0,
             "state_file_mib": file_kib as f64 / 1024.0, "attach_s": attach_s,
             "after_attach_s": load_s }));
         drop(agent);
@@ -147,7 +183,9 @@ pub fn run(report: &mut Report, config: &Config) {
              60k rather than 100k: wireguard-go holds at most 65,536 peers), \
              which pings the node every 10 ms while the agent is SIGKILLed and restarted; then \
              {pushes} single-peer pushes, each applied before the next, with the RSS after them \
-             (steady) and its peak during them (VmHWM, reset first). 100k and 131,072 peers need \
+             (steady; of it, RssAnon: the heap and stacks, not the binary's pages) and its \
+             peak during them (VmHWM, reset first). Restricted peers share a pool of N/100 \
+             policies, and at the largest N also have a policy each. 100k and 131,072 peers need \
              a WireGuard device that holds them: not measured. \
              \"first start\" includes adding every peer to wireguard-go; \"ready after restart\" \
              is from the restart to `/readyz` answering 200 (adopting the pins, reading maps and \
@@ -159,6 +197,7 @@ pub fn run(report: &mut Report, config: &Config) {
     report.table(
         &[
             "peers",
+            "policies",
             "first start to ready (s)",
             "ready after restart (s)",
             "map writes after restart",
@@ -167,17 +206,19 @@ pub fn run(report: &mut Report, config: &Config) {
             "RSS (MiB)",
             "RSS after restart (MiB)",
             "steady RSS over pushes (MiB)",
+            "of it anonymous (MiB)",
             "peak RSS over pushes (MiB)",
             "state file (MiB)",
         ],
         &rows,
     );
-    let at = |n: usize, k: &str| {
+    let at_mix = |n: usize, own: bool, k: &str| {
         records
             .iter()
-            .find(|r| r["peers"] == n)
+            .find(|r| r["peers"] == n && r["own_policies"] == own)
             .and_then(|r| r[k].as_f64())
     };
+    let at = |n: usize, k: &str| at_mix(n, false, k);
     if let Some(ready) = at(60_000, "restart_ready_s") {
         let secs = |n: usize, k: &str| at(n, k).map_or("n/a".to_owned(), |s| format!("{s:.2} s"));
         let line = format!(
@@ -212,6 +253,23 @@ pub fn run(report: &mut Report, config: &Config) {
             verdict(steady <= 48.0),
             steady + 2.0 * file,
             verdict(peak <= steady + 2.0 * file),
+        );
+        report.paragraph(&format!("Goal {line}"));
+        goal(&line);
+    }
+    if let (Some(steady), Some(shared)) = (
+        at_mix(60_000, true, "rss_steady_mib"),
+        at(60_000, "rss_steady_mib"),
+    ) {
+        // Restricted peers: two in three; shared policies: one per 100 peers.
+        let extra_policies = (60_000.0 * 2.0 / 3.0 - 600.0_f64).max(1.0);
+        let line = format!(
+            "agent RSS at 60k with a policy per restricted peer, steady ≤ 48 MiB: {} (steady \
+             {steady:.0} MiB, {:.1} KiB more per extra policy than with shared ones). The \
+             agent keeps each distinct policy's rules and its compiled entries, in the \
+             accepted state and in its view of the kernel.",
+            verdict(steady <= 48.0),
+            (steady - shared) * 1024.0 / extra_policies,
         );
         report.paragraph(&format!("Goal {line}"));
         goal(&line);
