@@ -7,6 +7,7 @@
 #[cfg(any(test, feature = "testing"))]
 pub mod edits;
 mod pipeline;
+pub mod policy_test;
 mod scan;
 mod splice;
 mod tree;
@@ -27,8 +28,10 @@ use ipnet::IpNet;
 #[cfg(any(test, feature = "testing"))]
 use serde_json::{Map, Value};
 
-pub use crate::explain::assertions::{self, PolicyTest};
 use crate::policy::{compile, CompiledPolicy, PolicyError, PortRange, Protocol, Rule};
+/// The policy tests' syntax under its earlier name (`wgfence::state::assertions::failed`).
+pub use policy_test as assertions;
+pub use policy_test::PolicyTest;
 
 /// The schema version this agent reads.
 pub const SCHEMA_VERSION: u64 = 1;
@@ -264,7 +267,7 @@ impl DesiredState {
         let peers: Vec<Value> = self.peers.iter().map(PeerSpec::to_json).collect();
         let mut state = serde_json::json!({ "version": SCHEMA_VERSION, "replies": self.replies, "peers": peers });
         if !self.tests.is_empty() {
-            state["tests"] = self.tests.iter().map(assertions::to_json).collect();
+            state["tests"] = self.tests.iter().map(policy_test::to_json).collect();
         }
         state.to_string()
     }
@@ -445,7 +448,7 @@ pub fn parse(text: &str) -> Result<DesiredState, StateError> {
     if state.tests.is_empty() {
         return Ok(state);
     }
-    let errors = assertions::failures(&state, text);
+    let errors = crate::explain::assertions::failures(&state, text);
     if errors.is_empty() {
         Ok(state)
     } else {
