@@ -113,11 +113,6 @@ impl Op {
 
 impl fmt::Display for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let policy = |id: u32| match id {
-            UNRESTRICTED => "unrestricted".to_owned(),
-            EMPTY_POLICY => "nothing (\"egress\": [])".to_owned(),
-            id => format!("policy {id}"),
-        };
         match self {
             Op::PutPolicyEntry {
                 policy: id,
@@ -138,32 +133,12 @@ impl fmt::Display for Op {
             Op::PutPeerEntry { peer, addr, entry } => write!(
                 f,
                 "map: put peer {addr} ({peer}) -> {}, slot {}, owner {}",
-                policy(entry.policy),
+                policy_name(entry.policy),
                 entry.slot,
                 entry.owner
             ),
             Op::DeletePeerEntry { addr } => write!(f, "map: delete peer {addr}"),
-            Op::WgPeer(c) => {
-                let verb = if c.create { "add" } else { "update" };
-                write!(f, "wireguard: {verb} peer {} ({})", c.key, c.peer)?;
-                if let Some(ep) = c.endpoint {
-                    write!(f, " endpoint {ep}")?;
-                }
-                match c.preshared_key {
-                    Some(Some(_)) => write!(f, " preshared-key (set)")?,
-                    Some(None) => write!(f, " preshared-key (removed)")?,
-                    None => {}
-                }
-                match c.persistent_keepalive {
-                    Some(Some(s)) => write!(f, " keepalive {s}s")?,
-                    Some(None) => write!(f, " keepalive off")?,
-                    None => {}
-                }
-                for ip in &c.add_allowed_ips {
-                    write!(f, " +allowed-ip {ip}")?;
-                }
-                Ok(())
-            }
+            Op::WgPeer(change) => fmt_wg_change(f, change),
             Op::RemoveWgPeer { key } => write!(f, "wireguard: remove peer {key}"),
             Op::DeletePolicyEntry { policy: id, prefix } => {
                 write!(f, "map: delete policy {id} {prefix}")
@@ -171,22 +146,7 @@ impl fmt::Display for Op {
             Op::PutSettings {
                 config,
                 replies_before,
-            } => {
-                let on_off = |b: bool| if b { "on" } else { "off" };
-                write!(
-                    f,
-                    "settings: replies {} -> {}, flow timeouts tcp {}s (closing {}s) udp {}s \
-                     icmp {}s unanswered {}s, {} flows per peer",
-                    replies_before.map_or("unset", on_off),
-                    on_off(config.replies()),
-                    config.tcp_timeout_ns / 1_000_000_000,
-                    config.tcp_closing_timeout_ns / 1_000_000_000,
-                    config.udp_timeout_ns / 1_000_000_000,
-                    config.icmp_timeout_ns / 1_000_000_000,
-                    config.unanswered_timeout_ns / 1_000_000_000,
-                    config.flows_per_peer
-                )
-            }
+            } => fmt_settings(f, config, *replies_before),
             Op::ForgetFlows { addrs } => {
                 write!(f, "flows: forget the reply flows of")?;
                 for addr in addrs {
@@ -197,6 +157,61 @@ impl fmt::Display for Op {
             Op::ForgetAllFlows => write!(f, "flows: forget every reply flow"),
         }
     }
+}
+
+/// How `wgfence plan` names a policy id.
+fn policy_name(id: u32) -> String {
+    match id {
+        UNRESTRICTED => "unrestricted".to_owned(),
+        EMPTY_POLICY => "nothing (\"egress\": [])".to_owned(),
+        id => format!("policy {id}"),
+    }
+}
+
+/// A WireGuard change as `wgfence plan` prints it: only what it changes.
+fn fmt_wg_change(f: &mut fmt::Formatter<'_>, c: &WgPeerChange) -> fmt::Result {
+    let verb = if c.create { "add" } else { "update" };
+    write!(f, "wireguard: {verb} peer {} ({})", c.key, c.peer)?;
+    if let Some(ep) = c.endpoint {
+        write!(f, " endpoint {ep}")?;
+    }
+    match c.preshared_key {
+        Some(Some(_)) => write!(f, " preshared-key (set)")?,
+        Some(None) => write!(f, " preshared-key (removed)")?,
+        None => {}
+    }
+    match c.persistent_keepalive {
+        Some(Some(s)) => write!(f, " keepalive {s}s")?,
+        Some(None) => write!(f, " keepalive off")?,
+        None => {}
+    }
+    for ip in &c.add_allowed_ips {
+        write!(f, " +allowed-ip {ip}")?;
+    }
+    Ok(())
+}
+
+/// The settings entry as `wgfence plan` prints it: the replies switch from what the kernel has
+/// (`replies_before`), the flow timeouts in seconds and the flow quota.
+fn fmt_settings(
+    f: &mut fmt::Formatter<'_>,
+    config: &Config,
+    replies_before: Option<bool>,
+) -> fmt::Result {
+    let on_off = |b: bool| if b { "on" } else { "off" };
+    write!(
+        f,
+        "settings: replies {} -> {}, flow timeouts tcp {}s (closing {}s) udp {}s \
+         icmp {}s unanswered {}s, {} flows per peer",
+        replies_before.map_or("unset", on_off),
+        on_off(config.replies()),
+        config.tcp_timeout_ns / 1_000_000_000,
+        config.tcp_closing_timeout_ns / 1_000_000_000,
+        config.udp_timeout_ns / 1_000_000_000,
+        config.icmp_timeout_ns / 1_000_000_000,
+        config.unanswered_timeout_ns / 1_000_000_000,
+        config.flows_per_peer
+    )
 }
 
 /// The ordered operations that take the kernel from `actual` to `desired`.
