@@ -170,6 +170,15 @@ impl AttachOptions {
         self.bpffs = bpffs.into();
         self
     }
+
+    /// The aya-log level the datapath is loaded with: debug with `datapath_debug`, else off.
+    fn log_level(&self) -> u8 {
+        if self.datapath_debug {
+            LOG_LEVEL_DEBUG
+        } else {
+            0
+        }
+    }
 }
 
 /// How the program came to be on the interface.
@@ -251,6 +260,40 @@ impl std::fmt::Display for Repair {
             }
         }
     }
+}
+
+/// What an attach holds before anything in the kernel changes: the interface's device and the
+/// hook chosen on it, and its pin directory, locked.
+struct Claim {
+    ifindex: u32,
+    kind: HookKind,
+    pin_dir: PathBuf,
+    lock: PinDirLock,
+    /// The agent's clsact qdisc is on the device (marked, or left by an interrupted detach).
+    added_qdisc: bool,
+}
+
+/// Claims the interface for this agent: bpffs mounted, the hook chosen, the pin directory
+/// locked (another agent on this interface is an error), and an interrupted detach finished.
+fn claim(options: &AttachOptions, hooks: &[Hook; 2]) -> Result<Claim> {
+    let interface = options.interface.as_str();
+    ensure_bpffs(&options.bpffs)?;
+    let (ifindex, kind) = choose_hook(interface, options.hook, hooks)?;
+    let pin_dir = pin_dir(&options.bpffs, interface);
+    // Before anything in the kernel changes: another agent on this interface is an error.
+    let lock = lock_pin_dir(&pin_dir)?;
+    // An interrupted detach left its links attached under another name: finish it first,
+    // or its program would stay in the chain beside ours. Its filters (tc) are at the
+    // agent's place: taken over below.
+    let added_qdisc = remove_detaching(&options.bpffs, interface)?.added_qdisc
+        || pin_dir.join(tc::QDISC_MARKER).is_dir();
+    Ok(Claim {
+        ifindex,
+        kind,
+        pin_dir,
+        lock,
+        added_qdisc,
+    })
 }
 
 /// Where [`Dataplane::check`] found the pin directory this agent locked.
@@ -335,24 +378,12 @@ impl Dataplane {
         let started = Instant::now();
         let variant = iface::variant(interface)?;
         let hooks = hooks(&variant);
-        ensure_bpffs(&options.bpffs)?;
-        let (ifindex, kind) = choose_hook(interface, options.hook, &hooks)?;
-        let pin_dir = pin_dir(&options.bpffs, interface);
-        // Before anything in the kernel changes: another agent on this interface is an error.
-        let lock = lock_pin_dir(&pin_dir)?;
-        // An interrupted detach left its links attached under another name: finish it first,
-        // or its program would stay in the chain beside ours. Its filters (tc) are at the
-        // agent's place: taken over below.
-        let added_qdisc = remove_detaching(&options.bpffs, interface)?.added_qdisc
-            || pin_dir.join(tc::QDISC_MARKER).is_dir();
+        let claim = claim(options, &hooks)?;
+        let (ifindex, kind, pin_dir) = (claim.ifindex, claim.kind, claim.pin_dir);
         // Links that run an older layout's programs: fill the new maps from the old ones
         // before the switch (see `upgrade`). Decided before the loader creates anything.
         let mut upgrade = prepare_upgrade(&pin_dir, &hooks, ifindex)?;
-        let log_level = if options.datapath_debug {
-            LOG_LEVEL_DEBUG
-        } else {
-            0
-        };
+        let log_level = options.log_level();
         let prelude = started.elapsed();
         let (mut ebpf, mut maps, map_pins, object) = load_object(&pin_dir, log_level, started)?;
         let maps_opened = started.elapsed();
@@ -364,7 +395,7 @@ impl Dataplane {
         if let Some(upgrade) = upgrade.as_mut() {
             fill_and_mark(upgrade, &pin_dir, &hooks, &mut ebpf, &mut adopted)?;
         }
-        let added_qdisc = mark_hook(kind, interface, &pin_dir, added_qdisc)?;
+        let added_qdisc = mark_hook(kind, interface, &pin_dir, claim.added_qdisc)?;
         let switch = Instant::now();
         let (ingress_attachment, links) = Switch {
             kind,
@@ -412,7 +443,7 @@ impl Dataplane {
             retired: Vec::new(),
             hook: kind,
             added_qdisc,
-            lock: Some(lock),
+            lock: Some(claim.lock),
             detached: false,
             unpinned: None,
             ifindex,
