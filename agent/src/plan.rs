@@ -39,20 +39,21 @@
 //! keeps that id, so an unchanged state — in any order — plans nothing. Changing a peer's
 //! rules writes a new policy, switches the peer in one update, then deletes the old entries:
 //! a packet sees the old policy or the new one, never a mix.
-
 //!
 //! Where each part lives (a file per step, named for what it does):
 //!
 //! - `plan/scope.rs`: the entry points, [`plan`] (everything) and [`plan_update`] /
 //!   [`plan_changes`] (only the peers that changed);
-//! - `plan/planner.rs`: one plan in the making, and the steps run in the order above;
+//! - `plan/planner.rs`: one plan in the making (its scope: every peer, or the changes), the
+//!   steps run in the order above, and the lead of a plan that failed;
 //! - `plan/revocations.rs`: steps 1 and 2; `plan/policy_gc.rs`: steps 3 and 8;
 //!   `plan/policy_ids.rs`: step 4 and content addressing; `plan/slots.rs` and
 //!   `plan/entries.rs`: steps 5 and 7 (counter slots, then the address entries and their
 //!   writes); `plan/wireguard.rs`: step 6;
 //! - `plan/settled.rs`: a full plan sets aside the peers the kernel has as asked;
 //! - `plan/settings.rs`: the settings entry; `plan/unplanned.rs`: a plan without room;
-//! - `plan/op.rs`: the operations and the plan; `plan/actual.rs`, `plan/index.rs`,
+//! - `plan/op.rs`: the operations and the plan; `plan/actual.rs` (with the maps of
+//!   `actual_maps.rs` and the device of `plan/device.rs`), `plan/index.rs`,
 //!   `plan/free_ids.rs` and `plan/rule_space.rs`: the kernel as read, with the indexes that
 //!   make a plan cost what changed; `plan/apply.rs`: what an operation does to it;
 //! - `plan/invariants.rs` (test support) and `plan/tests/`: what a plan must guarantee, and
@@ -60,6 +61,7 @@
 
 mod actual;
 mod apply;
+mod device;
 mod entries;
 mod free_ids;
 mod index;
@@ -80,9 +82,13 @@ mod tests;
 mod unplanned;
 mod wireguard;
 
-pub use actual::{Actual, ActualMaps, ActualWg, AllowedIps, WgPeer};
+pub use actual::Actual;
+pub use device::{ActualWg, AllowedIps, WgPeer};
+
+pub use crate::actual_maps::ActualMaps;
 pub use op::{lead, Op, Plan, WgPeerChange};
-pub use scope::{plan, plan_changes, plan_update, Changes};
+pub use planner::Changes;
+pub use scope::{plan, plan_changes, plan_update};
 pub use settings::plan_settings;
 pub use unplanned::{PlanError, Unplanned};
 

@@ -9,6 +9,7 @@ pub mod edits;
 mod pipeline;
 pub mod policy_test;
 mod scan;
+pub mod source_map;
 mod splice;
 mod tree;
 mod typed;
@@ -448,7 +449,7 @@ pub fn parse(text: &str) -> Result<DesiredState, StateError> {
     if state.tests.is_empty() {
         return Ok(state);
     }
-    let errors = crate::explain::assertions::failures(&state, text);
+    let errors = policy_test::failures(&state, text);
     if errors.is_empty() {
         Ok(state)
     } else {

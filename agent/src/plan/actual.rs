@@ -1,171 +1,23 @@
-//! The kernel as the planner sees it: the datapath maps and the WireGuard device as read
-//! back ([`ActualMaps`], [`ActualWg`]), and [`Actual`], which holds both with the indexes that
-//! let a change be planned in time proportional to the change ([`super::index`]).
+//! The kernel as the planner sees it ([`Actual`]): the datapath maps and the WireGuard device
+//! as read back ([`ActualMaps`], [`ActualWg`]), with the indexes that let a change be planned
+//! in time proportional to the change ([`super::index`]).
 
-use std::collections::BTreeMap;
-use std::fmt;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 
 use ipnet::IpNet;
-use wgfence_common::{Allow, PeerEntry, MAX_PEERS, NO_RULES, UNRESTRICTED};
+use wgfence_common::{PeerEntry, MAX_PEERS, NO_RULES, UNRESTRICTED};
 
-use super::index::{
-    content_hash, content_of, count_down, count_up, key_tag, tagged, ByFamily, Holders, Index,
+use super::{
+    device::ActualWg,
+    index::{
+        content_hash, content_of, count_down, count_up, key_tag, tagged, ByFamily, Holders, Index,
+    },
 };
-use crate::policy::{CompiledPolicy, NOTHING};
-use crate::state::WgKey;
-
-/// The datapath maps as read back from the kernel.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ActualMaps {
-    pub peers: BTreeMap<IpAddr, PeerEntry>,
-    /// Trie entries grouped by policy id.
-    pub policies: BTreeMap<u32, CompiledPolicy>,
-    /// The owner high-water mark the kernel's settings entry holds ([`Config::owner_high`]).
-    ///
-    /// [`Config::owner_high`]: wgfence_common::Config::owner_high
-    pub owner_high: u64,
-    /// Wall clock minus boot clock in nanoseconds ([`crate::clock`]): how peer windows, given
-    /// in wall-clock time, become the boot-clock bounds of their entries.
-    pub wall_minus_boot_ns: i128,
-}
-
-impl ActualMaps {
-    /// Groups trie entries read from the kernel by policy id.
-    pub fn from_entries(
-        peers: impl IntoIterator<Item = (IpAddr, PeerEntry)>,
-        entries: impl IntoIterator<Item = (u32, IpNet, Vec<Allow>)>,
-    ) -> Self {
-        let mut grouped: BTreeMap<u32, Vec<(IpNet, Vec<Allow>)>> = BTreeMap::new();
-        for (policy, prefix, allows) in entries {
-            grouped.entry(policy).or_default().push((prefix, allows));
-        }
-        Self {
-            peers: peers.into_iter().collect(),
-            policies: grouped
-                .into_iter()
-                .map(|(id, entries)| (id, CompiledPolicy::from_entries(entries)))
-                .collect(),
-            owner_high: 0,
-            wall_minus_boot_ns: 0,
-        }
-    }
-
-    /// The same, with the owner high-water mark of the kernel's settings entry.
-    pub fn with_owner_high(mut self, owner_high: u64) -> Self {
-        self.owner_high = owner_high;
-        self
-    }
-
-    /// The same, with the offset that converts peer windows to the boot clock.
-    pub fn with_wall_minus_boot(mut self, ns: i128) -> Self {
-        self.wall_minus_boot_ns = ns;
-        self
-    }
-}
-
-/// A WireGuard peer's allowed IPs: a set, sorted. Held inline for the one or two a wgfence
-/// peer has (a peer's tunnel addresses), where a `BTreeSet` would allocate a 224-byte node
-/// per peer: at 60,000 peers that was a quarter of the agent's view of the kernel.
-#[derive(Clone, Default, PartialEq, Eq)]
-pub struct AllowedIps(smallvec::SmallVec<[IpNet; 2]>);
-
-impl AllowedIps {
-    /// Adds `ip`; `false` if it was there.
-    pub fn insert(&mut self, ip: IpNet) -> bool {
-        match self.0.binary_search(&ip) {
-            Ok(_) => false,
-            Err(at) => {
-                self.0.insert(at, ip);
-                true
-            }
-        }
-    }
-
-    /// Removes `ip`; `false` if it was not there.
-    pub fn remove(&mut self, ip: &IpNet) -> bool {
-        match self.0.binary_search(ip) {
-            Ok(at) => {
-                self.0.remove(at);
-                true
-            }
-            Err(_) => false,
-        }
-    }
-
-    pub fn contains(&self, ip: &IpNet) -> bool {
-        self.0.binary_search(ip).is_ok()
-    }
-
-    /// In order.
-    pub fn iter(&self) -> std::slice::Iter<'_, IpNet> {
-        self.0.iter()
-    }
-
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-}
-
-impl fmt::Debug for AllowedIps {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_set().entries(self.0.iter()).finish()
-    }
-}
-
-impl Extend<IpNet> for AllowedIps {
-    fn extend<I: IntoIterator<Item = IpNet>>(&mut self, ips: I) {
-        for ip in ips {
-            self.insert(ip);
-        }
-    }
-}
-
-impl FromIterator<IpNet> for AllowedIps {
-    fn from_iter<I: IntoIterator<Item = IpNet>>(ips: I) -> Self {
-        let mut set = Self::default();
-        set.extend(ips);
-        set
-    }
-}
-
-impl IntoIterator for AllowedIps {
-    type Item = IpNet;
-    type IntoIter = smallvec::IntoIter<[IpNet; 2]>;
-
-    fn into_iter(self) -> Self::IntoIter {
-        self.0.into_iter()
-    }
-}
-
-impl<'a> IntoIterator for &'a AllowedIps {
-    type Item = &'a IpNet;
-    type IntoIter = std::slice::Iter<'a, IpNet>;
-
-    fn into_iter(self) -> Self::IntoIter {
-        self.0.iter()
-    }
-}
-
-/// One WireGuard peer as the device reports it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct WgPeer {
-    pub allowed_ips: AllowedIps,
-    pub endpoint: Option<SocketAddr>,
-    /// Boxed: few peers have one ([`PeerSpec::preshared_key`]).
-    pub preshared_key: Option<Box<WgKey>>,
-    pub persistent_keepalive: Option<u16>,
-}
-
-/// The WireGuard device's peers.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ActualWg {
-    pub peers: BTreeMap<WgKey, WgPeer>,
-}
+use crate::{
+    actual_maps::ActualMaps,
+    policy::{CompiledPolicy, NOTHING},
+    state::WgKey,
+};
 
 /// Everything the planner compares with the desired state, with the indexes that let it plan
 /// a change in time proportional to the change (not to the number of peers).

@@ -8,10 +8,11 @@ use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use wgfence_common::{Allow, PeerEntry, NO_RULES, UNRESTRICTED};
 
 use super::{
-    actual::{ActualMaps, ActualWg, WgPeer},
+    device::{ActualWg, WgPeer},
     free_ids::FreeIds,
     rule_space,
 };
+use crate::actual_maps::ActualMaps;
 use crate::policy::{CompiledPolicy, NOTHING};
 use crate::state::WgKey;
 

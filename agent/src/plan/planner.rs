@@ -1,17 +1,45 @@
-//! One plan in the making ([`Planner`]): its scope, what its steps share, and [`Planner::plan`],
-//! which runs the steps in the order the module's documentation gives. Each step is a method
-//! in the file named for it.
+//! One plan in the making ([`Planner`]): its scope ([`Scope`]: every peer, or the [`Changes`]),
+//! what its steps share, [`Planner::plan`], which runs the steps in the order the module's
+//! documentation gives, and [`Planner::failure_lead`], what applies of a plan that failed. Each
+//! step is a method in the file named for it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use super::{
     actual::Actual,
-    op::Plan,
-    scope::{Changes, Scope},
+    op::{Op, Plan},
     unplanned::PlanError,
 };
 use crate::state::{DesiredState, PeerSpec, WgKey};
+
+/// Which peers a plan looks at.
+pub(super) enum Scope<'a> {
+    /// Every desired peer, and everything in the kernel: start-up, resync, after a failure.
+    Full,
+    /// Only these peers, given the kernel matches the state before them.
+    Changes(Changes<'a>),
+}
+
+/// What changed between a state the kernel matches and the desired one: the desired peers that
+/// are new or changed, and the previous versions of the peers that are gone or replaced (a
+/// changed peer is in both). What [`plan_changes`] looks at, and all it looks at.
+#[derive(Debug, Clone, Default)]
+pub struct Changes<'a> {
+    pub touched: Vec<&'a PeerSpec>,
+    pub gone: Vec<&'a PeerSpec>,
+}
+
+impl<'a> Changes<'a> {
+    /// The state pipeline's change set as the planner takes it: the touched peers of
+    /// `desired` (the state `changes` led to) and the previous versions of those gone.
+    pub fn of(changes: &'a crate::state::Changes, desired: &'a DesiredState) -> Self {
+        Self {
+            touched: changes.touched_in(desired),
+            gone: changes.gone.iter().collect(),
+        }
+    }
+}
 
 /// One plan in the making: its scope and what its steps (see the module's documentation)
 /// share. Each step is one method, in the file named for the step.
@@ -72,5 +100,14 @@ impl<'a> Planner<'a> {
         lead.append(&mut ops);
         lead.extend(gc_last);
         Ok(Plan { ops: lead })
+    }
+
+    /// What applies of a plan that failed: its lead alone (steps 1–3), with every trie entry
+    /// nothing references once the lead ran collected.
+    pub(super) fn failure_lead(&self) -> Vec<Op> {
+        let (mut lead, lead_delta) = self.revocations();
+        let (gc, _) = self.policy_gc(&lead_delta, &lead_delta);
+        lead.extend(gc);
+        lead
     }
 }

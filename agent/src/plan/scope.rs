@@ -6,38 +6,10 @@
 use super::{
     actual::Actual,
     op::Plan,
-    planner::Planner,
+    planner::{Changes, Planner, Scope},
     unplanned::{PlanError, Unplanned},
 };
 use crate::state::{DesiredState, PeerSpec};
-
-/// Which peers a plan looks at.
-pub(super) enum Scope<'a> {
-    /// Every desired peer, and everything in the kernel: start-up, resync, after a failure.
-    Full,
-    /// Only these peers, given the kernel matches the state before them.
-    Changes(Changes<'a>),
-}
-
-/// What changed between a state the kernel matches and the desired one: the desired peers that
-/// are new or changed, and the previous versions of the peers that are gone or replaced (a
-/// changed peer is in both). What [`plan_changes`] looks at, and all it looks at.
-#[derive(Debug, Clone, Default)]
-pub struct Changes<'a> {
-    pub touched: Vec<&'a PeerSpec>,
-    pub gone: Vec<&'a PeerSpec>,
-}
-
-impl<'a> Changes<'a> {
-    /// The state pipeline's change set as the planner takes it: the touched peers of
-    /// `desired` (the state `changes` led to) and the previous versions of those gone.
-    pub fn of(changes: &'a crate::state::Changes, desired: &'a DesiredState) -> Self {
-        Self {
-            touched: changes.touched_in(desired),
-            gone: changes.gone.iter().collect(),
-        }
-    }
-}
 
 /// Plans the operations that make the kernel match `desired`, comparing everything; pure.
 /// When no plan can be made, the error carries the plan's lead: see [`Unplanned`].

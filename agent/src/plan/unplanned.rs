@@ -1,12 +1,10 @@
 //! A plan that cannot be made whole (no counter slot, policy id or owner left) still gives its
-//! lead, steps 1–3 ([`Unplanned`]): revocations never wait for room.
+//! lead, steps 1–3 ([`Unplanned`], made by `Planner::failure_lead`): revocations never wait
+//! for room.
 
 use wgfence_common::MAX_PEERS;
 
-use super::{
-    op::{Op, Plan},
-    planner::Planner,
-};
+use super::op::Plan;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlanError {
@@ -27,15 +25,4 @@ pub enum PlanError {
 pub struct Unplanned {
     pub error: PlanError,
     pub lead: Plan,
-}
-
-impl<'a> Planner<'a> {
-    /// What applies of a plan that failed: its lead alone (steps 1–3), with every trie entry
-    /// nothing references once the lead ran collected.
-    pub(super) fn failure_lead(&self) -> Vec<Op> {
-        let (mut lead, lead_delta) = self.revocations();
-        let (gc, _) = self.policy_gc(&lead_delta, &lead_delta);
-        lead.extend(gc);
-        lead
-    }
 }

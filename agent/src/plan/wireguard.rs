@@ -4,7 +4,7 @@
 use ipnet::IpNet;
 
 use super::{
-    actual::WgPeer,
+    device::WgPeer,
     op::{Op, WgPeerChange},
     planner::Planner,
 };

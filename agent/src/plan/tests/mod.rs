@@ -26,8 +26,17 @@ use serde_json::{json, Value};
 use wgfence_common::{Config, PeerEntry, NO_RULES, UNRESTRICTED};
 
 use super::{
-    actual::*, index::*, invariants, op::*, rule_space, scope::*, settings::*, unplanned::*,
-    EMPTY_POLICY,
+    actual::*,
+    device::*,
+    index::*,
+    invariants,
+    op::*,
+    planner::{Changes, Scope},
+    rule_space,
+    scope::*,
+    settings::*,
+    unplanned::*,
+    ActualMaps, EMPTY_POLICY,
 };
 use crate::state::{parse, DesiredState, WgKey};
 
