@@ -3,11 +3,12 @@
 //! the maps of an older layout ([`super::upgrade`]), switch the hooks to the new programs
 //! through their links ([`super::links`]), and tidy what the switch left behind.
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::{
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
 
-use aya::programs::SchedClassifier;
-use aya::Ebpf;
+use aya::{programs::SchedClassifier, Ebpf};
 use wgfence_common::Variant;
 
 use super::{
@@ -110,10 +111,10 @@ impl Dataplane {
 /// What an attach holds before anything in the kernel changes: the interface's device and the
 /// hook chosen on it, and its pin directory, locked.
 struct Claim {
-    pub(super) ifindex: u32,
-    pub(super) kind: HookKind,
-    pub(super) pin_dir: PathBuf,
-    pub(super) lock: PinDirLock,
+    ifindex: u32,
+    kind: HookKind,
+    pin_dir: PathBuf,
+    lock: PinDirLock,
     /// The agent's clsact qdisc is on the device (marked, or left by an interrupted detach).
     pub(super) added_qdisc: bool,
 }
@@ -181,16 +182,16 @@ fn fill_and_mark(
 /// When each phase of an attach ended, from its start.
 struct Phases {
     prelude: Duration,
-    pub(super) object: Duration,
+    object: Duration,
     maps_opened: Duration,
     verified: Duration,
     switched: Duration,
     recount: Duration,
-    pub(super) total: Duration,
+    total: Duration,
 }
 
 impl Phases {
-    pub(super) fn log(&self, interface: &str, programs_adopted: bool) {
+    fn log(&self, interface: &str, programs_adopted: bool) {
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         tracing::debug!(
             interface,
@@ -280,18 +281,18 @@ fn mark_hook(kind: HookKind, interface: &str, pin_dir: &Path, added_qdisc: bool)
 
 /// The switch: each hook's program attached, or put in place of what runs there.
 struct Switch<'a> {
-    pub(super) kind: HookKind,
-    pub(super) hooks: &'a [Hook],
-    pub(super) variant: &'a Variant,
-    pub(super) interface: &'a str,
-    pub(super) ifindex: u32,
-    pub(super) pin_dir: &'a Path,
-    pub(super) upgrading: bool,
+    kind: HookKind,
+    hooks: &'a [Hook],
+    variant: &'a Variant,
+    interface: &'a str,
+    ifindex: u32,
+    pin_dir: &'a Path,
+    upgrading: bool,
 }
 
 impl Switch<'_> {
     /// What happened on the ingress hook, and the links (one per hook; `None` on tc).
-    pub(super) fn run(
+    fn run(
         &self,
         ebpf: &mut Ebpf,
         adopted: &mut [(&'static str, SchedClassifier)],
@@ -392,7 +393,7 @@ fn remove_other_hook(kind: HookKind, pin_dir: &Path, interface: &str, ifindex: u
 /// reconciles them); a failure is logged, and repaired at the next start.
 /// Recounts the flow quota of every slot from the flow tables (logging what did not match);
 /// returns how long it took.
-pub(super) fn recount_flow_quota(maps: &mut Maps, interface: &str) -> Duration {
+fn recount_flow_quota(maps: &mut Maps, interface: &str) -> Duration {
     let started = Instant::now();
     match maps.recount_flow_quota() {
         Ok(slots) if slots.is_empty() => {}

@@ -2,9 +2,11 @@
 //! recreated or renamed interface, a detached link, pins or the pin directory removed; and
 //! letting go only for the detach marker of the very directory this agent locked.
 
-use std::fs;
-use std::io::{self, ErrorKind};
-use std::path::PathBuf;
+use std::{
+    fs,
+    io::{self, ErrorKind},
+    path::PathBuf,
+};
 
 use super::{
     detach::{detaching_dirs, mark},
@@ -31,17 +33,17 @@ enum PinDirState {
 /// program is missing from it.
 #[derive(Clone, Copy)]
 struct LinkFix<'a> {
-    pub(super) i: usize,
-    pub(super) hook: &'a Hook,
-    pub(super) ifindex: u32,
-    pub(super) moved: bool,
-    pub(super) missing: bool,
+    i: usize,
+    hook: &'a Hook,
+    ifindex: u32,
+    moved: bool,
+    missing: bool,
 }
 
 /// A link the agent holds on a device that no longer has the interface's name.
 pub(super) struct Retired {
-    pub(super) ifindex: u32,
-    pub(super) hook: usize,
+    ifindex: u32,
+    hook: usize,
     _link: HeldLink,
 }
 
@@ -369,7 +371,7 @@ impl Dataplane {
 
     /// Whether the hook's program runs on that hook of the device with this index (tcx, or the
     /// agent's filter place on tc).
-    pub(super) fn runs(&mut self, ifindex: u32, hook: &Hook) -> io::Result<bool> {
+    fn runs(&mut self, ifindex: u32, hook: &Hook) -> io::Result<bool> {
         let program = program_of(&mut self.ebpf, &mut self.adopted, hook.program)
             .map_err(io::Error::other)?;
         let id = program.info().map_err(io::Error::other)?.id();

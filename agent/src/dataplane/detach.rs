@@ -2,11 +2,13 @@
 //! (`detaching-<interface>-<pid>`), waits for the agent to let go of its links, then removes
 //! what is left; an interrupted detach is finished by the next attach.
 
-use std::fs;
-use std::io::ErrorKind;
-use std::os::unix::fs::DirBuilderExt as _;
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::{
+    fs,
+    io::ErrorKind,
+    os::unix::fs::DirBuilderExt as _,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
 
 use wgfence_common::VARIANTS;
 

@@ -2,12 +2,16 @@
 //! so there is no instant without a program; a hook without a link gets a new one, pinned
 //! under a fresh name and renamed over the old pin.
 
-use std::fs;
-use std::path::{Path, PathBuf};
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
 
-use aya::programs::links::{FdLink, LinkOrder, PinnedLink};
-use aya::programs::tc::{SchedClassifierLink, TcAttachOptions};
-use aya::programs::SchedClassifier;
+use aya::{
+    programs::links::{FdLink, LinkOrder, PinnedLink},
+    programs::tc::{SchedClassifierLink, TcAttachOptions},
+    programs::SchedClassifier,
+};
 
 use super::{
     pins::remove_if_exists, program_err, Attachment, DataplaneError, HeldLink, Hook, Result,

@@ -3,14 +3,18 @@
 //! links with the maps pinned now takes them over without verifying them again; otherwise the
 //! object's programs are loaded, and pinned for the next start.
 
-use std::fs;
-use std::io::ErrorKind;
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::{
+    fs,
+    io::ErrorKind,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
 
-use aya::maps::MapData;
-use aya::programs::SchedClassifier;
-use aya::{Ebpf, EbpfLoader};
+use aya::{
+    maps::MapData,
+    programs::SchedClassifier,
+    {Ebpf, EbpfLoader},
+};
 use wgfence_common::{map_names, Variant};
 
 use super::{

@@ -1,10 +1,12 @@
 //! The pin directory on bpffs: bpffs mounted, the directory created private and locked (one
 //! agent per interface), and its pins removed.
 
-use std::fs;
-use std::io::{self, ErrorKind};
-use std::os::unix::fs::DirBuilderExt as _;
-use std::path::{Path, PathBuf};
+use std::{
+    fs,
+    io::{self, ErrorKind},
+    os::unix::fs::DirBuilderExt as _,
+    path::{Path, PathBuf},
+};
 
 use aya::programs::links::{FdLink, PinnedLink};
 

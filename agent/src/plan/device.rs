@@ -1,9 +1,7 @@
 //! The WireGuard device as read back: its peers ([`ActualWg`]), each with its allowed IPs,
 //! endpoint, preshared key and keepalive.
 
-use std::collections::BTreeMap;
-use std::fmt;
-use std::net::SocketAddr;
+use std::{collections::BTreeMap, fmt, net::SocketAddr};
 
 use ipnet::IpNet;
 

@@ -2,8 +2,7 @@
 //! rule counter block, window), the owner high-water mark persisted first, and their writes:
 //! in step 5, or in step 7 for an address that moves, once WireGuard routes it to its holder.
 
-use std::collections::BTreeMap;
-use std::net::IpAddr;
+use std::{collections::BTreeMap, net::IpAddr};
 
 use ipnet::IpNet;
 use wgfence_common::{PeerEntry, NO_RULES, UNRESTRICTED};
@@ -12,8 +11,10 @@ use super::{
     actual::Actual, op::Op, planner::Planner, policy_ids::PolicyIds, rule_space,
     unplanned::PlanError, EMPTY_POLICY,
 };
-use crate::policy::CompiledPolicy;
-use crate::state::{PeerSpec, WgKey};
+use crate::{
+    policy::CompiledPolicy,
+    state::{PeerSpec, WgKey},
+};
 
 /// An address entry the plan writes: the peer's name and key, and the entry.
 type Wanted<'a> = BTreeMap<IpAddr, (&'a str, WgKey, PeerEntry)>;

@@ -11,9 +11,9 @@ use super::EMPTY_POLICY;
 #[derive(Debug, Clone, Default)]
 pub(super) struct FreeIds {
     /// Free ranges below `high`, `start -> end` (exclusive), disjoint and not adjacent.
-    pub(super) below: BTreeMap<u32, u32>,
+    below: BTreeMap<u32, u32>,
     /// One past the highest id ever used (at least 1): every id from here on is free.
-    pub(super) high: u32,
+    high: u32,
 }
 
 impl FreeIds {

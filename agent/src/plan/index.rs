@@ -12,9 +12,11 @@ use super::{
     free_ids::FreeIds,
     rule_space,
 };
-use crate::actual_maps::ActualMaps;
-use crate::policy::{CompiledPolicy, NOTHING};
-use crate::state::WgKey;
+use crate::{
+    actual_maps::ActualMaps,
+    policy::{CompiledPolicy, NOTHING},
+    state::WgKey,
+};
 
 /// Derived from `maps` and `wg`; kept current by [`Actual::apply`].
 #[derive(Debug, Clone, Default)]
@@ -99,8 +101,8 @@ impl Holders {
 /// A map from allowed IPs, one per family.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct ByFamily<V> {
-    pub(super) v4: BTreeMap<Ipv4Net, V>,
-    pub(super) v6: BTreeMap<Ipv6Net, V>,
+    v4: BTreeMap<Ipv4Net, V>,
+    v6: BTreeMap<Ipv6Net, V>,
 }
 
 impl<V> Default for ByFamily<V> {

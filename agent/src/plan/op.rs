@@ -2,8 +2,10 @@
 //! work), how `wgfence plan` prints it, and the [`Plan`]: the ordered operations, with its
 //! [`lead`] (the deletions that go before anything that can fail for want of room).
 
-use std::fmt;
-use std::net::{IpAddr, SocketAddr};
+use std::{
+    fmt,
+    net::{IpAddr, SocketAddr},
+};
 
 use ipnet::IpNet;
 use wgfence_common::{Allow, Config, PeerEntry, UNRESTRICTED};

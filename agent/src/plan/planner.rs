@@ -3,8 +3,10 @@
 //! documentation gives, and [`Planner::failure_lead`], what applies of a plan that failed. Each
 //! step is a method in the file named for it.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::net::IpAddr;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
 use super::{
     actual::Actual,

@@ -2,8 +2,10 @@
 //! more or that move to another WireGuard peer, then the WireGuard peers that leave. They only
 //! take access away, so nothing that can fail for want of room comes before them.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
-use std::net::IpAddr;
+use std::{
+    collections::{BTreeMap, BTreeSet, HashSet},
+    net::IpAddr,
+};
 
 use ipnet::IpNet;
 

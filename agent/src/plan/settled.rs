@@ -8,8 +8,7 @@ use ipnet::IpNet;
 use wgfence_common::{NO_RULES, UNRESTRICTED};
 
 use super::{entries::peer_entry, planner::Planner, wireguard::wg_change};
-use crate::policy::CompiledPolicy;
-use crate::state::PeerSpec;
+use crate::{policy::CompiledPolicy, state::PeerSpec};
 
 impl<'a> Planner<'a> {
     /// The planner of a full plan, without the desired peers the kernel has exactly as the

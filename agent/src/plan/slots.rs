@@ -2,8 +2,10 @@
 //! uses, or one whose every entry the lead deletes; never a slot a remaining peer uses. At a
 //! full map, slots stranded by shared or abandoned entries are rotated through the lead.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::net::IpAddr;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
 
 use super::{index::count_up, op::Op, planner::Planner, unplanned::PlanError};
 
@@ -24,7 +26,7 @@ impl<'a> Planner<'a> {
 
     /// Whether `slot` has no user after the lead but `own` addresses of one peer: a peer keeps
     /// (or takes) only a slot no other peer's remaining entry uses, never shared for a moment.
-    pub(super) fn only(&self, deleted: &BTreeMap<u32, usize>, slot: u32, own: &[IpAddr]) -> bool {
+    fn only(&self, deleted: &BTreeMap<u32, usize>, slot: u32, own: &[IpAddr]) -> bool {
         let users = self.actual.index.slot_refs.get(&slot).copied().unwrap_or(0);
         let own = own
             .iter()
