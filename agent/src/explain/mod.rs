@@ -1,5 +1,5 @@
 //! Why a packet passes or is dropped: `wgfence explain` on the one evaluator of the datapath's
-//! verdict ([`crate::verdict`], re-exported here) over compiled map entries (the kernel's, read
+//! verdict (`crate::verdict`, re-exported here) over compiled map entries (the kernel's, read
 //! back from the pins, or those a state file compiles to: [`compiled_maps`]), with the reason —
 //! the peer entry, the policy id, the matching trie prefix, the allow entry that matched or
 //! those that did not, the state-file rules each came from ([`source`]) — and whether a reply

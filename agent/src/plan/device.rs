@@ -99,7 +99,7 @@ impl<'a> IntoIterator for &'a AllowedIps {
 pub struct WgPeer {
     pub allowed_ips: AllowedIps,
     pub endpoint: Option<SocketAddr>,
-    /// Boxed: few peers have one ([`PeerSpec::preshared_key`]).
+    /// Boxed: few peers have one ([`crate::state::PeerSpec::preshared_key`]).
     pub preshared_key: Option<Box<WgKey>>,
     pub persistent_keepalive: Option<u16>,
 }

@@ -25,7 +25,7 @@ pub(super) enum Scope<'a> {
 
 /// What changed between a state the kernel matches and the desired one: the desired peers that
 /// are new or changed, and the previous versions of the peers that are gone or replaced (a
-/// changed peer is in both). What [`plan_changes`] looks at, and all it looks at.
+/// changed peer is in both). What [`super::plan_changes`] looks at, and all it looks at.
 #[derive(Debug, Clone, Default)]
 pub struct Changes<'a> {
     pub touched: Vec<&'a PeerSpec>,

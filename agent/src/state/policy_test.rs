@@ -1,9 +1,9 @@
 //! Policy tests in the state file: `"tests": [{"peer": "alice", "accept": ["10.2.3.4:443/tcp",
 //! "192.0.2.1/icmp"], "deny": ["10.2.3.4:22/tcp", "[fd00::1]:53/udp"]}]`. The state's parsers
 //! read the field with the rest of the file ([`parse_tests`]) and the canonical state file
-//! writes it ([`to_json`]). Each assertion is a packet from the peer's address (of the
+//! writes it (`to_json`). Each assertion is a packet from the peer's address (of the
 //! destination's family) decided by the same evaluator `wgfence explain` gives its reason with
-//! ([`crate::verdict`]), on the entries the peer's rules compile to ([`decide`]). A state whose
+//! (`crate::verdict`), on the entries the peer's rules compile to ([`decide`]). A state whose
 //! tests fail is rejected whole, every failing assertion named ([`failures`]): `check`, `plan`
 //! and every apply of `run` parse through [`crate::state::parse`], which runs them; [`failed`]
 //! picks those out of a rejection.
