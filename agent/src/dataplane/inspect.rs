@@ -1,5 +1,5 @@
-//! Reading a datapath without attaching to it (`wgfence status`, `verify`, the tests): its
-//! pinned maps, links, tc filters, layout and variant.
+//! Reading a datapath without attaching to it (for `status`, `dump` and the tests): its pinned
+//! maps, links, tc filters, layout and variant.
 
 use std::path::Path;
 

@@ -1,6 +1,7 @@
 //! Restart safety: each program goes in through its pinned tcx link with `bpf_link_update`,
-//! so there is no instant without a program; a hook without a link gets a new one, pinned
-//! under a fresh name and renamed over the old pin.
+//! so there is no instant without a program; a hook without a live link (no pin, or a pin
+//! whose interface went away) gets a new one, first in the chain, pinned under a fresh name
+//! that then replaces the old pin in one step.
 
 use std::{
     fs,
