@@ -4,10 +4,10 @@
 //! the whole state if there is any: nothing is ever half-applied. The result does not depend
 //! on the order of peers or of rules: peers are sorted by name and rules are a sorted set.
 
+pub mod assertions;
 #[cfg(any(test, feature = "testing"))]
 pub mod edits;
 mod pipeline;
-pub mod policy_test;
 mod scan;
 pub mod source_map;
 mod splice;
@@ -30,9 +30,7 @@ use ipnet::IpNet;
 use serde_json::{Map, Value};
 
 use crate::policy::{compile, CompiledPolicy, PolicyError, PortRange, Protocol, Rule};
-/// The policy tests' syntax under its earlier name (`wgfence::state::assertions::failed`).
-pub use policy_test as assertions;
-pub use policy_test::PolicyTest;
+pub use assertions::PolicyTest;
 
 /// The schema version this agent reads.
 pub const SCHEMA_VERSION: u64 = 1;
@@ -268,7 +266,7 @@ impl DesiredState {
         let peers: Vec<Value> = self.peers.iter().map(PeerSpec::to_json).collect();
         let mut state = serde_json::json!({ "version": SCHEMA_VERSION, "replies": self.replies, "peers": peers });
         if !self.tests.is_empty() {
-            state["tests"] = self.tests.iter().map(policy_test::to_json).collect();
+            state["tests"] = self.tests.iter().map(assertions::to_json).collect();
         }
         state.to_string()
     }
@@ -449,7 +447,7 @@ pub fn parse(text: &str) -> Result<DesiredState, StateError> {
     if state.tests.is_empty() {
         return Ok(state);
     }
-    let errors = policy_test::failures(&state, text);
+    let errors = assertions::failures(&state, text);
     if errors.is_empty() {
         Ok(state)
     } else {

@@ -3,7 +3,7 @@
 //! state file compiles to), with the reason — the peer entry, the policy id, the matching trie
 //! prefix, the allow entry that matched or those that did not — and whether a reply flow lets
 //! a denied packet pass. `wgfence explain` ([`crate::explain`]) and the state's policy tests
-//! ([`crate::state::policy_test`]) both ask it; it knows nothing of states or plans.
+//! ([`crate::state::assertions`]) both ask it; it knows nothing of states or plans.
 
 use std::{
     fmt,

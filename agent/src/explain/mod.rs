@@ -13,8 +13,8 @@
 pub mod kernel;
 pub mod report;
 
-/// The state's policy tests, run on the evaluator (see [`crate::state::policy_test`]).
-pub use crate::state::policy_test as assertions;
+/// The state's policy tests, run on the evaluator (see [`crate::state::assertions`]).
+pub use crate::state::assertions;
 /// Where each rule of a parsed state stands in its file (see [`crate::state::source_map`]).
 pub use crate::state::source_map as source;
 

@@ -12,7 +12,7 @@ use serde_json::{Map, Value};
 use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 
 use super::{
-    keepalive, parse_endpoint, parse_time, policy_test, port_number, port_text, protocol_named,
+    assertions, keepalive, parse_endpoint, parse_time, port_number, port_text, protocol_named,
     share, trie_entries, unique_keys, usable_tunnel_addr, valid_name, window_error, Compiled,
     DesiredState, FieldError, Mode, PeerSpec, StateError, WgKey, Window, MAX_NAME_LEN,
     MAX_RULES_PER_PEER, SCHEMA_VERSION,
@@ -146,7 +146,7 @@ fn root_object(text: &str) -> Result<serde_json::Map<String, Value>, StateError>
 fn top_fields<'a>(
     root: &'a serde_json::Map<String, Value>,
     top: &mut Errors<'_>,
-) -> (bool, Vec<policy_test::PolicyTest>, &'a [Value]) {
+) -> (bool, Vec<assertions::PolicyTest>, &'a [Value]) {
     for key in root.keys() {
         if !matches!(key.as_str(), "version" | "peers" | "replies" | "tests") {
             top.add(key.as_str(), "unknown field");
@@ -175,7 +175,7 @@ fn top_fields<'a>(
     };
     let tests = match root.get("tests") {
         None => Vec::new(),
-        Some(raw) => policy_test::parse_tests(raw).unwrap_or_else(|errors| {
+        Some(raw) => assertions::parse_tests(raw).unwrap_or_else(|errors| {
             for (field, message) in errors {
                 top.add(field, message);
             }

@@ -422,7 +422,7 @@ pub(super) fn parse(text: &str) -> Option<DesiredState> {
     let tests = match raw.tests {
         Some(text) => {
             let value = serde_json::from_str(text.get()).ok()?;
-            super::policy_test::parse_tests(&value).ok()?
+            super::assertions::parse_tests(&value).ok()?
         }
         None => Vec::new(),
     };
