@@ -37,7 +37,7 @@ use crate::{
         kubernetes::{self, KubeError, SecretRef},
         ReadError, Reader, Snapshot, SourceError, StateFile, StateSource, Watch,
     },
-    state::{Changes, Pipeline, Rejection},
+    state::{Changes, Fingerprint, Pipeline, Rejection},
     status::{
         rules::rule_rows,
         snapshot::{LastReconcile, StatusFile, Summary},
@@ -243,48 +243,20 @@ impl Core {
             return Next::Idle;
         }
         let origin = file.origin().map(str::to_owned);
-        let capacity = self.reconciler.wireguard().max_peers();
-        let result = match self.prepared.take().filter(|p| p.hash == hash) {
-            Some(prepared) => {
-                let result = self.within_capacity(prepared.result, capacity);
-                if matches!(result, Err(Rejection::TooMany { .. })) {
-                    // Refused with a new pipeline: its identity of the same bytes.
-                    match self.pipeline.fingerprint(&file) {
-                        Ok(fingerprint) => hash = fingerprint.id(),
-                        Err(e) => return read_failed(&e),
-                    }
-                }
-                result
-            }
-            None => match self.pipeline.update_from(&file, fingerprint, capacity) {
-                Ok(result) => result,
-                Err(e) => return read_failed(&e),
-            },
+        let result = match self.changes_of(&file, fingerprint, &mut hash) {
+            Ok(result) => result,
+            Err(next) => return next,
         };
         // Pieces read at different times may be of different writes (a file rewritten in
         // place): whatever they made is a valid state, applied or rejected as any other, but
         // not taken for the file's, which is read again at once.
         let torn = file.written_since_open();
         drop(file);
-        // Failing policy tests are named in /readyz, not only in the log.
-        let mut failed_tests = Vec::new();
-        let updated = result.map_err(|e| match e {
-            Rejection::Invalid(errors) => {
-                failed_tests = crate::state::assertions::failed(&errors);
-                errors.to_string()
-            }
-            // Refused here, whole, rather than halfway through the WireGuard update.
-            Rejection::TooMany { peers, max } => format!(
-                "state rejected: {peers} peers, but {} is run by a userspace WireGuard \
-                 (wireguard-go), which holds at most {max}",
-                self.reconciler.dataplane().interface()
-            ),
-            e @ Rejection::NotUtf8(_) => e.to_string(),
-        });
-        let changes = match updated {
+        let changes = match result {
             Ok(changes) => changes,
             Err(_) if torn => return read_failed(&std::io::Error::other("written while read")),
-            Err(errors) => {
+            Err(rejection) => {
+                let (errors, failed_tests) = self.rejection_text(rejection);
                 self.reject(&errors, &failed_tests, hash, origin.as_deref());
                 return Next::Idle;
             }
@@ -305,6 +277,56 @@ impl Core {
             trim_heap();
         }
         next
+    }
+
+    /// What the pipeline makes of a new file: the start-up parse's result if it is of these
+    /// bytes, else the file read where it changed; both held to WireGuard's capacity. `hash`
+    /// becomes the pipeline's identity of the file when a refusal starts the pipeline over.
+    fn changes_of(
+        &mut self,
+        file: &Snapshot,
+        fingerprint: Fingerprint,
+        hash: &mut u128,
+    ) -> Result<Result<Changes, Rejection>, Next> {
+        let capacity = self.reconciler.wireguard().max_peers();
+        match self.prepared.take().filter(|p| p.hash == *hash) {
+            Some(prepared) => {
+                let result = self.within_capacity(prepared.result, capacity);
+                if matches!(result, Err(Rejection::TooMany { .. })) {
+                    // Refused with a new pipeline: its identity of the same bytes.
+                    match self.pipeline.fingerprint(file) {
+                        Ok(fingerprint) => *hash = fingerprint.id(),
+                        Err(e) => return Err(read_failed(&e)),
+                    }
+                }
+                Ok(result)
+            }
+            None => match self.pipeline.update_from(file, fingerprint, capacity) {
+                Ok(result) => Ok(result),
+                Err(e) => Err(read_failed(&e)),
+            },
+        }
+    }
+
+    /// A rejection as the log gives it, with the failing policy tests it names: those are
+    /// named in /readyz, not only in the log.
+    fn rejection_text(&self, rejection: Rejection) -> (String, Vec<String>) {
+        match rejection {
+            Rejection::Invalid(errors) => {
+                let failed_tests = crate::state::assertions::failed(&errors);
+                (errors.to_string(), failed_tests)
+            }
+            // Refused here, whole, rather than halfway through the WireGuard update.
+            Rejection::TooMany { peers, max } => (
+                format!(
+                    "state rejected: {peers} peers, but {} is run by a userspace WireGuard \
+                     (wireguard-go), which holds at most {max}",
+                    self.reconciler.dataplane().interface()
+                ),
+                Vec::new(),
+            ),
+            e @ Rejection::NotUtf8(_) => (e.to_string(), Vec::new()),
+        }
     }
 
     /// The start-up parse's result, held to WireGuard's capacity (`max`): parsed without it,
@@ -661,14 +683,9 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         options.interface.clone(),
         options.peer_metrics,
     ));
-    if let (SourceOptions::File(path), false) = (&options.source, options.allow_insecure_state) {
-        // Before anything else: an agent that would take its policy from a file others can
-        // write does not start at all.
-        trust::check_state_path(path).map_err(|source| DaemonError::Untrusted {
-            path: path.clone(),
-            source,
-        })?;
-    }
+    // Before anything else: an agent that would take its policy from a file others can write
+    // does not start at all.
+    check_trusted(&options)?;
     let health = Arc::new(Health::default());
     health.set_not_ready("no valid state loaded yet");
     // Bind before touching the kernel: a second agent started by mistake on the same node
@@ -692,40 +709,8 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
         None => (Pipeline::new(), None),
     };
     let closed = reconciler.shutdown_handle();
-    for (listener, endpoints) in listeners {
-        // Each on its own thread: nothing a client of one endpoint does can delay this loop
-        // or the other endpoint.
-        metrics::spawn(
-            listener,
-            endpoints,
-            Arc::clone(&metrics),
-            Arc::clone(&health),
-        )
-        .map_err(DaemonError::MetricsServer)?;
-    }
-    let (source, reader, state_path) = match &options.source {
-        SourceOptions::File(path) => (
-            Watch::File(StateSource::watch(path)?),
-            Reader::File(StateFile::new(
-                path,
-                !options.allow_insecure_state,
-                options.max_state_bytes,
-            )),
-            path.clone(),
-        ),
-        SourceOptions::Kubernetes(secret) => {
-            let errors = metrics.source_errors.clone();
-            let (watch, latest) = kubernetes::start(secret.clone(), move || {
-                errors.inc();
-            })
-            .await?;
-            (
-                Watch::Kubernetes(watch),
-                Reader::Kubernetes(latest),
-                PathBuf::new(),
-            )
-        }
-    };
+    serve(listeners, &metrics, &health)?;
+    let (source, reader, state_path) = watch_source(&options, &metrics).await?;
     let shutdown = shutdown_on_signal(Arc::clone(&closed))?;
     let mut status = StatusFile::new(&options.interface, &state_path);
     status.source(&reader.name());
@@ -756,6 +741,63 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
          (`wgfence detach` removes it)"
     );
     Ok(())
+}
+
+/// Refuses a state file others can write (unless `--allow-insecure-state`).
+fn check_trusted(options: &RunOptions) -> Result<(), DaemonError> {
+    if let (SourceOptions::File(path), false) = (&options.source, options.allow_insecure_state) {
+        trust::check_state_path(path).map_err(|source| DaemonError::Untrusted {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+/// Serves the metrics and health endpoints on the bound listeners.
+fn serve(
+    listeners: Vec<(std::net::TcpListener, Endpoints)>,
+    metrics: &Arc<Metrics>,
+    health: &Arc<Health>,
+) -> Result<(), DaemonError> {
+    for (listener, endpoints) in listeners {
+        // Each on its own thread: nothing a client of one endpoint does can delay this loop
+        // or the other endpoint.
+        metrics::spawn(listener, endpoints, Arc::clone(metrics), Arc::clone(health))
+            .map_err(DaemonError::MetricsServer)?;
+    }
+    Ok(())
+}
+
+/// Starts watching the state's source: the state file, or the Secret through the Kubernetes
+/// API; with its reader and the state file's path (empty for a Secret).
+async fn watch_source(
+    options: &RunOptions,
+    metrics: &Metrics,
+) -> Result<(Watch, Reader, PathBuf), DaemonError> {
+    Ok(match &options.source {
+        SourceOptions::File(path) => (
+            Watch::File(StateSource::watch(path)?),
+            Reader::File(StateFile::new(
+                path,
+                !options.allow_insecure_state,
+                options.max_state_bytes,
+            )),
+            path.clone(),
+        ),
+        SourceOptions::Kubernetes(secret) => {
+            let errors = metrics.source_errors.clone();
+            let (watch, latest) = kubernetes::start(secret.clone(), move || {
+                errors.inc();
+            })
+            .await?;
+            (
+                Watch::Kubernetes(watch),
+                Reader::Kubernetes(latest),
+                PathBuf::new(),
+            )
+        }
+    })
 }
 
 /// Binds the metrics and health listeners asked for.

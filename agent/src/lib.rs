@@ -7,6 +7,7 @@
 //! [`status`] alongside. [`settings`] are the datapath's own (reply flows, drop events), and
 //! [`monitor`] streams its drop events.
 
+mod actual_maps;
 pub mod clock;
 pub mod daemon;
 pub mod dataplane;
@@ -25,6 +26,7 @@ pub mod sweeper;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod trust;
+mod verdict;
 pub mod verify;
 pub mod wg;
 

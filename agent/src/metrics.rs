@@ -117,6 +117,60 @@ pub struct Metrics {
     pub rule_names: RuleNames,
 }
 
+/// A series of the agent's own: its name and help text, as `/metrics` shows them.
+type Series = (&'static str, &'static str);
+
+const PEERS: Series = ("wgfence_peers", "Peers in the applied state");
+const RULE_SETS: Series = (
+    "wgfence_rule_sets",
+    "Distinct rule sets (egress lists) in the applied state",
+);
+const READY: Series = (
+    "wgfence_ready",
+    "1 when the current state file is valid and applied",
+);
+const DRIFT_ENTRIES: Series = (
+    "wgfence_drift_entries",
+    "Map entries and WireGuard peers that differed from the applied state at the \
+     last resync's read, before it repaired them (what `wgfence verify` names)",
+);
+const SOURCE_OBJECT_MISSING: Series = (
+    "wgfence_source_object_missing",
+    "1 while the state's source is gone (the state file missing, the Secret deleted \
+     from the API): the last good state stays enforced",
+);
+const SOURCE_ERRORS: Series = (
+    "wgfence_source_errors",
+    "Errors of the Kubernetes API watch (connection refused, a broken watch, 410 \
+     Gone), each retried within 400 ms",
+);
+const STATE_REJECTED: Series = (
+    "wgfence_state_rejected",
+    "State files rejected by validation, or refused unread (not a regular file, over \
+     --max-state-bytes); the last good state stays applied",
+);
+const BPF_MAP_WRITES: Series = (
+    "wgfence_bpf_map_writes",
+    "BPF map updates and deletes issued by the agent",
+);
+const WIREGUARD_PEER_UPDATES: Series = (
+    "wgfence_wireguard_peer_updates",
+    "Per-peer WireGuard changes (create, update, remove) applied",
+);
+const RECONCILE_ERRORS: Series = (
+    "wgfence_reconcile_errors",
+    "Reconciles that failed in the kernel (retried)",
+);
+const REPLY_FLOWS_FREED: Series = (
+    "wgfence_reply_flows_freed",
+    "Reply flows the agent deleted: expired, or their address got a new holder",
+);
+const DATAPATH_REPAIR_FAILURES: Series = (
+    "wgfence_datapath_repair_failures",
+    "Checks that found pins missing and could not restore them (the programs kept \
+     enforcing from the agent's own descriptors)",
+);
+
 impl Metrics {
     /// `peer_metrics`: also export per-peer series.
     pub fn new(bpffs: PathBuf, interface: String, peer_metrics: bool) -> Self {
@@ -133,69 +187,20 @@ impl Metrics {
             rule_names: peer_metrics.then(|| Arc::clone(&rule_names)),
         }));
         Self {
-            peers: registered(r, "wgfence_peers", "Peers in the applied state"),
-            rule_sets: registered(
-                r,
-                "wgfence_rule_sets",
-                "Distinct rule sets (egress lists) in the applied state",
-            ),
-            ready: registered(
-                r,
-                "wgfence_ready",
-                "1 when the current state file is valid and applied",
-            ),
-            drift_entries: registered(
-                r,
-                "wgfence_drift_entries",
-                "Map entries and WireGuard peers that differed from the applied state at the \
-                 last resync's read, before it repaired them (what `wgfence verify` names)",
-            ),
-            source_object_missing: registered(
-                r,
-                "wgfence_source_object_missing",
-                "1 while the state's source is gone (the state file missing, the Secret deleted \
-                 from the API): the last good state stays enforced",
-            ),
-            source_errors: registered(
-                r,
-                "wgfence_source_errors",
-                "Errors of the Kubernetes API watch (connection refused, a broken watch, 410 \
-                 Gone), each retried within 400 ms",
-            ),
-            state_rejected: registered(
-                r,
-                "wgfence_state_rejected",
-                "State files rejected by validation, or refused unread (not a regular file, over \
-                 --max-state-bytes); the last good state stays applied",
-            ),
-            bpf_map_writes: registered(
-                r,
-                "wgfence_bpf_map_writes",
-                "BPF map updates and deletes issued by the agent",
-            ),
-            wireguard_peer_updates: registered(
-                r,
-                "wgfence_wireguard_peer_updates",
-                "Per-peer WireGuard changes (create, update, remove) applied",
-            ),
-            reconcile_errors: registered(
-                r,
-                "wgfence_reconcile_errors",
-                "Reconciles that failed in the kernel (retried)",
-            ),
-            reply_flows_freed: registered(
-                r,
-                "wgfence_reply_flows_freed",
-                "Reply flows the agent deleted: expired, or their address got a new holder",
-            ),
+            peers: registered(r, PEERS),
+            rule_sets: registered(r, RULE_SETS),
+            ready: registered(r, READY),
+            drift_entries: registered(r, DRIFT_ENTRIES),
+            source_object_missing: registered(r, SOURCE_OBJECT_MISSING),
+            source_errors: registered(r, SOURCE_ERRORS),
+            state_rejected: registered(r, STATE_REJECTED),
+            bpf_map_writes: registered(r, BPF_MAP_WRITES),
+            wireguard_peer_updates: registered(r, WIREGUARD_PEER_UPDATES),
+            reconcile_errors: registered(r, RECONCILE_ERRORS),
+            reply_flows_freed: registered(r, REPLY_FLOWS_FREED),
             reconcile_duration,
             datapath_repairs,
-            datapath_repair_failures: registered(
-                r,
-                "wgfence_datapath_repair_failures",
-                "Checks that found pins missing and could not restore them (the programs kept \
-                 enforcing from the agent's own descriptors)",
-            ),
+            datapath_repair_failures: registered(r, DATAPATH_REPAIR_FAILURES),
             slot_names,
             rule_names,
             registry,
@@ -250,7 +255,7 @@ fn datapath_repairs(registry: &mut Registry) -> Family<RepairLabels, Counter> {
 }
 
 /// A new metric, registered under `name` with `help`.
-fn registered<M>(registry: &mut Registry, name: &str, help: &str) -> M
+fn registered<M>(registry: &mut Registry, (name, help): Series) -> M
 where
     M: prometheus_client::registry::Metric + Clone + Default,
 {

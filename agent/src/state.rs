@@ -4,10 +4,12 @@
 //! the whole state if there is any: nothing is ever half-applied. The result does not depend
 //! on the order of peers or of rules: peers are sorted by name and rules are a sorted set.
 
+pub mod assertions;
 #[cfg(any(test, feature = "testing"))]
 pub mod edits;
 mod pipeline;
 mod scan;
+pub mod source_map;
 mod splice;
 mod tree;
 mod typed;
@@ -27,8 +29,8 @@ use ipnet::IpNet;
 #[cfg(any(test, feature = "testing"))]
 use serde_json::{Map, Value};
 
-pub use crate::explain::assertions::{self, PolicyTest};
 use crate::policy::{compile, CompiledPolicy, PolicyError, PortRange, Protocol, Rule};
+pub use assertions::PolicyTest;
 
 /// The schema version this agent reads.
 pub const SCHEMA_VERSION: u64 = 1;

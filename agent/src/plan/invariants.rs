@@ -227,9 +227,22 @@ pub fn check_revocations_lead(
     desired: &DesiredState,
     ops: &[Op],
 ) -> Result<(), String> {
+    let lead = super::lead(ops);
+    check_leaving_revoked_in_lead(before, desired, lead, ops)?;
+    check_moving_deleted_in_lead(before, desired, lead, ops)?;
+    check_lead_frees_the_trie(before, lead, ops)?;
+    check_revoke_order(lead, ops)
+}
+
+/// The address entries and the WireGuard peers that leave the state go in the lead.
+fn check_leaving_revoked_in_lead(
+    before: &Actual,
+    desired: &DesiredState,
+    lead: &[Op],
+    ops: &[Op],
+) -> Result<(), String> {
     let addrs: BTreeSet<IpAddr> = desired.peers.iter().flat_map(PeerSpec::addrs).collect();
     let keys: BTreeSet<WgKey> = desired.peers.iter().map(|p| p.public_key).collect();
-    let lead = super::lead(ops);
     for addr in before.maps().peers.keys().filter(|a| !addrs.contains(a)) {
         if !lead.contains(&Op::DeletePeerEntry { addr: *addr }) {
             return Err(format!(
@@ -248,6 +261,16 @@ pub fn check_revocations_lead(
             ));
         }
     }
+    Ok(())
+}
+
+/// The entry of an address handed to another WireGuard peer goes in the lead.
+fn check_moving_deleted_in_lead(
+    before: &Actual,
+    desired: &DesiredState,
+    lead: &[Op],
+    ops: &[Op],
+) -> Result<(), String> {
     for peer in &desired.peers {
         for addr in peer.addrs() {
             let moves = holder(before, addr).is_some_and(|k| k != peer.public_key);
@@ -263,6 +286,11 @@ pub fn check_revocations_lead(
             }
         }
     }
+    Ok(())
+}
+
+/// The lead deletes the trie entries nothing references once it ran, nor will.
+fn check_lead_frees_the_trie(before: &Actual, lead: &[Op], ops: &[Op]) -> Result<(), String> {
     let mut after_lead = before.clone();
     for op in lead {
         after_lead.apply(op);
@@ -288,6 +316,11 @@ pub fn check_revocations_lead(
              deleted there: {ops:?}"
         ));
     }
+    Ok(())
+}
+
+/// The design's revoke order within the lead.
+fn check_revoke_order(lead: &[Op], ops: &[Op]) -> Result<(), String> {
     // The design's revoke order: the address entries, then the WireGuard peers.
     if let Some(first_wg) = lead
         .iter()

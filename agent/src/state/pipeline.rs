@@ -37,14 +37,10 @@ use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 
 use super::{
     parse,
-    splice::{self, Blocks, Layout, Window},
+    splice::{self, Blocks, Hash, Layout, Window},
     typed, Compiled, DesiredState, PeerSpec, StateError, WgKey,
 };
 use crate::policy::{CompiledPolicy, Rule};
-
-/// A 128-bit hash, random-keyed per pipeline: a peer's identity (of what decides its spec), a
-/// block's of a file, a file's.
-pub(super) type Hash = u128;
 
 /// A state file's identity, from the hashes of its blocks: one pass over the file
 /// ([`Pipeline::fingerprint`]) tells an unchanged file, and, for a new one, where it differs

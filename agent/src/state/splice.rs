@@ -13,15 +13,17 @@
 //! ([`super::typed::Cursor::run`]). Anything else (a change outside the peers, a run that does
 //! not join up, a file of another order) is left to the pipeline's pass over every peer.
 //!
-//! Blocks are compared by the pipeline's 128-bit hashes, as peers are. Both sets of blocks
-//! are hashed in one pass over the file read in pieces ([`blocks`]); [`locate`] then needs
-//! only the hashes and a few top-level bytes, and the run is read from the bytes of its
+//! Blocks are compared by the pipeline's 128-bit hashes ([`Hash`]), as peers are. Both sets
+//! of blocks are hashed in one pass over the file read in pieces ([`blocks`]); [`locate`] then
+//! needs only the hashes and a few top-level bytes, and the run is read from the bytes of its
 //! [`Window`] alone, so the whole file is never held for it.
 
-use super::{
-    pipeline::Hash,
-    typed::{Cursor, RawPeer},
-};
+use super::typed::{Cursor, RawPeer};
+
+/// A 128-bit hash, random-keyed per pipeline: a peer's identity (of what decides its spec), a
+/// block's of a file, a file's. Defined here, where blocks are compared, so that the pipeline
+/// uses the splice and never the other way round.
+pub(super) type Hash = u128;
 
 /// The block size the pipeline compares files by: small enough that a change re-reads a few
 /// peers around it, large enough that the hashes are a small part of the file (0.4%).

@@ -12,12 +12,11 @@ use serde_json::{Map, Value};
 use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 
 use super::{
-    keepalive, parse_endpoint, parse_time, port_number, port_text, protocol_named, share,
-    trie_entries, unique_keys, usable_tunnel_addr, valid_name, window_error, Compiled,
+    assertions, keepalive, parse_endpoint, parse_time, port_number, port_text, protocol_named,
+    share, trie_entries, unique_keys, usable_tunnel_addr, valid_name, window_error, Compiled,
     DesiredState, FieldError, Mode, PeerSpec, StateError, WgKey, Window, MAX_NAME_LEN,
     MAX_RULES_PER_PEER, SCHEMA_VERSION,
 };
-use crate::explain::assertions;
 use crate::policy::{PortRange, Protocol, Rule};
 
 pub(super) const PEER_FIELDS: [&str; 11] = [

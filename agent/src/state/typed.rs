@@ -422,7 +422,7 @@ pub(super) fn parse(text: &str) -> Option<DesiredState> {
     let tests = match raw.tests {
         Some(text) => {
             let value = serde_json::from_str(text.get()).ok()?;
-            crate::explain::assertions::parse_tests(&value).ok()?
+            super::assertions::parse_tests(&value).ok()?
         }
         None => Vec::new(),
     };
@@ -474,36 +474,8 @@ fn peer<'a>(
         Some(m) => Mode::from_name(&m.0)?,
         None => Mode::Enforce,
     };
-    let time = |t: &Option<Str<'_>>| -> Option<Option<u64>> {
-        match t {
-            Some(t) => parse_time(&t.0).ok().map(Some),
-            None => Some(None),
-        }
-    };
-    let window = Window {
-        not_before: time(&raw.not_before)?,
-        expires: time(&raw.expires)?,
-    };
-    if window_error(&window).is_some() {
-        return None;
-    }
-    let (rules, policy) = match &raw.egress {
-        None => None,
-        Some(list) => {
-            // The rules' order does not matter: a set.
-            let mut texts: Vec<&'a str> = list.to_vec();
-            texts.sort_unstable();
-            match egress.get(&texts) {
-                Some(shared) => shared.clone(),
-                None => {
-                    let shared = rules(&texts, compiled)?;
-                    egress.insert(texts, shared.clone());
-                    shared
-                }
-            }
-        }
-    }
-    .unzip();
+    let window = window(raw)?;
+    let (rules, policy) = shared_egress(raw, egress, compiled)?.unzip();
     let (preshared_key, window) = PeerSpec::rare(preshared_key, window);
     Some(PeerSpec {
         name: compact_str::CompactString::from(name.as_ref()),
@@ -518,6 +490,47 @@ fn peer<'a>(
         mode,
         window,
     })
+}
+
+/// The peer's `notBefore` and `expires`, if they are times and make a window.
+fn window(raw: &RawPeer<'_>) -> Option<Window> {
+    let time = |t: &Option<Str<'_>>| -> Option<Option<u64>> {
+        match t {
+            Some(t) => parse_time(&t.0).ok().map(Some),
+            None => Some(None),
+        }
+    };
+    let window = Window {
+        not_before: time(&raw.not_before)?,
+        expires: time(&raw.expires)?,
+    };
+    if window_error(&window).is_some() {
+        return None;
+    }
+    Some(window)
+}
+
+/// The peer's rules and compiled policy (`Some(None)`: no `egress`, unrestricted), shared with
+/// every peer whose `egress` has the same rules' texts; `None`: rules this pass does not take.
+fn shared_egress<'a>(
+    raw: &RawPeer<'a>,
+    egress: &mut Egress<'a>,
+    compiled: &mut Compiled,
+) -> Option<Shared> {
+    let Some(list) = &raw.egress else {
+        return Some(None);
+    };
+    // The rules' order does not matter: a set.
+    let mut texts: Vec<&'a str> = list.to_vec();
+    texts.sort_unstable();
+    match egress.get(&texts) {
+        Some(shared) => Some(shared.clone()),
+        None => {
+            let shared = rules(&texts, compiled)?;
+            egress.insert(texts, shared.clone());
+            Some(shared)
+        }
+    }
 }
 
 /// An `egress` array, its rules' texts: its canonical rule set and compiled policy (`[]`:

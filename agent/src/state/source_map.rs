@@ -9,10 +9,8 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
 
-use crate::{
-    policy::Rule,
-    state::{parse, DesiredState},
-};
+use super::{parse, DesiredState};
+use crate::policy::Rule;
 
 /// A rule's place in the state file.
 pub type Location = String;

@@ -1,9 +1,12 @@
 //! Policy tests in the state file: `"tests": [{"peer": "alice", "accept": ["10.2.3.4:443/tcp",
-//! "192.0.2.1/icmp"], "deny": ["10.2.3.4:22/tcp", "[fd00::1]:53/udp"]}]`. Each assertion is a
-//! packet from the peer's address (of the destination's family) decided by the same evaluator
-//! `wgfence explain` gives its reason with, on the entries the peer's rules compile to. A state
-//! whose tests fail is rejected whole, every failing assertion named: `check`, `plan` and every
-//! apply of `run` parse through [`crate::state::parse`], which runs them.
+//! "192.0.2.1/icmp"], "deny": ["10.2.3.4:22/tcp", "[fd00::1]:53/udp"]}]`. The state's parsers
+//! read the field with the rest of the file ([`parse_tests`]) and the canonical state file
+//! writes it (`to_json`). Each assertion is a packet from the peer's address (of the
+//! destination's family) decided by the same evaluator `wgfence explain` gives its reason with
+//! (`crate::verdict`), on the entries the peer's rules compile to ([`decide`]). A state whose
+//! tests fail is rejected whole, every failing assertion named ([`failures`]): `check`, `plan`
+//! and every apply of `run` parse through [`crate::state::parse`], which runs them; [`failed`]
+//! picks those out of a rejection.
 //!
 //! Assertion syntax: `ADDR[:PORT]/PROTO`, where ADDR is an IPv4 address or an IPv6 address
 //! (in brackets when a port follows), PORT is required for `tcp` and `udp` and not allowed
@@ -19,11 +22,11 @@ use std::{
 use serde_json::Value;
 use wgfence_common::{Config, PeerEntry, PROTO_ICMP, PROTO_TCP, PROTO_UDP, UNRESTRICTED};
 
-use super::{evaluate, source::SourceMap, AllowText, Explanation, NoFlows, Probe, View};
+use super::{source_map::SourceMap, DesiredState, FieldError, PeerSpec, StateError};
 use crate::{
-    plan::ActualMaps,
+    actual_maps::ActualMaps,
     policy::sources as sources_of,
-    state::{DesiredState, FieldError, PeerSpec, StateError},
+    verdict::{evaluate, AllowText, Explanation, NoFlows, Probe, View},
 };
 
 /// One packet a test expects to pass or to be dropped.

@@ -1,0 +1,59 @@
+//! The datapath maps' contents as the agent holds them ([`ActualMaps`]): read back from the
+//! kernel, or compiled from a state by the planner's own operations. What the planner compares
+//! with the desired state, and what the evaluator ([`crate::verdict`]) decides packets on.
+
+use std::{collections::BTreeMap, net::IpAddr};
+
+use ipnet::IpNet;
+use wgfence_common::{Allow, PeerEntry};
+
+use crate::policy::CompiledPolicy;
+
+/// The datapath maps as read back from the kernel.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ActualMaps {
+    pub peers: BTreeMap<IpAddr, PeerEntry>,
+    /// Trie entries grouped by policy id.
+    pub policies: BTreeMap<u32, CompiledPolicy>,
+    /// The owner high-water mark the kernel's settings entry holds ([`Config::owner_high`]).
+    ///
+    /// [`Config::owner_high`]: wgfence_common::Config::owner_high
+    pub owner_high: u64,
+    /// Wall clock minus boot clock in nanoseconds ([`crate::clock`]): how peer windows, given
+    /// in wall-clock time, become the boot-clock bounds of their entries.
+    pub wall_minus_boot_ns: i128,
+}
+
+impl ActualMaps {
+    /// Groups trie entries read from the kernel by policy id.
+    pub fn from_entries(
+        peers: impl IntoIterator<Item = (IpAddr, PeerEntry)>,
+        entries: impl IntoIterator<Item = (u32, IpNet, Vec<Allow>)>,
+    ) -> Self {
+        let mut grouped: BTreeMap<u32, Vec<(IpNet, Vec<Allow>)>> = BTreeMap::new();
+        for (policy, prefix, allows) in entries {
+            grouped.entry(policy).or_default().push((prefix, allows));
+        }
+        Self {
+            peers: peers.into_iter().collect(),
+            policies: grouped
+                .into_iter()
+                .map(|(id, entries)| (id, CompiledPolicy::from_entries(entries)))
+                .collect(),
+            owner_high: 0,
+            wall_minus_boot_ns: 0,
+        }
+    }
+
+    /// The same, with the owner high-water mark of the kernel's settings entry.
+    pub fn with_owner_high(mut self, owner_high: u64) -> Self {
+        self.owner_high = owner_high;
+        self
+    }
+
+    /// The same, with the offset that converts peer windows to the boot clock.
+    pub fn with_wall_minus_boot(mut self, ns: i128) -> Self {
+        self.wall_minus_boot_ns = ns;
+        self
+    }
+}
