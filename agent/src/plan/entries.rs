@@ -47,6 +47,16 @@ pub(super) fn peer_entry(
     entry
 }
 
+/// The length of the rule counter block of a policy with `rules` rules: as many as its trie
+/// entries count for ([`CompiledPolicy::counted_rules`], at least 1), which is what the index
+/// reads back from the kernel. Not the number of rules: a later rule that compiles to no
+/// entry counts nothing, and a block placed longer than the index sees it would leave its tail
+/// free for a later placement (a restart at a full counter space wrote blocks and entries for
+/// an unchanged state). `None` for a policy without rules.
+pub(super) fn rule_block_len(policy: &CompiledPolicy, rules: usize) -> Option<u32> {
+    (rules > 0).then(|| policy.counted_rules().max(1))
+}
+
 /// The rule counter block of each policy the touched peers use: its rules, in canonical order,
 /// count at `base..base + rules` of the rule counters. A policy keeps the block its entries
 /// carry (so the counts survive restarts, adopted from the pinned entries); a policy without
@@ -65,10 +75,8 @@ fn rule_blocks(
     let mut want: BTreeMap<u32, u32> = counted.clone();
     for peer in touched {
         if let (Some(policy), Some(rules)) = (peer.policy.as_deref(), &peer.rules) {
-            if let (Some(id), Ok(len)) = (id_of(policy), u32::try_from(rules.len())) {
-                if len > 0 {
-                    want.insert(id, len);
-                }
+            if let (Some(id), Some(len)) = (id_of(policy), rule_block_len(policy, rules.len())) {
+                want.insert(id, len);
             }
         }
     }

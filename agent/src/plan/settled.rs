@@ -7,7 +7,11 @@ use std::collections::{BTreeMap, HashMap};
 use ipnet::IpNet;
 use wgfence_common::{NO_RULES, UNRESTRICTED};
 
-use super::{entries::peer_entry, planner::Planner, wireguard::wg_change};
+use super::{
+    entries::{peer_entry, rule_block_len},
+    planner::Planner,
+    wireguard::wg_change,
+};
 use crate::{policy::CompiledPolicy, state::PeerSpec};
 
 impl<'a> Planner<'a> {
@@ -25,7 +29,7 @@ impl<'a> Planner<'a> {
                 let id = *ids
                     .entry(policy)
                     .or_insert_with(|| self.existing_id(policy));
-                if let (Some(id), Ok(len @ 1..)) = (id, u32::try_from(rules.len())) {
+                if let (Some(id), Some(len)) = (id, rule_block_len(policy, rules.len())) {
                     counted.insert(id, len);
                 }
             }

@@ -108,3 +108,34 @@ fn a_full_trie_makes_room_before_the_puts() {
     assert!(apply_at_capacity(&mut kernel, &retry.ops, 2));
     assert_converged(&kernel, &after);
 }
+
+/// A rule that compiles to no entry (everything it allows an earlier rule allows) counts
+/// nothing: its policy's rule counter block ends before it. Placed as long as the rules, the
+/// block's tail was free again once written (the index reads a block's length from the
+/// entries), and at a full counter space a later plan placed a policy in it: a restart with
+/// 40,000 distinct policies at 60k peers wrote 7 blocks and 9 peer entries for an unchanged
+/// state.
+#[test]
+fn a_rule_block_is_as_long_as_the_rules_its_entries_count() {
+    let state = one(json!([
+        { "name": "a", "publicKey": key(1), "address": "10.8.0.2",
+          "egress": [{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] },
+                     { "cidr": "10.1.0.0/16", "protocol": "tcp", "ports": [443] }] },
+        { "name": "b", "publicKey": key(2), "address": "10.8.0.3",
+          "egress": [{ "cidr": "192.0.2.0/24", "protocol": "udp" }] },
+    ]));
+    let mut kernel = Kernel::default();
+    let plan = converge(&mut kernel, &DesiredState::default(), &state);
+    let blocks: Vec<(u32, u32)> = plan
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::ResetRuleCounters { base, len } => Some((*base, *len)),
+            _ => None,
+        })
+        .collect();
+    // a's second rule counts nothing: one counter each, back to back.
+    assert_eq!(blocks, vec![(0, 1), (1, 1)], "{:#?}", plan.ops);
+    let b: IpAddr = "10.8.0.3".parse().expect("an address");
+    assert_eq!(kernel_entry(&kernel, b).rules, 1);
+}
