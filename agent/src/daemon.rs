@@ -273,8 +273,7 @@ impl Core {
         let large = changes.touched.len() + changes.gone.len() > LARGE_CHANGE;
         if large {
             // Freeing many peers and handing the memory back, off the path of the next push.
-            crate::drop_later(changes);
-            trim_heap();
+            crate::drop_later_and_trim(changes);
         }
         next
     }
@@ -443,7 +442,7 @@ impl Core {
         self.rejected = Some(hash);
         self.applied = None;
         // Rejecting walks the whole file as a value tree: hand the freed memory back.
-        trim_heap();
+        crate::trim_heap();
     }
 
     fn apply(&mut self, changes: &Changes, hash: u128) -> Next {
@@ -943,12 +942,6 @@ async fn follow(
         }
     }
     Ok(())
-}
-
-/// Hands free heap memory back to the system, so a peak does not stay resident.
-fn trim_heap() {
-    // SAFETY: malloc_trim only releases free heap memory.
-    unsafe { libc::malloc_trim(0) };
 }
 
 async fn sleep_until(at: Option<Instant>) {

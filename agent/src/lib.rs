@@ -51,21 +51,54 @@ pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
 /// (a previous state, the peers a push removed) is not freed between a file change and the
 /// kernel write. If the thread cannot be started, it is freed here.
 pub fn drop_later<T: Send + 'static>(value: T) {
-    type Garbage = Box<dyn Send>;
+    free_later(Box::new(value), false);
+}
+
+/// [`drop_later`], then the free heap handed back to the system (`malloc_trim`) on the same
+/// thread, once `value` is gone: for what is proportional to the number of peers, so that a
+/// peak does not stay resident. (A trim on the caller's thread would run before the free.)
+pub fn drop_later_and_trim<T: Send + 'static>(value: T) {
+    free_later(Box::new(value), true);
+}
+
+type Garbage = (Box<dyn Send>, bool);
+
+fn free_later(value: Box<dyn Send>, trim: bool) {
     static FREER: std::sync::OnceLock<Option<std::sync::mpsc::Sender<Garbage>>> =
         std::sync::OnceLock::new();
     let freer = FREER.get_or_init(|| {
         let (tx, rx) = std::sync::mpsc::channel::<Garbage>();
         std::thread::Builder::new()
             .name("wgfence-free".into())
-            .spawn(move || rx.into_iter().for_each(drop))
+            .spawn(move || {
+                for (value, trim) in rx {
+                    drop(value);
+                    if trim {
+                        trim_heap();
+                    }
+                }
+            })
             .ok()
             .map(|_| tx)
     });
-    if let Some(tx) = freer {
+    let garbage = (value, trim);
+    let back = match freer {
         // Only fails if the thread is gone: then the value comes back and is freed here.
-        let _ = tx.send(Box::new(value));
+        Some(tx) => tx.send(garbage).err().map(|e| e.0),
+        None => Some(garbage),
+    };
+    if let Some((value, trim)) = back {
+        drop(value);
+        if trim {
+            trim_heap();
+        }
     }
+}
+
+/// Hands free heap memory back to the system, so a peak does not stay resident.
+pub fn trim_heap() {
+    // SAFETY: malloc_trim only releases free heap memory.
+    unsafe { libc::malloc_trim(0) };
 }
 
 /// Cases for a slow property test: `full` in the long suite (`cargo xtask test --full` sets

@@ -252,7 +252,8 @@ impl Reconciler {
         wg: ActualWg,
     ) -> Result<(), ReconcileError> {
         let wg_read = t.elapsed() - maps_read;
-        drop_later(std::mem::replace(&mut self.actual, Actual::new(maps, wg)));
+        // The previous view is as large as the kernel's state: its memory goes back.
+        crate::drop_later_and_trim(std::mem::replace(&mut self.actual, Actual::new(maps, wg)));
         let indexed = t.elapsed() - maps_read - wg_read;
         self.kernel_config = Some(self.dataplane.maps().config()?);
         self.stale = false;
