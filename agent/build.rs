@@ -101,29 +101,23 @@ fn build() -> Result<(), String> {
              run `cargo xtask setup` to install bpf-linker and the BPF toolchain"
         ));
     }
-    let object = target_dir.join(TARGET).join("release").join("wgfence");
-    let embedded = out_dir.join("wgfence.bpf.o");
-    std::fs::copy(&object, &embedded)
-        .map_err(|e| format!("cannot copy {}: {e}", object.display()))?;
-    println!("cargo:rustc-env=WGFENCE_BPF_OBJECT={}", embedded.display());
+    let release = target_dir.join(TARGET).join("release");
+    // The datapath, embedded in the agent.
+    pass_on(&release, &out_dir, "wgfence", "WGFENCE_BPF_OBJECT")?;
     // The tick counter the agent runs to learn the kernel's tick rate: embedded too.
-    let tick = target_dir.join(TARGET).join("release").join("tick");
-    let tick_embedded = out_dir.join("tick.bpf.o");
-    std::fs::copy(&tick, &tick_embedded)
-        .map_err(|e| format!("cannot copy {}: {e}", tick.display()))?;
-    println!(
-        "cargo:rustc-env=WGFENCE_TICK_OBJECT={}",
-        tick_embedded.display()
-    );
+    pass_on(&release, &out_dir, "tick", "WGFENCE_TICK_OBJECT")?;
     // The bench's floor programs: only their path is passed on (nothing embeds them).
-    let floor = target_dir.join(TARGET).join("release").join("floor");
-    let floor_copy = out_dir.join("floor.bpf.o");
-    std::fs::copy(&floor, &floor_copy)
-        .map_err(|e| format!("cannot copy {}: {e}", floor.display()))?;
-    println!(
-        "cargo:rustc-env=WGFENCE_FLOOR_OBJECT={}",
-        floor_copy.display()
-    );
+    pass_on(&release, &out_dir, "floor", "WGFENCE_FLOOR_OBJECT")?;
+    Ok(())
+}
+
+/// Copies the BPF binary `bin` into `out_dir` and names the copy in the environment variable
+/// `var` of the agent's build.
+fn pass_on(release: &Path, out_dir: &Path, bin: &str, var: &str) -> Result<(), String> {
+    let object = release.join(bin);
+    let copy = out_dir.join(format!("{bin}.bpf.o"));
+    std::fs::copy(&object, &copy).map_err(|e| format!("cannot copy {}: {e}", object.display()))?;
+    println!("cargo:rustc-env={var}={}", copy.display());
     Ok(())
 }
 

@@ -58,6 +58,13 @@ fn addr(ip: &[u8; 20], at: usize) -> [u8; 4] {
     [ip[at], ip[at + 1], ip[at + 2], ip[at + 3]]
 }
 
+/// The peer entry of the packet's source address, copied out.
+#[inline(always)]
+fn source_peer(ip: &[u8; 20]) -> Option<PeerEntry> {
+    // SAFETY: the value is copied out at once.
+    unsafe { PEERS.get(&PeerKeyV4 { addr: addr(ip, 12) }) }.copied()
+}
+
 #[classifier]
 pub fn floor_empty(_ctx: TcContext) -> i32 {
     TCX_NEXT
@@ -81,16 +88,7 @@ pub fn floor_lookup(ctx: TcContext) -> i32 {
 
 #[classifier]
 pub fn floor_lpm(ctx: TcContext) -> i32 {
-    let Some(ip) = head(&ctx) else {
-        return TCX_DROP;
-    };
-    // SAFETY: the value is copied out at once.
-    let Some(peer) = (unsafe {
-        PEERS.get(&PeerKeyV4 {
-            addr: addr(&ip, 12),
-        })
-    })
-    .copied() else {
+    let Some((ip, peer)) = head(&ctx).and_then(|ip| Some((ip, source_peer(&ip)?))) else {
         return TCX_DROP;
     };
     let key = Key::new(
@@ -108,16 +106,7 @@ pub fn floor_lpm(ctx: TcContext) -> i32 {
 
 #[classifier]
 pub fn floor_mim(ctx: TcContext) -> i32 {
-    let Some(ip) = head(&ctx) else {
-        return TCX_DROP;
-    };
-    // SAFETY: the value is copied out at once.
-    let Some(peer) = (unsafe {
-        PEERS.get(&PeerKeyV4 {
-            addr: addr(&ip, 12),
-        })
-    })
-    .copied() else {
+    let Some((ip, peer)) = head(&ctx).and_then(|ip| Some((ip, source_peer(&ip)?))) else {
         return TCX_DROP;
     };
     let key = Key::new(32, addr(&ip, 16));
