@@ -388,8 +388,36 @@ fn rule_to_json(rule: &Rule) -> Value {
     value
 }
 
-/// Rule sets seen while parsing one state, with their shared copy and compiled policy.
-type Compiled = HashMap<Vec<Rule>, (Arc<Vec<Rule>>, Arc<CompiledPolicy>)>;
+/// Rule sets seen while parsing one state, keyed by their shared copy, with their compiled
+/// policy.
+type Compiled = HashMap<SharedRules, Arc<CompiledPolicy>>;
+
+/// The shared copy of a rule set as a key of [`Compiled`], found by its rules: the key is the
+/// copy the peers hold, not a second one (with a policy per peer, a second copy of every rule
+/// set was about 0.9 KiB a policy).
+#[derive(Debug, Clone)]
+struct SharedRules(Arc<Vec<Rule>>);
+
+impl PartialEq for SharedRules {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.as_slice() == other.0.as_slice()
+    }
+}
+
+impl Eq for SharedRules {}
+
+impl std::hash::Hash for SharedRules {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // As the slice hashes, so that a lookup by `&[Rule]` finds it.
+        self.0.as_slice().hash(state);
+    }
+}
+
+impl std::borrow::Borrow<[Rule]> for SharedRules {
+    fn borrow(&self) -> &[Rule] {
+        self.0.as_slice()
+    }
+}
 
 /// One validation error: where, and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -471,12 +499,12 @@ fn share(rules: Option<Vec<Rule>>, compiled: &mut Compiled) -> Result<Shared, Po
     let Some(rules) = rules else {
         return Ok(None);
     };
-    if let Some((shared, policy)) = compiled.get(&rules) {
-        return Ok(Some((Arc::clone(shared), Arc::clone(policy))));
+    if let Some((shared, policy)) = compiled.get_key_value(rules.as_slice()) {
+        return Ok(Some((Arc::clone(&shared.0), Arc::clone(policy))));
     }
     let policy = Arc::new(compile(&rules)?);
-    let shared = Arc::new(rules.clone());
-    compiled.insert(rules, (Arc::clone(&shared), Arc::clone(&policy)));
+    let shared = Arc::new(rules);
+    compiled.insert(SharedRules(Arc::clone(&shared)), Arc::clone(&policy));
     Ok(Some((shared, policy)))
 }
 
@@ -487,7 +515,7 @@ type Shared = Option<(Arc<Vec<Rule>>, Arc<CompiledPolicy>)>;
 /// Capacity of the policy tries: the distinct policies' entries per family (IPv4, IPv6).
 fn trie_entries(compiled: &Compiled) -> (usize, usize) {
     let (mut v4, mut v6) = (0usize, 0usize);
-    for (_, policy) in compiled.values() {
+    for policy in compiled.values() {
         for (prefix, _) in policy.entries() {
             match prefix {
                 IpNet::V4(_) => v4 += 1,

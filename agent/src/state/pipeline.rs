@@ -38,7 +38,7 @@ use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 use super::{
     parse,
     splice::{self, Blocks, Hash, Layout, Window},
-    typed, Compiled, DesiredState, PeerSpec, StateError, WgKey,
+    typed, Compiled, DesiredState, PeerSpec, SharedRules, StateError, WgKey,
 };
 use crate::policy::{CompiledPolicy, Rule};
 
@@ -383,7 +383,7 @@ impl Pipeline {
             rebuilt.add(peer);
         }
         let known: HashSet<Hash, ByHash> = self.hashes.iter().copied().collect();
-        let compiled: HashSet<usize> = self.compiled.values().map(|(r, _)| rules_id(r)).collect();
+        let compiled: HashSet<usize> = self.compiled.keys().map(|r| rules_id(&r.0)).collect();
         let used: HashSet<usize> = rebuilt.uses.keys().copied().collect();
         let differs = [
             ("keys", rebuilt.keys != self.index.keys),
@@ -676,7 +676,7 @@ impl Pipeline {
     fn forget_unused_policies(&mut self) {
         let uses = &self.index.uses;
         self.compiled
-            .retain(|_, (rules, _)| uses.contains_key(&rules_id(rules)));
+            .retain(|rules, _| uses.contains_key(&rules_id(&rules.0)));
     }
 
     /// Whether a peer of the accepted state has `key`.
@@ -901,8 +901,8 @@ impl Pipeline {
             self.known.insert(hash);
             if let (Some(rules), Some(policy)) = (&peer.rules, &peer.policy) {
                 self.compiled
-                    .entry(rules.to_vec())
-                    .or_insert_with(|| (Arc::clone(rules), Arc::clone(policy)));
+                    .entry(SharedRules(Arc::clone(rules)))
+                    .or_insert_with(|| Arc::clone(policy));
             }
             self.index.add(peer);
         }
