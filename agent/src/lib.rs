@@ -57,7 +57,7 @@ pub fn drop_later<T: Send + 'static>(value: T) {
 /// [`drop_later`], then the free heap handed back to the system (`malloc_trim`) on the same
 /// thread, once `value` is gone: for what is proportional to the number of peers, so that a
 /// peak does not stay resident. (A trim on the caller's thread would run before the free.)
-pub fn drop_later_and_trim<T: Send + 'static>(value: T) {
+pub(crate) fn drop_later_and_trim<T: Send + 'static>(value: T) {
     free_later(Box::new(value), true);
 }
 
@@ -96,7 +96,7 @@ fn free_later(value: Box<dyn Send>, trim: bool) {
 }
 
 /// Hands free heap memory back to the system, so a peak does not stay resident.
-pub fn trim_heap() {
+pub(crate) fn trim_heap() {
     // SAFETY: malloc_trim only releases free heap memory.
     unsafe { libc::malloc_trim(0) };
 }

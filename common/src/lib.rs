@@ -434,10 +434,10 @@ impl Config {
 /// Per-CPU state of the drop event rate limiter: a token bucket counted in nanoseconds of
 /// credit, refilled from `jiffies` (no clock read for a refused event).
 ///
-/// Until layout 3's agents of 2026-12-04, the second field held the CLOCK_MONOTONIC time of
-/// the last refill (`last_ns`); a map pinned by such an agent still shows that name in
-/// `bpftool map dump`, and the first refill after the program is replaced reads it as a jiffy
-/// count far away, which only grants one burst.
+/// Earlier agents of the same layout (3) kept the CLOCK_MONOTONIC time of the last refill in
+/// the second field, named `last_ns`: a map such an agent pinned still shows that name in
+/// `bpftool map dump` (its BTF is the creator's), and the first refill after the program is
+/// replaced reads the old value as a far-away jiffy count, which grants one burst at most.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct EventBucket {
