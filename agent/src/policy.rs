@@ -61,10 +61,17 @@ impl PortRange {
 pub struct Rule {
     pub cidr: IpNet,
     pub protocol: Protocol,
-    pub ports: Vec<PortRange>,
-    /// Prefixes carved out of `cidr` (sorted, each strictly inside it).
-    pub except: Vec<IpNet>,
+    /// Held inline up to two ranges, as most rules have: no heap block for them.
+    pub ports: Ports,
+    /// Prefixes carved out of `cidr` (sorted, each strictly inside it); exactly sized, and no
+    /// heap block when empty, as it is for most rules.
+    pub except: Box<[IpNet]>,
 }
+
+/// A rule's port (or ICMP type) ranges. Rules are the bulk of an agent's memory when every
+/// peer has a policy of its own (docs/operations.md, "Memory"): 64 bytes a rule with this,
+/// where two vectors took 72 and a heap block.
+pub type Ports = smallvec::SmallVec<[PortRange; 2]>;
 
 /// Prefixes one rule may carve out of its `cidr`.
 pub const MAX_EXCEPT: usize = 64;
@@ -82,8 +89,8 @@ impl Rule {
         Self {
             cidr,
             protocol,
-            ports,
-            except: Vec::new(),
+            ports: Ports::from_vec(ports),
+            except: Box::default(),
         }
     }
 
@@ -91,7 +98,7 @@ impl Rule {
     pub fn with_except(mut self, mut except: Vec<IpNet>) -> Self {
         except.sort_unstable();
         except.dedup();
-        self.except = except;
+        self.except = except.into_boxed_slice();
         self
     }
 
@@ -247,9 +254,17 @@ pub enum PolicyError {
 /// A compiled, canonical policy: trie entries by destination prefix. No entries means every
 /// packet is denied (`"egress": []`, [`NOTHING`]); a peer without `egress` is unrestricted and
 /// has no compiled policy at all.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+///
+/// Held flat, as two exactly sized arrays: the prefixes in order, each with the end of its
+/// allows in the second. A policy is written once and read often; an agent with a policy per
+/// peer holds tens of thousands, twice (the accepted state's and the kernel's view), where a
+/// map of prefixes to vectors cost twice the bytes and a heap block an entry.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct CompiledPolicy {
-    entries: BTreeMap<IpNet, Vec<Allow>>,
+    /// Sorted by prefix, without repeats: each prefix and the end of its allows in `allows`
+    /// (the start is the previous entry's end).
+    prefixes: Vec<(IpNet, u32)>,
+    allows: Vec<Allow>,
 }
 
 /// The rules one trie entry counts for: its highest rule index, plus one (0 for no allow).
@@ -264,21 +279,45 @@ pub fn counted_rules(allows: &[Allow]) -> u32 {
 /// The policy of `"egress": []`: no entry, so every packet is denied. As the kernel holds it:
 /// a restricted policy id that peer entries point at and the tries have no entry for.
 pub static NOTHING: CompiledPolicy = CompiledPolicy {
-    entries: BTreeMap::new(),
+    prefixes: Vec::new(),
+    allows: Vec::new(),
 };
+
+/// In the order of the entries, as a map of prefixes to allows would sort (the order the
+/// compiler's canonical ids were always given in).
+impl Ord for CompiledPolicy {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.entries().cmp(other.entries())
+    }
+}
+
+impl PartialOrd for CompiledPolicy {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
 
 impl CompiledPolicy {
     /// The trie entries, sorted by prefix.
     pub fn entries(&self) -> impl ExactSizeIterator<Item = (IpNet, &[Allow])> + '_ {
-        self.entries.iter().map(|(p, a)| (*p, a.as_slice()))
+        self.prefixes
+            .iter()
+            .enumerate()
+            .map(|(i, (prefix, _))| (*prefix, self.allows_at(i)))
+    }
+
+    /// The allows of entry `i`.
+    fn allows_at(&self, i: usize) -> &[Allow] {
+        let start = i.checked_sub(1).map_or(0, |p| self.prefixes[p].1 as usize);
+        &self.allows[start..self.prefixes[i].1 as usize]
     }
 
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.prefixes.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.prefixes.is_empty()
     }
 
     /// The map value of one entry.
@@ -291,14 +330,30 @@ impl CompiledPolicy {
     }
 
     /// Sets one entry (the kernel's view of a policy while it is being written); the entry it
-    /// replaced, if any.
+    /// replaced, if any. O(entries), as is the content hash the planner's index takes of the
+    /// policy after each of its writes.
     pub fn insert_entry(&mut self, prefix: IpNet, allows: Vec<Allow>) -> Option<Vec<Allow>> {
-        self.entries.insert(prefix, allows)
+        let mut entries: Vec<(IpNet, Vec<Allow>)> =
+            self.entries().map(|(p, a)| (p, a.to_vec())).collect();
+        let replaced = match entries.binary_search_by_key(&prefix, |(p, _)| *p) {
+            Ok(at) => Some(std::mem::replace(&mut entries[at].1, allows)),
+            Err(at) => {
+                entries.insert(at, (prefix, allows));
+                None
+            }
+        };
+        *self = Self::from_sorted(entries);
+        replaced
     }
 
     /// Removes one entry; the entry, if there was one.
     pub fn remove_entry(&mut self, prefix: &IpNet) -> Option<Vec<Allow>> {
-        self.entries.remove(prefix)
+        let mut entries: Vec<(IpNet, Vec<Allow>)> =
+            self.entries().map(|(p, a)| (p, a.to_vec())).collect();
+        let at = entries.binary_search_by_key(prefix, |(p, _)| *p).ok()?;
+        let (_, removed) = entries.remove(at);
+        *self = Self::from_sorted(entries);
+        Some(removed)
     }
 
     /// How many of the policy's rules (in canonical order) have a counter: the highest rule
@@ -306,26 +361,35 @@ impl CompiledPolicy {
     /// allows, earlier rules allow or `except` took away), so no packet can count for it, and
     /// the policy's rule-counter block ([`crate::plan`]) ends before it.
     pub fn counted_rules(&self) -> u32 {
-        self.entries
-            .values()
-            .map(|allows| counted_rules(allows))
-            .max()
-            .unwrap_or(0)
+        counted_rules(&self.allows)
     }
 
-    /// Rebuilds a policy from trie entries read back from the kernel.
+    /// Rebuilds a policy from trie entries read back from the kernel (a prefix given twice
+    /// keeps its last allows, as a map's insert would).
     pub fn from_entries(entries: impl IntoIterator<Item = (IpNet, Vec<Allow>)>) -> Self {
-        Self {
-            entries: entries.into_iter().collect(),
+        let sorted: BTreeMap<IpNet, Vec<Allow>> = entries.into_iter().collect();
+        Self::from_sorted(sorted)
+    }
+
+    /// From entries sorted by prefix, without repeats.
+    fn from_sorted<A: AsRef<[Allow]>>(entries: impl IntoIterator<Item = (IpNet, A)>) -> Self {
+        let mut prefixes = Vec::new();
+        let mut allows = Vec::new();
+        for (prefix, entry) in entries {
+            allows.extend_from_slice(entry.as_ref());
+            // At most MAX_ALLOWS an entry and a trie's worth of entries: far below u32::MAX.
+            prefixes.push((prefix, u32::try_from(allows.len()).unwrap_or(u32::MAX)));
         }
+        prefixes.shrink_to_fit();
+        allows.shrink_to_fit();
+        Self { prefixes, allows }
     }
 
     /// What the datapath decides for a packet: the longest matching prefix's allows must
     /// contain a match. A reference model for tests of the compiler and of the datapath.
     #[cfg(any(test, feature = "testing"))]
     pub fn permits(&self, dst: std::net::IpAddr, protocol: u8, port: Option<u16>) -> bool {
-        self.entries
-            .iter()
+        self.entries()
             .filter(|(prefix, _)| prefix.contains(&dst))
             .max_by_key(|(prefix, _)| prefix.prefix_len())
             .is_some_and(|(_, allows)| allows.iter().any(|a| a.matches(protocol, port)))
@@ -392,7 +456,7 @@ pub fn compile(rules: &[Rule]) -> Result<CompiledPolicy, PolicyError> {
             max: MAX_ALLOWS,
         });
     }
-    Ok(CompiledPolicy { entries: folded })
+    Ok(CompiledPolicy::from_sorted(folded))
 }
 
 /// Provenance of a compiled allow entry: the indexes (into `rules`) of the rules it came from

@@ -1054,7 +1054,7 @@ mod tests {
                     && r.cidr.prefix_len() == 0
                     && matches!(r.cidr, IpNet::V4(_))
             })
-            .map(|r| r.ports.clone());
+            .map(|r| r.ports.to_vec());
         assert_eq!(
             icmp4,
             Some(vec![PortRange::new(3, 4), PortRange::single(8)])
@@ -1062,7 +1062,7 @@ mod tests {
         let icmp6 = rules
             .iter()
             .find(|r| matches!(r.cidr, IpNet::V6(_)))
-            .map(|r| r.ports.clone());
+            .map(|r| r.ports.to_vec());
         assert_eq!(icmp6, Some(vec![PortRange::single(128)]));
         assert_eq!(parse(&parsed.to_canonical_json()).unwrap(), parsed);
     }

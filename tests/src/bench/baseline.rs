@@ -87,7 +87,7 @@ pub fn render(desired: &DesiredState, interface: &str) -> String {
                     let ports = if rule.ports.is_empty() {
                         vec![PortRange::ALL]
                     } else {
-                        rule.ports.clone()
+                        rule.ports.to_vec()
                     };
                     for r in ports {
                         let _ = writeln!(
