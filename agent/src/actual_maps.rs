@@ -2,7 +2,7 @@
 //! kernel, or compiled from a state by the planner's own operations. What the planner compares
 //! with the desired state, and what the evaluator ([`crate::verdict`]) decides packets on.
 
-use std::{collections::BTreeMap, net::IpAddr};
+use std::{collections::BTreeMap, net::IpAddr, sync::Arc};
 
 use ipnet::IpNet;
 use wgfence_common::{Allow, PeerEntry};
@@ -13,8 +13,10 @@ use crate::policy::CompiledPolicy;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ActualMaps {
     pub peers: BTreeMap<IpAddr, PeerEntry>,
-    /// Trie entries grouped by policy id.
-    pub policies: BTreeMap<u32, CompiledPolicy>,
+    /// Trie entries grouped by policy id. Shared: the agent's view holds the accepted state's
+    /// own copy of a policy the kernel holds as compiled ([`crate::plan::Actual::share`]), so
+    /// a policy per peer is held once, not twice; a write to a shared one copies it first.
+    pub policies: BTreeMap<u32, Arc<CompiledPolicy>>,
     /// The owner high-water mark the kernel's settings entry holds ([`Config::owner_high`]).
     ///
     /// [`Config::owner_high`]: wgfence_common::Config::owner_high
@@ -38,7 +40,7 @@ impl ActualMaps {
             peers: peers.into_iter().collect(),
             policies: grouped
                 .into_iter()
-                .map(|(id, entries)| (id, CompiledPolicy::from_entries(entries)))
+                .map(|(id, entries)| (id, Arc::new(CompiledPolicy::from_entries(entries))))
                 .collect(),
             owner_high: 0,
             wall_minus_boot_ns: 0,

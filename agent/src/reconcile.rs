@@ -95,6 +95,14 @@ pub fn read_maps(maps: &Maps) -> Result<ActualMaps, DataplaneError> {
         .with_wall_minus_boot(crate::clock::wall_minus_boot_ns()))
 }
 
+/// The view's own copies of policies it now shares with the accepted state: after a full read
+/// of the kernel, one per policy, so the heap is trimmed once they are gone.
+fn free_copies(copies: Vec<Arc<CompiledPolicy>>) {
+    if !copies.is_empty() {
+        crate::drop_later_and_trim(copies);
+    }
+}
+
 pub struct Reconciler {
     dataplane: Dataplane,
     wg: WireGuard,
@@ -359,6 +367,10 @@ impl Reconciler {
         if result.is_err() {
             drop_later(self.applied.take());
         } else {
+            let copies = self
+                .actual
+                .share(desired.peers.iter().filter_map(|p| p.policy.as_ref()));
+            free_copies(copies);
             // The previous state is freed off the apply path (milliseconds at 100,000 peers).
             drop_later(self.applied.replace(desired));
         }
@@ -394,7 +406,26 @@ impl Reconciler {
             Err(unplanned) => return Err(self.apply_lead_only(unplanned)),
         };
         drop_later(self.applied.take());
+        // A full plan (the kernel read again, or a resync) may have left the view holding
+        // copies of every policy; a plan of the changes, only of the changed peers'.
+        let full = !self.tracking;
         let result = self.execute(&plan, start);
+        if result.is_ok() {
+            let policies: Vec<&Arc<CompiledPolicy>> = if full {
+                desired
+                    .peers
+                    .iter()
+                    .filter_map(|p| p.policy.as_ref())
+                    .collect()
+            } else {
+                changes
+                    .touched_in(desired)
+                    .into_iter()
+                    .filter_map(|p| p.policy.as_ref())
+                    .collect()
+            };
+            free_copies(self.actual.share(policies));
+        }
         self.tracking = result.is_ok();
         result
     }

@@ -495,5 +495,5 @@ fn reply<F: Flows>(view: &View<'_, F>, seen: &Seen, entry: &PeerEntry) -> Reply 
 /// Compiled entries with each peer's policy as a content, for comparing two sets of entries
 /// whose policy ids differ.
 pub fn policy_of<'a>(maps: &'a ActualMaps, entry: &PeerEntry) -> Option<&'a CompiledPolicy> {
-    maps.policies.get(&entry.policy)
+    maps.policies.get(&entry.policy).map(|p| &**p)
 }

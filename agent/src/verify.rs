@@ -91,7 +91,7 @@ fn peer_entry_drift(desired: &DesiredState, maps: &ActualMaps, out: &mut Vec<Dri
             )),
             (Some(want), id) => {
                 if checked.insert(id) {
-                    let have = maps.policies.get(&id).unwrap_or(&NOTHING);
+                    let have = maps.policies.get(&id).map_or(&NOTHING, |p| &**p);
                     policy_drift(id, &peer.name, have, want, out);
                 }
             }
@@ -330,13 +330,17 @@ mod tests {
         // An allow entry added behind the agent's back, a stranger's peer entry, an orphan
         // policy and an extra allowed IP.
         if let Some(policy) = maps.policies.get_mut(&id) {
-            policy.insert_entry(net("10.2.3.4/32"), vec![Allow::new(PROTO_TCP, 22, 22)]);
+            std::sync::Arc::make_mut(policy)
+                .insert_entry(net("10.2.3.4/32"), vec![Allow::new(PROTO_TCP, 22, 22)]);
         }
         maps.peers
             .insert("10.8.0.9".parse().unwrap(), PeerEntry::default());
         maps.policies.insert(
             77,
-            CompiledPolicy::from_entries([(net("0.0.0.0/0"), vec![Allow::new(0, 0, u16::MAX)])]),
+            std::sync::Arc::new(CompiledPolicy::from_entries([(
+                net("0.0.0.0/0"),
+                vec![Allow::new(0, 0, u16::MAX)],
+            )])),
         );
         let mut wg = wg(&state);
         if let Some(p) = wg.peers.values_mut().next() {

@@ -2,7 +2,7 @@
 //! as read back ([`ActualMaps`], [`ActualWg`]), with the indexes that let a change be planned
 //! in time proportional to the change ([`super::index`]).
 
-use std::net::IpAddr;
+use std::{collections::HashSet, net::IpAddr, sync::Arc};
 
 use ipnet::IpNet;
 use wgfence_common::{PeerEntry, MAX_PEERS, NO_RULES, UNRESTRICTED};
@@ -220,6 +220,34 @@ impl Actual {
             .flatten()
             .copied()
             .filter(move |id| content_of(&self.maps, &self.index.policy_refs, *id) == Some(content))
+    }
+
+    /// Holds the accepted state's copy of each of `policies` wherever the kernel holds a policy
+    /// of the same content, in place of a copy of its own (read back from the kernel, or
+    /// built entry by entry as the plan wrote it): with a policy per peer, each is then held
+    /// once. What the view holds is unchanged, only where. O(entries of `policies`). The
+    /// copies it held instead are returned, for the caller to free where it frees the rest.
+    #[must_use = "the copies replaced, to be freed (and the heap trimmed) off the apply path"]
+    pub fn share<'a>(
+        &mut self,
+        policies: impl IntoIterator<Item = &'a Arc<CompiledPolicy>>,
+    ) -> Vec<Arc<CompiledPolicy>> {
+        let mut replaced = Vec::new();
+        let mut seen: HashSet<*const CompiledPolicy> = HashSet::new();
+        for policy in policies {
+            if !seen.insert(Arc::as_ptr(policy)) {
+                continue;
+            }
+            let ids: smallvec::SmallVec<[u32; 2]> = self.ids_of(policy).collect();
+            for id in ids {
+                if let Some(held) = self.maps.policies.get_mut(&id) {
+                    if !Arc::ptr_eq(held, policy) {
+                        replaced.push(std::mem::replace(held, Arc::clone(policy)));
+                    }
+                }
+            }
+        }
+        replaced
     }
 
     /// Counts a peer entry's references; an id without trie entries holds [`NOTHING`] while

@@ -1,7 +1,7 @@
 //! What an operation does to the kernel ([`Actual::apply`]): the agent's view of the kernel is
 //! kept current with it between full reads, and the tests use it as the model of the kernel.
 
-use std::net::IpAddr;
+use std::{net::IpAddr, sync::Arc};
 
 use ipnet::IpNet;
 use wgfence_common::{Allow, PeerEntry};
@@ -46,12 +46,8 @@ impl Actual {
 
     fn put_policy_entry(&mut self, policy: u32, prefix: IpNet, allows: &[Allow]) {
         self.unindex_content(policy);
-        let replaced = self
-            .maps
-            .policies
-            .entry(policy)
-            .or_default()
-            .insert_entry(prefix, allows.to_vec());
+        let content = self.maps.policies.entry(policy).or_default();
+        let replaced = Arc::make_mut(content).insert_entry(prefix, allows.to_vec());
         if let Some(old) = replaced {
             self.index.count_rule_end(policy, &old, false);
         }
@@ -109,7 +105,7 @@ impl Actual {
     fn delete_policy_entry(&mut self, policy: u32, prefix: &IpNet) {
         self.unindex_content(policy);
         if let Some(content) = self.maps.policies.get_mut(&policy) {
-            if let Some(old) = content.remove_entry(prefix) {
+            if let Some(old) = Arc::make_mut(content).remove_entry(prefix) {
                 self.index.count_rule_end(policy, &old, false);
             }
             if content.is_empty() {

@@ -41,7 +41,7 @@ fn content(actual: &Actual, id: u32) -> Option<CompiledPolicy> {
 
 fn maps_content(maps: &ActualMaps, id: u32) -> Option<CompiledPolicy> {
     match maps.policies.get(&id) {
-        Some(content) => Some(content.clone()),
+        Some(content) => Some(CompiledPolicy::clone(content)),
         None if id == EMPTY_POLICY => Some(CompiledPolicy::default()),
         None => None,
     }

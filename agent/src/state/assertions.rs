@@ -229,8 +229,8 @@ pub fn decide(peer: &PeerSpec, assertion: &Assertion) -> Result<(Probe, Explanat
         )]),
         policies: peer
             .policy
-            .as_deref()
-            .map(|p| BTreeMap::from([(id, p.clone())]))
+            .as_ref()
+            .map(|p| BTreeMap::from([(id, std::sync::Arc::clone(p))]))
             .unwrap_or_default(),
         owner_high: 1,
         ..ActualMaps::default()

@@ -75,7 +75,7 @@ fn drift_is_repaired() {
     if let Some(policy) = maps.policies.values_mut().next() {
         let prefix = policy.entries().next().map(|(p, _)| p);
         if let Some(prefix) = prefix {
-            policy.remove_entry(&prefix);
+            Arc::make_mut(policy).remove_entry(&prefix);
         }
     }
     kernel.0.wg.peers.remove(&WgKey([2; 32]));

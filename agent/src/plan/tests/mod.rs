@@ -396,7 +396,7 @@ fn drift(actual: &Actual, changes: &[(u8, usize, u8)]) -> Actual {
                 if let Some(policy) = maps.policies.values_mut().nth(which % n) {
                     let k = usize::from(value) % policy.entries().len().max(1);
                     let prefix = policy.entries().nth(k).map(|(p, _)| p);
-                    prefix.map(|p| policy.remove_entry(&p));
+                    prefix.map(|p| Arc::make_mut(policy).remove_entry(&p));
                 }
             }
             (9, _, _) => {

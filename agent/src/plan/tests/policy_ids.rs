@@ -69,7 +69,7 @@ fn a_policy_under_the_unrestricted_id_is_never_reused() {
     ]));
     let content = s.peers[0].policy.as_deref().cloned().unwrap_or_default();
     let mut maps = ActualMaps::default();
-    maps.policies.insert(UNRESTRICTED, content);
+    maps.policies.insert(UNRESTRICTED, Arc::new(content));
     let mut kernel = Kernel(Actual::new(maps, ActualWg::default()));
     let planned = plan(&s, &kernel.actual()).unwrap();
     for op in &planned.ops {
@@ -107,4 +107,49 @@ fn peers_with_equal_rules_share_policy_entries() {
         s.peers[0].policy.as_ref().unwrap_or(&Arc::default()),
         s.peers[1].policy.as_ref().unwrap_or(&Arc::default())
     ));
+}
+
+/// The view of the kernel holds the accepted state's own copy of each policy the kernel holds
+/// as compiled (memory: a policy per peer is held once), and a later write to that id copies
+/// it first: the accepted state's policy never changes under it.
+#[test]
+fn the_view_shares_the_states_policies_and_copies_on_write() {
+    let s = one(json!([
+        { "name": "a", "publicKey": key(1), "address": "10.8.0.2",
+          "egress": [{ "cidr": "10.0.0.0/8", "protocol": "tcp", "ports": [443] },
+                     { "cidr": "192.168.1.0/24" }] },
+        { "name": "b", "publicKey": key(2), "address": "10.8.0.3",
+          "egress": [{ "cidr": "172.16.0.0/12", "protocol": "udp", "ports": [53] }] },
+    ]));
+    let mut kernel = Kernel::default();
+    converge(&mut kernel, &DesiredState::default(), &s);
+    // As after a restart: every policy the view holds is a copy read back from the kernel.
+    let mut actual = Actual::new(kernel.0.maps().clone(), kernel.0.wg().clone());
+    let before = actual.maps().clone();
+    let desired: Vec<&Arc<crate::policy::CompiledPolicy>> =
+        s.peers.iter().filter_map(|p| p.policy.as_ref()).collect();
+    assert_eq!(desired.len(), 2);
+    let copies = actual.share(desired.iter().copied());
+    assert_eq!(copies.len(), 2, "each read-back copy is handed back");
+    assert_eq!(actual.maps(), &before, "sharing changes where, not what");
+    for (peer, policy) in s.peers.iter().zip(&desired) {
+        let id = kernel_entry(&kernel, peer.addrs().next().unwrap()).policy;
+        let held = &actual.maps().policies[&id];
+        assert!(Arc::ptr_eq(held, policy), "{}: not shared", peer.name);
+    }
+    assert!(plan(&s, &actual).map(|p| p.is_empty()).unwrap_or(false));
+
+    // A write to a shared id (as a plan replacing that policy's entries makes) leaves the
+    // state's copy as compiled.
+    let id = kernel_entry(&kernel, IpAddr::from([10, 8, 0, 2])).policy;
+    let compiled = desired[0].as_ref().clone();
+    actual.apply(&Op::DeletePolicyEntry {
+        policy: id,
+        prefix: "10.0.0.0/8".parse().unwrap(),
+    });
+    assert_eq!(
+        **desired[0], compiled,
+        "the state's policy changed under the view"
+    );
+    assert_ne!(actual.maps().policies[&id].len(), compiled.len());
 }
