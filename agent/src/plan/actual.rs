@@ -71,11 +71,9 @@ impl Actual {
         drop(slots);
         for (id, content) in &maps.policies {
             index.index_content(content, *id);
-            for (_, allows) in content.entries() {
-                let end = crate::policy::counted_rules(allows);
-                if end > 0 {
-                    count_up(&mut index.rule_ends, (*id, end));
-                }
+            let len = content.counted_rules();
+            if len > 0 {
+                index.rule_lens.insert(*id, len);
             }
         }
         for (base, len) in index.rule_blocks_in_use() {

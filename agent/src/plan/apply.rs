@@ -47,11 +47,8 @@ impl Actual {
     fn put_policy_entry(&mut self, policy: u32, prefix: IpNet, allows: &[Allow]) {
         self.unindex_content(policy);
         let content = self.maps.policies.entry(policy).or_default();
-        let replaced = Arc::make_mut(content).insert_entry(prefix, allows.to_vec());
-        if let Some(old) = replaced {
-            self.index.count_rule_end(policy, &old, false);
-        }
-        self.index.count_rule_end(policy, allows, true);
+        Arc::make_mut(content).insert_entry(prefix, allows.to_vec());
+        self.index.set_rule_len(policy, content.counted_rules());
         self.index_content(policy);
         self.sync_id(policy);
     }
@@ -105,9 +102,8 @@ impl Actual {
     fn delete_policy_entry(&mut self, policy: u32, prefix: &IpNet) {
         self.unindex_content(policy);
         if let Some(content) = self.maps.policies.get_mut(&policy) {
-            if let Some(old) = Arc::make_mut(content).remove_entry(prefix) {
-                self.index.count_rule_end(policy, &old, false);
-            }
+            Arc::make_mut(content).remove_entry(prefix);
+            self.index.set_rule_len(policy, content.counted_rules());
             if content.is_empty() {
                 self.maps.policies.remove(&policy);
             }

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
-use wgfence_common::{Allow, PeerEntry, NO_RULES, UNRESTRICTED};
+use wgfence_common::{PeerEntry, NO_RULES, UNRESTRICTED};
 
 use super::{
     device::{ActualWg, WgPeer},
@@ -35,11 +35,13 @@ pub(super) struct Index {
     /// Peer entries per (policy id, rule counter base), for entries that count their rules:
     /// a policy's block is its lowest base ([`rule_blocks`]).
     pub(super) rule_refs: BTreeMap<(u32, u32), usize>,
-    /// Trie entries per (policy id, the rules the entry counts for): a policy's block is as
-    /// long as its highest ([`CompiledPolicy::counted_rules`]), found without a pass over
-    /// its entries.
-    pub(super) rule_ends: BTreeMap<(u32, u32), usize>,
-    /// The rule counters the blocks of `rule_refs` and `rule_ends` use, kept current with
+    /// The rules each policy's trie entries count for ([`CompiledPolicy::counted_rules`]),
+    /// where that is not 0: how long its block is, found without a pass over its entries.
+    /// Set again after each write to the policy's entries, from the view's content (a pass
+    /// as long as the content hash taken then): one number a policy, where a count per
+    /// (policy, end) was 7 MiB of the agent's memory with a policy per peer at 60k.
+    pub(super) rule_lens: BTreeMap<u32, u32>,
+    /// The rule counters the blocks of `rule_refs` and `rule_lens` use, kept current with
     /// them: a new block is placed in O(log positions), not after a pass over every policy.
     pub(super) rule_space: rule_space::RuleSpace,
     /// Policy ids by their (complete or partial) content; an id that peer entries point at
@@ -218,17 +220,17 @@ impl Index {
         }
     }
 
-    /// Notes that policy `id` has one trie entry more (`up`) or less with `allows`.
-    pub(super) fn count_rule_end(&mut self, id: u32, allows: &[Allow], up: bool) {
-        let end = crate::policy::counted_rules(allows);
-        if end == 0 {
+    /// Notes that policy `id`'s trie entries now count for `len` rules
+    /// ([`CompiledPolicy::counted_rules`] of its content after a write).
+    pub(super) fn set_rule_len(&mut self, id: u32, len: u32) {
+        if self.rule_len(id) == len {
             return;
         }
         let before = self.rule_block(id);
-        if up {
-            count_up(&mut self.rule_ends, (id, end));
+        if len == 0 {
+            self.rule_lens.remove(&id);
         } else {
-            count_down(&mut self.rule_ends, (id, end));
+            self.rule_lens.insert(id, len);
         }
         self.rule_block_moved(id, before);
     }
@@ -255,10 +257,7 @@ impl Index {
 
     /// The length of policy `id`'s rule counter block: the rules its trie entries count for.
     pub(super) fn rule_len(&self, id: u32) -> u32 {
-        self.rule_ends
-            .range((id, 0)..=(id, u32::MAX))
-            .next_back()
-            .map_or(0, |((_, end), _)| *end)
+        self.rule_lens.get(&id).copied().unwrap_or(0)
     }
 
     /// The rule counter block the entries of policy `id` carry (their lowest base), if any.
@@ -270,28 +269,15 @@ impl Index {
     }
 
     /// Every block in use, as (base, length): each policy's lowest base, as long as its
-    /// entries' counted rules (at least 1). One merged pass over both indexes, O(#policies),
-    /// for a kernel just read.
+    /// entries' counted rules (at least 1). O(#policies log #policies), for a kernel just read.
     pub(super) fn rule_blocks_in_use(&self) -> Vec<(u32, u32)> {
-        let mut ends = self.rule_ends.keys().peekable();
         let mut blocks = Vec::new();
         let mut last = None;
         for &(id, base) in self.rule_refs.keys() {
-            if last == Some(id) {
-                continue;
+            if last != Some(id) {
+                last = Some(id);
+                blocks.push((base, self.rule_len(id).max(1)));
             }
-            last = Some(id);
-            let mut len = 0;
-            while let Some(&&(end_id, end)) = ends.peek() {
-                if end_id > id {
-                    break;
-                }
-                if end_id == id {
-                    len = end;
-                }
-                ends.next();
-            }
-            blocks.push((base, len.max(1)));
         }
         blocks
     }

@@ -73,9 +73,9 @@ impl Kernel {
         }
         assert!(
             index
-                .rule_ends
+                .rule_lens
                 .keys()
-                .all(|(id, _)| self.0.maps.policies.contains_key(id)),
+                .all(|id| self.0.maps.policies.contains_key(id)),
             "after {op}"
         );
         let mut blocks = BTreeMap::new();
