@@ -266,8 +266,8 @@ pub fn run(report: &mut Report, config: &Config) {
         let line = format!(
             "agent RSS at 60k with a policy per restricted peer, steady ≤ 48 MiB: {} (steady \
              {steady:.0} MiB, {:.1} KiB more per extra policy than with shared ones). The \
-             agent keeps each distinct policy's rules and its compiled entries, in the \
-             accepted state and in its view of the kernel.",
+             agent keeps each distinct policy's rules and its compiled entries once, in the \
+             accepted state; its view of the kernel refers to the same compiled entries.",
             verdict(steady <= 48.0),
             (steady - shared) * 1024.0 / extra_policies,
         );
