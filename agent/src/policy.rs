@@ -257,8 +257,8 @@ pub enum PolicyError {
 ///
 /// Held flat, as two exactly sized arrays: the prefixes in order, each with the end of its
 /// allows in the second. A policy is written once and read often; an agent with a policy per
-/// peer holds tens of thousands, twice (the accepted state's and the kernel's view), where a
-/// map of prefixes to vectors cost twice the bytes and a heap block an entry.
+/// peer holds tens of thousands (the accepted state's, which the view of the kernel refers
+/// to), where a map of prefixes to vectors cost twice the bytes and a heap block an entry.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct CompiledPolicy {
     /// Sorted by prefix, without repeats: each prefix and the end of its allows in `allows`
@@ -308,8 +308,7 @@ impl CompiledPolicy {
 
     /// The allows of entry `i`.
     fn allows_at(&self, i: usize) -> &[Allow] {
-        let start = i.checked_sub(1).map_or(0, |p| self.prefixes[p].1 as usize);
-        &self.allows[start..self.prefixes[i].1 as usize]
+        &self.allows[self.start_of(i)..self.prefixes[i].1 as usize]
     }
 
     pub fn len(&self) -> usize {
@@ -330,30 +329,69 @@ impl CompiledPolicy {
     }
 
     /// Sets one entry (the kernel's view of a policy while it is being written); the entry it
-    /// replaced, if any. O(entries), as is the content hash the planner's index takes of the
-    /// policy after each of its writes.
+    /// replaced, if any. O(entries) moves, as is the content hash the planner's index takes
+    /// of the policy after each of its writes; no heap block but the arrays' own.
     pub fn insert_entry(&mut self, prefix: IpNet, allows: Vec<Allow>) -> Option<Vec<Allow>> {
-        let mut entries: Vec<(IpNet, Vec<Allow>)> =
-            self.entries().map(|(p, a)| (p, a.to_vec())).collect();
-        let replaced = match entries.binary_search_by_key(&prefix, |(p, _)| *p) {
-            Ok(at) => Some(std::mem::replace(&mut entries[at].1, allows)),
-            Err(at) => {
-                entries.insert(at, (prefix, allows));
-                None
-            }
+        let (at, replaced) = match self.prefixes.binary_search_by_key(&prefix, |(p, _)| *p) {
+            Ok(at) => (at, Some(self.allows_at(at).to_vec())),
+            Err(at) => (at, None),
         };
-        *self = Self::from_sorted(entries);
+        let start = self.start_of(at);
+        let old_len = replaced.as_ref().map_or(0, Vec::len);
+        self.allows
+            .splice(start..start + old_len, allows.iter().copied());
+        let end = Self::offset(start + allows.len());
+        if replaced.is_some() {
+            self.prefixes[at].1 = end;
+        } else {
+            self.prefixes.insert(at, (prefix, end));
+        }
+        self.shift_ends(at + 1, allows.len(), old_len);
+        self.prefixes.shrink_to_fit();
+        self.allows.shrink_to_fit();
         replaced
     }
 
     /// Removes one entry; the entry, if there was one.
     pub fn remove_entry(&mut self, prefix: &IpNet) -> Option<Vec<Allow>> {
-        let mut entries: Vec<(IpNet, Vec<Allow>)> =
-            self.entries().map(|(p, a)| (p, a.to_vec())).collect();
-        let at = entries.binary_search_by_key(prefix, |(p, _)| *p).ok()?;
-        let (_, removed) = entries.remove(at);
-        *self = Self::from_sorted(entries);
+        let at = self.entry_index(prefix)?;
+        let start = self.start_of(at);
+        let removed: Vec<Allow> = self
+            .allows
+            .drain(start..self.prefixes[at].1 as usize)
+            .collect();
+        self.prefixes.remove(at);
+        self.shift_ends(at, 0, removed.len());
+        self.prefixes.shrink_to_fit();
+        self.allows.shrink_to_fit();
         Some(removed)
+    }
+
+    /// Whether the policy has an entry for exactly `prefix`.
+    pub fn has_entry(&self, prefix: &IpNet) -> bool {
+        self.entry_index(prefix).is_some()
+    }
+
+    fn entry_index(&self, prefix: &IpNet) -> Option<usize> {
+        self.prefixes.binary_search_by_key(prefix, |(p, _)| *p).ok()
+    }
+
+    /// Where entry `at`'s allows start: the previous entry's end.
+    fn start_of(&self, at: usize) -> usize {
+        at.checked_sub(1).map_or(0, |p| self.prefixes[p].1 as usize)
+    }
+
+    /// The ends of the entries from `from` on, after their allows moved by `added - removed`.
+    fn shift_ends(&mut self, from: usize, added: usize, removed: usize) {
+        for (_, end) in &mut self.prefixes[from..] {
+            *end = Self::offset(*end as usize + added - removed);
+        }
+    }
+
+    /// An offset into `allows`: at most MAX_ALLOWS an entry and a trie's worth of entries, far
+    /// below u32::MAX.
+    fn offset(at: usize) -> u32 {
+        u32::try_from(at).unwrap_or(u32::MAX)
     }
 
     /// How many of the policy's rules (in canonical order) have a counter: the highest rule
@@ -377,8 +415,7 @@ impl CompiledPolicy {
         let mut allows = Vec::new();
         for (prefix, entry) in entries {
             allows.extend_from_slice(entry.as_ref());
-            // At most MAX_ALLOWS an entry and a trie's worth of entries: far below u32::MAX.
-            prefixes.push((prefix, u32::try_from(allows.len()).unwrap_or(u32::MAX)));
+            prefixes.push((prefix, Self::offset(allows.len())));
         }
         prefixes.shrink_to_fit();
         allows.shrink_to_fit();
@@ -976,6 +1013,32 @@ mod properties {
                 shuffled.swap(i, j);
             }
             prop_assert_eq!(compile(&rules), compile(&shuffled));
+        }
+
+        /// Entry by entry, as the view of the kernel is written, the flat policy holds what a
+        /// map of prefixes to allows holds, and answers each write as the map would.
+        #[test]
+        fn entry_writes_match_a_map_of_prefixes(
+            writes in prop::collection::vec((0u8..6, 0usize..4, any::<bool>()), 0..40),
+        ) {
+            let prefix = |i: u8| IpNet::from(Ipv4Net::new(Ipv4Addr::new(10, i, 0, 0), 16).unwrap());
+            let mut policy = CompiledPolicy::default();
+            let mut model: BTreeMap<IpNet, Vec<Allow>> = BTreeMap::new();
+            for (step, (i, n, remove)) in writes.into_iter().enumerate() {
+                if remove {
+                    prop_assert_eq!(policy.remove_entry(&prefix(i)), model.remove(&prefix(i)));
+                } else {
+                    let allows: Vec<Allow> = (0..n)
+                        .map(|k| Allow::of_rule(step as u16, PROTO_TCP, k as u16, k as u16))
+                        .collect();
+                    prop_assert_eq!(
+                        policy.insert_entry(prefix(i), allows.clone()),
+                        model.insert(prefix(i), allows)
+                    );
+                }
+                prop_assert_eq!(&policy, &CompiledPolicy::from_entries(model.clone()));
+                prop_assert_eq!(policy.has_entry(&prefix(i)), model.contains_key(&prefix(i)));
+            }
         }
     }
 }

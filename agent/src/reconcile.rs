@@ -95,8 +95,9 @@ pub fn read_maps(maps: &Maps) -> Result<ActualMaps, DataplaneError> {
         .with_wall_minus_boot(crate::clock::wall_minus_boot_ns()))
 }
 
-/// The view's own copies of policies it now shares with the accepted state: after a full read
-/// of the kernel, one per policy, so the heap is trimmed once they are gone.
+/// The view's own copies of policies it now shares with the accepted state, freed off the
+/// apply path with a heap trim: after a full read of the kernel, one per policy; after a plan
+/// of changes, those of the policies it wrote (none for most pushes, which then free nothing).
 fn free_copies(copies: Vec<Arc<CompiledPolicy>>) {
     if !copies.is_empty() {
         crate::drop_later_and_trim(copies);

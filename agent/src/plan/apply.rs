@@ -101,7 +101,13 @@ impl Actual {
 
     fn delete_policy_entry(&mut self, policy: u32, prefix: &IpNet) {
         self.unindex_content(policy);
-        if let Some(content) = self.maps.policies.get_mut(&policy) {
+        // A shared policy is copied only when the entry is there to delete.
+        if let Some(content) = self
+            .maps
+            .policies
+            .get_mut(&policy)
+            .filter(|c| c.has_entry(prefix))
+        {
             Arc::make_mut(content).remove_entry(prefix);
             self.index.set_rule_len(policy, content.counted_rules());
             if content.is_empty() {

@@ -39,7 +39,7 @@ pub(super) struct Index {
     /// where that is not 0: how long its block is, found without a pass over its entries.
     /// Set again after each write to the policy's entries, from the view's content (a pass
     /// as long as the content hash taken then): one number a policy, where a count per
-    /// (policy, end) was 7 MiB of the agent's memory with a policy per peer at 60k.
+    /// (policy, end) was 8.7 MiB of the agent's memory with a policy per peer at 60k.
     pub(super) rule_lens: BTreeMap<u32, u32>,
     /// The rule counters the blocks of `rule_refs` and `rule_lens` use, kept current with
     /// them: a new block is placed in O(log positions), not after a pass over every policy.
