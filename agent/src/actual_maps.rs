@@ -47,6 +47,22 @@ impl ActualMaps {
         }
     }
 
+    /// The maps from their peer entries and their policies by id.
+    pub fn from_policies(
+        peers: impl IntoIterator<Item = (IpAddr, PeerEntry)>,
+        policies: impl IntoIterator<Item = (u32, CompiledPolicy)>,
+    ) -> Self {
+        Self {
+            peers: peers.into_iter().collect(),
+            policies: policies
+                .into_iter()
+                .map(|(id, policy)| (id, Arc::new(policy)))
+                .collect(),
+            owner_high: 0,
+            wall_minus_boot_ns: 0,
+        }
+    }
+
     /// The same, with the owner high-water mark of the kernel's settings entry.
     pub fn with_owner_high(mut self, owner_high: u64) -> Self {
         self.owner_high = owner_high;

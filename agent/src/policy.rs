@@ -409,6 +409,14 @@ impl CompiledPolicy {
         Self::from_sorted(sorted)
     }
 
+    /// A policy from its trie entries sorted by prefix, without repeats (as read back from
+    /// one trie, sorted).
+    pub fn from_sorted_entries<A: AsRef<[Allow]>>(
+        entries: impl IntoIterator<Item = (IpNet, A)>,
+    ) -> Self {
+        Self::from_sorted(entries)
+    }
+
     /// From entries sorted by prefix, without repeats.
     fn from_sorted<A: AsRef<[Allow]>>(entries: impl IntoIterator<Item = (IpNet, A)>) -> Self {
         let mut prefixes = Vec::new();

@@ -43,8 +43,9 @@ use crate::{
     sweeper::{Pause, Sweeper},
     wg::{WgError, WireGuard},
 };
+use ipnet::IpNet;
 pub use preview::{preview, read_pinned, Preview};
-use wgfence_common::Config;
+use wgfence_common::{Allow, Config};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
@@ -83,14 +84,28 @@ fn settings_ops(
     plan_settings(&settings.config(replies, cpus), kernel)
 }
 
-/// Reads the maps into the planner's form (O(entries)).
+/// Reads the maps into the planner's form (O(entries)). The trie entries are read into one
+/// array of allows and one of (policy, prefix, where its allows are), which each policy's
+/// flat form is then built from: no map value and no heap block per entry is held on the way.
 pub fn read_maps(maps: &Maps) -> Result<ActualMaps, DataplaneError> {
     let peers = maps.peers()?;
-    let entries = maps
-        .policies()?
-        .into_iter()
-        .map(|e| (e.policy, e.prefix, e.value.allows().to_vec()));
-    Ok(ActualMaps::from_entries(peers, entries)
+    let mut allows: Vec<Allow> = Vec::new();
+    let mut entries: Vec<(u32, IpNet, std::ops::Range<usize>)> = Vec::new();
+    maps.each_policy_entry(|policy, prefix, value| {
+        let start = allows.len();
+        allows.extend_from_slice(value.allows());
+        entries.push((policy, prefix, start..allows.len()));
+    })?;
+    // One entry a (policy, prefix) in a trie: no two are equal.
+    entries.sort_unstable_by_key(|(policy, prefix, _)| (*policy, *prefix));
+    let policies = entries.chunk_by(|a, b| a.0 == b.0).filter_map(|run| {
+        let id = run.first()?.0;
+        let entries = run
+            .iter()
+            .map(|(_, prefix, at)| (*prefix, &allows[at.clone()]));
+        Some((id, CompiledPolicy::from_sorted_entries(entries)))
+    });
+    Ok(ActualMaps::from_policies(peers, policies)
         .with_owner_high(maps.config()?.owner_high)
         .with_wall_minus_boot(crate::clock::wall_minus_boot_ns()))
 }

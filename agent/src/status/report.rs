@@ -224,7 +224,11 @@ pub fn report(
         egress_program_id: hooks.egress_link.map(|l| l.1).or(hooks.tc_egress),
         peers: peers.counts,
         policies: peers.policies,
-        policy_entries: maps.policies()?.len(),
+        policy_entries: {
+            let mut n = 0;
+            maps.each_policy_entry(|_, _, _| n += 1)?;
+            n
+        },
         packets: [
             ("pass".to_owned(), counters.passed()),
             ("drop".to_owned(), counters.dropped()),
