@@ -57,21 +57,87 @@ impl PortRange {
 /// (empty: every port). For an `icmp` rule `ports` holds ICMP type ranges (`types` in the
 /// state file; empty: every type): the datapath matches an ICMP packet's type where it
 /// matches a TCP/UDP packet's destination port.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+///
+/// Rules are the bulk of an agent's memory when every peer has a policy of its own
+/// (docs/operations.md, "Agent memory"), so a rule is held in 40 bytes: up to two port ranges
+/// inline, as most rules have, and anything more (more ranges, `except`) in one heap block
+/// that most rules do not have. Two vectors took 72 bytes and a heap block. Equality, order
+/// and hash are those of (cidr, protocol, ports, except): the canonical order of a rule set,
+/// which the rule counters are indexed by.
+#[derive(Clone)]
 pub struct Rule {
     pub cidr: IpNet,
     pub protocol: Protocol,
-    /// Held inline up to two ranges, as most rules have: no heap block for them.
-    pub ports: Ports,
-    /// Prefixes carved out of `cidr` (sorted, each strictly inside it); exactly sized, and no
-    /// heap block when empty, as it is for most rules.
-    pub except: Box<[IpNet]>,
+    /// How many of `inline` are the rule's ports, when `more` holds none.
+    inline_len: u8,
+    inline: [PortRange; 2],
+    more: Option<Box<More>>,
 }
 
-/// A rule's port (or ICMP type) ranges. Rules are the bulk of an agent's memory when every
-/// peer has a policy of its own (docs/operations.md, "Memory"): 64 bytes a rule with this,
-/// where two vectors took 72 and a heap block.
-pub type Ports = smallvec::SmallVec<[PortRange; 2]>;
+/// What few rules have: more than two port ranges, or an `except`.
+#[derive(Clone)]
+struct More {
+    /// Empty when the ports are inline.
+    ports: Box<[PortRange]>,
+    /// Sorted, each strictly inside the rule's cidr.
+    except: Box<[IpNet]>,
+}
+
+impl Rule {
+    /// The port (or ICMP type) ranges; empty: every port.
+    pub fn ports(&self) -> &[PortRange] {
+        match &self.more {
+            Some(more) if !more.ports.is_empty() => &more.ports,
+            _ => &self.inline[..usize::from(self.inline_len)],
+        }
+    }
+
+    /// Prefixes carved out of `cidr` (sorted, each strictly inside it).
+    pub fn except(&self) -> &[IpNet] {
+        self.more.as_ref().map_or(&[], |more| &more.except)
+    }
+
+    fn key(&self) -> (IpNet, Protocol, &[PortRange], &[IpNet]) {
+        (self.cidr, self.protocol, self.ports(), self.except())
+    }
+}
+
+impl PartialEq for Rule {
+    fn eq(&self, other: &Self) -> bool {
+        self.key() == other.key()
+    }
+}
+
+impl Eq for Rule {}
+
+impl PartialOrd for Rule {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Rule {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.key().cmp(&other.key())
+    }
+}
+
+impl std::hash::Hash for Rule {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.key().hash(state);
+    }
+}
+
+impl std::fmt::Debug for Rule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rule")
+            .field("cidr", &self.cidr)
+            .field("protocol", &self.protocol)
+            .field("ports", &self.ports())
+            .field("except", &self.except())
+            .finish()
+    }
+}
 
 /// Prefixes one rule may carve out of its `cidr`.
 pub const MAX_EXCEPT: usize = 64;
@@ -86,25 +152,48 @@ pub const ICMP_TYPE_NAMES: [(&str, u16, u16); 4] = [
 
 impl Rule {
     pub fn new(cidr: IpNet, protocol: Protocol, ports: Vec<PortRange>) -> Self {
-        Self {
+        let mut rule = Self {
             cidr,
             protocol,
-            ports: Ports::from_vec(ports),
-            except: Box::default(),
+            inline_len: 0,
+            inline: [PortRange::new(0, 0); 2],
+            more: None,
+        };
+        match ports.as_slice() {
+            [] => {}
+            [a] => (rule.inline_len, rule.inline[0]) = (1, *a),
+            [a, b] => (rule.inline_len, rule.inline) = (2, [*a, *b]),
+            _ => {
+                rule.more = Some(Box::new(More {
+                    ports: ports.into_boxed_slice(),
+                    except: Box::default(),
+                }))
+            }
         }
+        rule
     }
 
     /// The same rule with `except` carved out.
     pub fn with_except(mut self, mut except: Vec<IpNet>) -> Self {
         except.sort_unstable();
         except.dedup();
-        self.except = except.into_boxed_slice();
+        let except = except.into_boxed_slice();
+        match &mut self.more {
+            Some(more) => more.except = except,
+            None if except.is_empty() => {}
+            None => {
+                self.more = Some(Box::new(More {
+                    ports: Box::default(),
+                    except,
+                }))
+            }
+        }
         self
     }
 
     /// Whether `dst` is one of the rule's destinations.
     pub fn covers(&self, dst: &std::net::IpAddr) -> bool {
-        self.cidr.contains(dst) && !self.except.iter().any(|e| e.contains(dst))
+        self.cidr.contains(dst) && !self.except().iter().any(|e| e.contains(dst))
     }
 
     /// The destinations as disjoint prefixes: `cidr` without the `except` prefixes (each
@@ -112,7 +201,7 @@ impl Rule {
     /// per bit of difference).
     pub fn pieces(&self) -> Vec<IpNet> {
         let mut pieces = vec![self.cidr.trunc()];
-        for hole in &self.except {
+        for hole in self.except() {
             pieces = pieces
                 .into_iter()
                 .flat_map(|piece| carve(piece, *hole))
@@ -126,10 +215,10 @@ impl Rule {
     pub fn allows(&self) -> Vec<Allow> {
         let all = |protocol| vec![Allow::new(protocol, 0, u16::MAX)];
         let ranges = |protocol| {
-            if self.ports.is_empty() {
+            if self.ports().is_empty() {
                 all(protocol)
             } else {
-                self.ports
+                self.ports()
                     .iter()
                     .map(|r| Allow::new(protocol, r.lo, r.hi))
                     .collect()
@@ -591,6 +680,12 @@ mod tests {
 
     use super::*;
 
+    /// What the doc of [`Rule`] says a rule takes: the bulk of memory with a policy per peer.
+    #[test]
+    fn a_rule_takes_40_bytes() {
+        assert_eq!(std::mem::size_of::<Rule>(), 40);
+    }
+
     fn net(s: &str) -> IpNet {
         s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
     }
@@ -884,13 +979,13 @@ mod properties {
             // Ports of TCP/UDP, types of ICMP: unknown (None) matches only a rule without.
             let port_ok = match (r.protocol, port) {
                 (Protocol::Tcp | Protocol::Udp | Protocol::Icmp, Some(p)) => {
-                    r.ports.is_empty() || r.ports.iter().any(|x| x.lo <= p && p <= x.hi)
+                    r.ports().is_empty() || r.ports().iter().any(|x| x.lo <= p && p <= x.hi)
                 }
-                (Protocol::Tcp | Protocol::Udp | Protocol::Icmp, None) => r.ports.is_empty(),
+                (Protocol::Tcp | Protocol::Udp | Protocol::Icmp, None) => r.ports().is_empty(),
                 _ => true,
             };
             r.cidr.contains(&dst)
-                && !r.except.iter().any(|e| e.contains(&dst))
+                && !r.except().iter().any(|e| e.contains(&dst))
                 && proto_ok
                 && port_ok
         })
@@ -922,7 +1017,8 @@ mod properties {
         (
             prop_oneof![v4_net(), v6_net()],
             protocol,
-            prop::collection::vec(range, 0..3),
+            // Up to three ranges: two are held inline, a third moves them all to the heap.
+            prop::collection::vec(range, 0..4),
             prop::collection::vec((any::<u128>(), 0u8..=16), 0..3),
         )
             .prop_map(|(cidr, protocol, ports, holes)| {
@@ -1021,6 +1117,24 @@ mod properties {
                 shuffled.swap(i, j);
             }
             prop_assert_eq!(compile(&rules), compile(&shuffled));
+        }
+
+        /// However a rule is held (ports inline or not, with or without `except`), it is the
+        /// rule its fields say: equal, ordered and hashed as (cidr, protocol, ports, except),
+        /// the canonical order the rule counters are indexed by.
+        #[test]
+        fn a_rule_is_its_fields(a in rule(), b in rule()) {
+            let fields = |r: &Rule| (r.cidr, r.protocol, r.ports().to_vec(), r.except().to_vec());
+            prop_assert_eq!(a.cmp(&b), fields(&a).cmp(&fields(&b)));
+            prop_assert_eq!(a == b, fields(&a) == fields(&b));
+            let again = Rule::new(a.cidr, a.protocol, a.ports().to_vec())
+                .with_except(a.except().to_vec());
+            prop_assert_eq!(fields(&again), fields(&a));
+            let hash = |r: &Rule| {
+                use std::hash::{BuildHasher, BuildHasherDefault};
+                BuildHasherDefault::<std::hash::DefaultHasher>::default().hash_one(r)
+            };
+            prop_assert_eq!(hash(&again), hash(&a));
         }
 
         /// Entry by entry, as the view of the kernel is written, the flat policy holds what a

@@ -320,10 +320,10 @@ impl PeerSpec {
 /// `any 10.0.0.0/8 except 10.1.0.0/16,10.2.0.0/16`. Distinct rules of a policy read apart.
 pub fn rule_text(rule: &Rule) -> String {
     let text = rule_head(rule);
-    if rule.except.is_empty() {
+    if rule.except().is_empty() {
         return text;
     }
-    let except: Vec<String> = rule.except.iter().map(ToString::to_string).collect();
+    let except: Vec<String> = rule.except().iter().map(ToString::to_string).collect();
     format!("{text} except {}", except.join(","))
 }
 
@@ -331,7 +331,7 @@ pub fn rule_text(rule: &Rule) -> String {
 fn rule_head(rule: &Rule) -> String {
     let protocol = protocol_text(rule.protocol);
     let ports: Vec<String> = rule
-        .ports
+        .ports()
         .iter()
         .map(|r| {
             if r.lo == r.hi {
@@ -362,9 +362,9 @@ fn protocol_text(protocol: Protocol) -> &'static str {
 fn rule_to_json(rule: &Rule) -> Value {
     let protocol = protocol_text(rule.protocol);
     let mut value = serde_json::json!({ "cidr": rule.cidr.to_string(), "protocol": protocol });
-    if !rule.ports.is_empty() {
+    if !rule.ports().is_empty() {
         let ports: Vec<Value> = rule
-            .ports
+            .ports()
             .iter()
             .map(|r| {
                 if r.lo == r.hi {
@@ -381,8 +381,8 @@ fn rule_to_json(rule: &Rule) -> Value {
         };
         value[field] = ports.into();
     }
-    if !rule.except.is_empty() {
-        let except: Vec<Value> = rule.except.iter().map(|e| e.to_string().into()).collect();
+    if !rule.except().is_empty() {
+        let except: Vec<Value> = rule.except().iter().map(|e| e.to_string().into()).collect();
         value["except"] = except.into();
     }
     value
@@ -1054,7 +1054,7 @@ mod tests {
                     && r.cidr.prefix_len() == 0
                     && matches!(r.cidr, IpNet::V4(_))
             })
-            .map(|r| r.ports.to_vec());
+            .map(|r| r.ports().to_vec());
         assert_eq!(
             icmp4,
             Some(vec![PortRange::new(3, 4), PortRange::single(8)])
@@ -1062,7 +1062,7 @@ mod tests {
         let icmp6 = rules
             .iter()
             .find(|r| matches!(r.cidr, IpNet::V6(_)))
-            .map(|r| r.ports.to_vec());
+            .map(|r| r.ports().to_vec());
         assert_eq!(icmp6, Some(vec![PortRange::single(128)]));
         assert_eq!(parse(&parsed.to_canonical_json()).unwrap(), parsed);
     }

@@ -162,8 +162,9 @@ impl<'a> Model<'a> {
         let (mut typed, mut holes) = self.language.get();
         let icmp = probe.protocol == if probe.dst.is_ipv4() { ICMP } else { ICMPV6 };
         for rule in rules.iter().filter(|r| r.cidr.contains(&probe.dst)) {
-            typed += usize::from(icmp && rule.protocol == Protocol::Icmp && !rule.ports.is_empty());
-            holes += usize::from(rule.except.iter().any(|e| e.contains(&probe.dst)));
+            typed +=
+                usize::from(icmp && rule.protocol == Protocol::Icmp && !rule.ports().is_empty());
+            holes += usize::from(rule.except().iter().any(|e| e.contains(&probe.dst)));
         }
         self.language.set((typed, holes));
         let by_rules = self.allowed(
@@ -403,8 +404,8 @@ fn matches(rule: &Rule, dst: IpAddr, protocol: Option<u8>, port: Option<u16>) ->
     // `ports` of a TCP/UDP rule, `types` of an ICMP rule; the packet's port is its ICMP type
     // for ICMP (`None`: unknown, which only a rule without matches).
     let port_ok = match port {
-        _ if rule.ports.is_empty() => true,
-        Some(p) => rule.ports.iter().any(|r| r.lo <= p && p <= r.hi),
+        _ if rule.ports().is_empty() => true,
+        Some(p) => rule.ports().iter().any(|r| r.lo <= p && p <= r.hi),
         None => false,
     };
     rule.covers(&dst) && protocol_ok && port_ok
@@ -634,12 +635,12 @@ impl Boundaries {
                         b.v6.push(lo + ((hi - lo) / 2));
                     }
                 }
-                for r in &rule.ports {
+                for r in rule.ports() {
                     b.ports
                         .extend([r.lo.wrapping_sub(1), r.lo, r.hi, r.hi.wrapping_add(1)]);
                 }
                 // The edges of the holes, too.
-                for hole in &rule.except {
+                for hole in rule.except() {
                     match hole {
                         IpNet::V4(n) => {
                             let (lo, hi) = (u32::from(n.network()), u32::from(n.broadcast()));

@@ -84,10 +84,10 @@ pub fn render(desired: &DesiredState, interface: &str) -> String {
                     } else {
                         "udp"
                     };
-                    let ports = if rule.ports.is_empty() {
+                    let ports = if rule.ports().is_empty() {
                         vec![PortRange::ALL]
                     } else {
-                        rule.ports.to_vec()
+                        rule.ports().to_vec()
                     };
                     for r in ports {
                         let _ = writeln!(
