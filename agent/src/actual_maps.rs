@@ -2,7 +2,7 @@
 //! kernel, or compiled from a state by the planner's own operations. What the planner compares
 //! with the desired state, and what the evaluator ([`crate::verdict`]) decides packets on.
 
-use std::{collections::BTreeMap, net::IpAddr, sync::Arc};
+use std::{collections::BTreeMap, net::IpAddr, ops::Range, sync::Arc};
 
 use ipnet::IpNet;
 use wgfence_common::{Allow, PeerEntry};
@@ -36,15 +36,10 @@ impl ActualMaps {
         for (policy, prefix, allows) in entries {
             grouped.entry(policy).or_default().push((prefix, allows));
         }
-        Self {
-            peers: peers.into_iter().collect(),
-            policies: grouped
-                .into_iter()
-                .map(|(id, entries)| (id, Arc::new(CompiledPolicy::from_entries(entries))))
-                .collect(),
-            owner_high: 0,
-            wall_minus_boot_ns: 0,
-        }
+        let policies = grouped
+            .into_iter()
+            .map(|(id, entries)| (id, CompiledPolicy::from_entries(entries)));
+        Self::from_policies(peers, policies)
     }
 
     /// The maps from their peer entries and their policies by id.
@@ -73,5 +68,69 @@ impl ActualMaps {
     pub fn with_wall_minus_boot(mut self, ns: i128) -> Self {
         self.wall_minus_boot_ns = ns;
         self
+    }
+}
+
+/// Trie entries as a read of the kernel's tries hands them over (in the tries' own order),
+/// gathered into policies: one array of allows and one of (policy, prefix, where its allows
+/// are), so no map value and no heap block an entry is held on the way.
+#[derive(Debug, Default)]
+pub struct TrieEntries {
+    allows: Vec<Allow>,
+    entries: Vec<(u32, IpNet, Range<usize>)>,
+}
+
+impl TrieEntries {
+    pub fn push(&mut self, policy: u32, prefix: IpNet, allows: &[Allow]) {
+        let start = self.allows.len();
+        self.allows.extend_from_slice(allows);
+        self.entries
+            .push((policy, prefix, start..self.allows.len()));
+    }
+
+    /// The policies by id, in order. A trie holds one entry a (policy, prefix).
+    pub fn into_policies(mut self) -> Vec<(u32, CompiledPolicy)> {
+        self.entries
+            .sort_unstable_by_key(|(policy, prefix, _)| (*policy, *prefix));
+        self.entries
+            .chunk_by(|a, b| a.0 == b.0)
+            .filter_map(|run| {
+                let id = run.first()?.0;
+                let entries = run
+                    .iter()
+                    .map(|(_, prefix, at)| (*prefix, &self.allows[at.clone()]));
+                Some((id, CompiledPolicy::from_sorted_entries(entries)))
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use wgfence_common::PROTO_TCP;
+
+    use super::*;
+
+    /// Entries read in the tries' order (not sorted, policies interleaved, both families) make
+    /// the policies that grouping them one by one makes.
+    #[test]
+    fn trie_entries_read_in_any_order_make_the_same_policies() {
+        let net = |s: &str| -> IpNet { s.parse().unwrap() };
+        let allow = |lo| vec![Allow::new(PROTO_TCP, lo, lo + 1)];
+        let read = [
+            (7, net("10.2.0.0/16"), allow(2)),
+            (3, net("fd00::/8"), vec![]),
+            (7, net("10.0.0.0/8"), allow(1)),
+            (3, net("10.1.0.0/16"), [allow(5), allow(6)].concat()),
+            (7, net("10.2.3.0/24"), allow(3)),
+            (3, net("0.0.0.0/0"), allow(4)),
+        ];
+        let mut entries = TrieEntries::default();
+        for (policy, prefix, allows) in &read {
+            entries.push(*policy, *prefix, allows);
+        }
+        let streamed = ActualMaps::from_policies([], entries.into_policies());
+        assert_eq!(streamed, ActualMaps::from_entries([], read));
+        assert_eq!(streamed.policies[&7].len(), 3);
     }
 }

@@ -495,19 +495,14 @@ impl CompiledPolicy {
     /// keeps its last allows, as a map's insert would).
     pub fn from_entries(entries: impl IntoIterator<Item = (IpNet, Vec<Allow>)>) -> Self {
         let sorted: BTreeMap<IpNet, Vec<Allow>> = entries.into_iter().collect();
-        Self::from_sorted(sorted)
+        Self::from_sorted_entries(sorted)
     }
 
-    /// A policy from its trie entries sorted by prefix, without repeats (as read back from
-    /// one trie, sorted).
+    /// A policy from its trie entries sorted by prefix, without repeats (as the compiler makes
+    /// them, or as read back from one trie and sorted).
     pub fn from_sorted_entries<A: AsRef<[Allow]>>(
         entries: impl IntoIterator<Item = (IpNet, A)>,
     ) -> Self {
-        Self::from_sorted(entries)
-    }
-
-    /// From entries sorted by prefix, without repeats.
-    fn from_sorted<A: AsRef<[Allow]>>(entries: impl IntoIterator<Item = (IpNet, A)>) -> Self {
         let mut prefixes = Vec::new();
         let mut allows = Vec::new();
         for (prefix, entry) in entries {
@@ -590,7 +585,7 @@ pub fn compile(rules: &[Rule]) -> Result<CompiledPolicy, PolicyError> {
             max: MAX_ALLOWS,
         });
     }
-    Ok(CompiledPolicy::from_sorted(folded))
+    Ok(CompiledPolicy::from_sorted_entries(folded))
 }
 
 /// Provenance of a compiled allow entry: the indexes (into `rules`) of the rules it came from
@@ -684,6 +679,27 @@ mod tests {
     #[test]
     fn a_rule_takes_40_bytes() {
         assert_eq!(std::mem::size_of::<Rule>(), 40);
+    }
+
+    /// Inline or in the heap block, a rule gives back the ranges and `except` it was made with.
+    #[test]
+    fn a_rule_gives_back_its_ports_and_except() {
+        let cidr: IpNet = "10.0.0.0/8".parse().unwrap();
+        let holes: Vec<IpNet> = vec!["10.1.0.0/16".parse().unwrap()];
+        for n in 0..5u16 {
+            let ports: Vec<PortRange> =
+                (0..n).map(|i| PortRange::new(i * 10, i * 10 + 5)).collect();
+            for except in [vec![], holes.clone()] {
+                let rule =
+                    Rule::new(cidr, Protocol::Tcp, ports.clone()).with_except(except.clone());
+                assert_eq!(
+                    rule.ports(),
+                    ports.as_slice(),
+                    "{n} ranges, except {except:?}"
+                );
+                assert_eq!(rule.except(), except.as_slice(), "{n} ranges");
+            }
+        }
     }
 
     fn net(s: &str) -> IpNet {
@@ -1121,20 +1137,30 @@ mod properties {
 
         /// However a rule is held (ports inline or not, with or without `except`), it is the
         /// rule its fields say: equal, ordered and hashed as (cidr, protocol, ports, except),
-        /// the canonical order the rule counters are indexed by.
+        /// the canonical order the rule counters are indexed by. Compared with rules that
+        /// differ from it in one field only, as two random rules seldom do.
         #[test]
         fn a_rule_is_its_fields(a in rule(), b in rule()) {
             let fields = |r: &Rule| (r.cidr, r.protocol, r.ports().to_vec(), r.except().to_vec());
-            prop_assert_eq!(a.cmp(&b), fields(&a).cmp(&fields(&b)));
-            prop_assert_eq!(a == b, fields(&a) == fields(&b));
-            let again = Rule::new(a.cidr, a.protocol, a.ports().to_vec())
-                .with_except(a.except().to_vec());
-            prop_assert_eq!(fields(&again), fields(&a));
             let hash = |r: &Rule| {
                 use std::hash::{BuildHasher, BuildHasherDefault};
                 BuildHasherDefault::<std::hash::DefaultHasher>::default().hash_one(r)
             };
-            prop_assert_eq!(hash(&again), hash(&a));
+            let (ports, except) = (a.ports().to_vec(), a.except().to_vec());
+            let near = [
+                Rule::new(a.cidr, a.protocol, ports.clone()).with_except(except.clone()),
+                Rule::new(a.cidr, a.protocol, ports.clone()),
+                Rule::new(a.cidr, a.protocol, b.ports().to_vec()).with_except(except.clone()),
+                Rule::new(a.cidr, b.protocol, ports).with_except(except),
+                b.clone(),
+            ];
+            for other in &near {
+                prop_assert_eq!(a.cmp(other), fields(&a).cmp(&fields(other)));
+                prop_assert_eq!(a == *other, fields(&a) == fields(other));
+                if a == *other {
+                    prop_assert_eq!(hash(&a), hash(other));
+                }
+            }
         }
 
         /// Entry by entry, as the view of the kernel is written, the flat policy holds what a

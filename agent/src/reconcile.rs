@@ -39,13 +39,12 @@ use crate::{
     },
     policy::CompiledPolicy,
     settings::{online_cpus, DatapathSettings},
-    state::{self, DesiredState, WgKey},
+    state::{self, DesiredState, PeerSpec, WgKey},
     sweeper::{Pause, Sweeper},
     wg::{WgError, WireGuard},
 };
-use ipnet::IpNet;
 pub use preview::{preview, read_pinned, Preview};
-use wgfence_common::{Allow, Config};
+use wgfence_common::Config;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
@@ -89,34 +88,11 @@ fn settings_ops(
 /// flat form is then built from: no map value and no heap block per entry is held on the way.
 pub fn read_maps(maps: &Maps) -> Result<ActualMaps, DataplaneError> {
     let peers = maps.peers()?;
-    let mut allows: Vec<Allow> = Vec::new();
-    let mut entries: Vec<(u32, IpNet, std::ops::Range<usize>)> = Vec::new();
-    maps.each_policy_entry(|policy, prefix, value| {
-        let start = allows.len();
-        allows.extend_from_slice(value.allows());
-        entries.push((policy, prefix, start..allows.len()));
-    })?;
-    // One entry a (policy, prefix) in a trie: no two are equal.
-    entries.sort_unstable_by_key(|(policy, prefix, _)| (*policy, *prefix));
-    let policies = entries.chunk_by(|a, b| a.0 == b.0).filter_map(|run| {
-        let id = run.first()?.0;
-        let entries = run
-            .iter()
-            .map(|(_, prefix, at)| (*prefix, &allows[at.clone()]));
-        Some((id, CompiledPolicy::from_sorted_entries(entries)))
-    });
-    Ok(ActualMaps::from_policies(peers, policies)
+    let mut read = crate::actual_maps::TrieEntries::default();
+    maps.each_policy_entry(|policy, prefix, value| read.push(policy, prefix, value.allows()))?;
+    Ok(ActualMaps::from_policies(peers, read.into_policies())
         .with_owner_high(maps.config()?.owner_high)
         .with_wall_minus_boot(crate::clock::wall_minus_boot_ns()))
-}
-
-/// The view's own copies of policies it now shares with the accepted state, freed off the
-/// apply path with a heap trim: after a full read of the kernel, one per policy; after a plan
-/// of changes, those of the policies it wrote (none for most pushes, which then free nothing).
-fn free_copies(copies: Vec<Arc<CompiledPolicy>>) {
-    if !copies.is_empty() {
-        crate::drop_later_and_trim(copies);
-    }
 }
 
 pub struct Reconciler {
@@ -383,10 +359,7 @@ impl Reconciler {
         if result.is_err() {
             drop_later(self.applied.take());
         } else {
-            let copies = self
-                .actual
-                .share(desired.peers.iter().filter_map(|p| p.policy.as_ref()));
-            free_copies(copies);
+            self.share_policies(desired.peers.iter(), true);
             // The previous state is freed off the apply path (milliseconds at 100,000 peers).
             drop_later(self.applied.replace(desired));
         }
@@ -427,23 +400,29 @@ impl Reconciler {
         let full = !self.tracking;
         let result = self.execute(&plan, start);
         if result.is_ok() {
-            let policies: Vec<&Arc<CompiledPolicy>> = if full {
-                desired
-                    .peers
-                    .iter()
-                    .filter_map(|p| p.policy.as_ref())
-                    .collect()
+            if full {
+                self.share_policies(desired.peers.iter(), true);
             } else {
-                changes
-                    .touched_in(desired)
-                    .into_iter()
-                    .filter_map(|p| p.policy.as_ref())
-                    .collect()
-            };
-            free_copies(self.actual.share(policies));
+                self.share_policies(changes.touched_in(desired), false);
+            }
         }
         self.tracking = result.is_ok();
         result
+    }
+
+    /// After a successful apply: the view refers to `peers`' compiled policies (the accepted
+    /// state's) wherever the kernel holds them ([`Actual::share`]). The copies it held are
+    /// freed off the apply path; after a full plan (`full`: one copy a policy, read back from
+    /// the kernel) with a heap trim, after a plan of changes (the few the plan wrote) without.
+    fn share_policies<'a>(&mut self, peers: impl IntoIterator<Item = &'a PeerSpec>, full: bool) {
+        let copies = self
+            .actual
+            .share(peers.into_iter().filter_map(|p| p.policy.as_ref()));
+        match (copies.is_empty(), full) {
+            (true, _) => {}
+            (false, true) => crate::drop_later_and_trim(copies),
+            (false, false) => drop_later(copies),
+        }
     }
 
     /// Applies `plan`, made from `start` on.

@@ -325,8 +325,8 @@ impl Maps {
     }
 
     /// Every policy trie entry, in the tries' own order, handed to `each` as it is read: no
-    /// list of whole map values (260 bytes an entry, most of them unused: 75 MiB for the
-    /// 291,000 entries of a policy per peer at 60k peers).
+    /// list of whole map values (260 bytes an entry, most of them unused: about 80 MiB for
+    /// the 291,000 entries of a policy per peer at 60k peers).
     pub fn each_policy_entry(&self, mut each: impl FnMut(u32, IpNet, &PolicyValue)) -> Result<()> {
         for item in self.policy_v4.iter() {
             let (key, value) = item.map_err(map_err(map_names::POLICY_V4))?;

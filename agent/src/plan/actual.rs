@@ -47,9 +47,9 @@ impl Actual {
             ..Index::default()
         };
         // The rule blocks' indexes are counted first and their free ranges noted once, in
-        // O(#policies log #policies), rather than kept current entry by entry. The indexes with an entry
-        // per peer are built from sorted runs (full B-tree nodes: about half the memory of
-        // one insert at a time).
+        // O(#policies log #policies), rather than kept current entry by entry. The indexes
+        // with an entry per peer are built from sorted runs (full B-tree nodes: about half the
+        // memory of one insert at a time).
         let mut slots: Vec<u32> = Vec::with_capacity(maps.peers.len());
         for entry in maps.peers.values() {
             count_up(&mut index.policy_refs, entry.policy);

@@ -142,6 +142,12 @@ fn the_view_shares_the_states_policies_and_copies_on_write() {
     // A write to a shared id (as a plan replacing that policy's entries makes) leaves the
     // state's copy as compiled.
     let id = kernel_entry(&kernel, IpAddr::from([10, 8, 0, 2])).policy;
+    // A delete of an entry the policy does not have changes nothing, so copies nothing.
+    actual.apply(&Op::DeletePolicyEntry {
+        policy: id,
+        prefix: "10.99.0.0/16".parse().unwrap(),
+    });
+    assert!(Arc::ptr_eq(&actual.maps().policies[&id], desired[0]));
     let compiled = desired[0].as_ref().clone();
     actual.apply(&Op::DeletePolicyEntry {
         policy: id,
