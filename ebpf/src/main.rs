@@ -135,6 +135,38 @@ fn is_arp<const L3: usize>(ctx: &TcContext) -> bool {
 /// Bytes read at the IP header before the version is known.
 pub(crate) const HEAD_LEN: usize = 20;
 
+/// The first [`HEAD_LEN`] bytes at `L3`, read in place: a reference into the packet's linear
+/// data, never a copy, so a path reads only the header bytes it uses. When the linear part is
+/// shorter (a paged skb), they are pulled into it first (`bpf_skb_pull_data`); `None` only
+/// when the packet itself is shorter. So, as with [`load`], the verdict never depends on how
+/// the kernel laid the packet out.
+///
+/// The pointers are read again after the rare pull, on both paths (volatile reads, which the
+/// compiler cannot reuse), so that the verifier follows one path from here on, not one for a
+/// pulled packet and one for a linear one.
+#[inline(always)]
+fn head<const L3: usize>(ctx: &TcContext) -> Option<&[u8; HEAD_LEN]> {
+    if ctx.data() + L3 + HEAD_LEN > ctx.data_end() {
+        // A failure leaves the skb as it was: the check below then finds it too short.
+        let _ = ctx.pull_data((L3 + HEAD_LEN) as u32);
+    }
+    // SAFETY: reads of two context fields every tc program may read.
+    let (start, end) = unsafe {
+        let skb = ctx.skb.skb;
+        (
+            core::ptr::read_volatile(&(*skb).data) as usize,
+            core::ptr::read_volatile(&(*skb).data_end) as usize,
+        )
+    };
+    if start + L3 + HEAD_LEN > end {
+        return None;
+    }
+    // SAFETY: the bounds check above keeps the header inside the packet's linear data (the
+    // verifier checks it again), which nothing this program does moves or frees; `[u8; N]`
+    // has no alignment to violate.
+    Some(unsafe { &*((start + L3) as *const [u8; HEAD_LEN]) })
+}
+
 /// The packet passes; `slot` is the peer's counter slot, `rule` the index of the rule counter
 /// a policy pass credits (else [`NO_RULES`]).
 pub(crate) struct Pass {
@@ -207,10 +239,10 @@ fn ingress<const L3: usize>(ctx: &TcContext) -> i32 {
     }
     // The first 20 bytes: all of an IPv4 header without options, the first half of an IPv6
     // header. Every IP packet is at least that long.
-    let head: Option<[u8; HEAD_LEN]> = load(ctx, L3);
+    let head = head::<L3>(ctx);
     let outcome = match head {
-        Some(head) if head[0] >> 4 == 4 => v4::classify(ctx, L3, &head),
-        Some(head) if head[0] >> 4 == 6 => v6::classify(ctx, L3, &head),
+        Some(head) if head[0] >> 4 == 4 => v4::classify(ctx, L3, head),
+        Some(head) if head[0] >> 4 == 6 => v6::classify(ctx, L3, head),
         Some(_) => Err(Drop::unknown(Counter::DropNotIp)),
         None => Err(Drop::unknown(Counter::DropMalformed)),
     };
@@ -243,7 +275,7 @@ fn ingress<const L3: usize>(ctx: &TcContext) -> i32 {
             (why, slot, TCX_DROP)
         }
     };
-    events::report(ctx, L3, head.as_ref(), why, slot);
+    events::report(ctx, L3, head, why, slot);
     verdict
 }
 
