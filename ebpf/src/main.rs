@@ -300,9 +300,9 @@ fn egress<const L3: usize>(ctx: &TcContext) -> i32 {
     if is_arp::<L3>(ctx) {
         return TCX_NEXT;
     }
-    match load::<[u8; HEAD_LEN]>(ctx, L3) {
-        Some(head) if head[0] >> 4 == 4 => v4::record(ctx, L3, &head, &config),
-        Some(head) if head[0] >> 4 == 6 => v6::record(ctx, L3, &head, &config),
+    match head::<L3>(ctx) {
+        Some(head) if head[0] >> 4 == 4 => v4::record(ctx, L3, head, &config),
+        Some(head) if head[0] >> 4 == 6 => v6::record(ctx, L3, head, &config),
         _ => {}
     }
     TCX_NEXT
