@@ -256,6 +256,30 @@ fn parse(s: &str) -> IpAddr {
 /// Sends whole frames (Ethernet header included) out of `interface` with an `AF_PACKET`
 /// socket, from the calling thread's network namespace.
 pub fn inject(interface: &str, frames: &[Vec<u8>]) {
+    send_frames(interface, frames, None);
+}
+
+/// Like [`inject`], but each frame leaves as an skb whose linear part is its Ethernet header
+/// alone: the IP header and everything after it are in page fragments. The socket carries a
+/// virtio-net header whose `hdr_len` (14) is how much the kernel puts in the linear part,
+/// which it honours for frames of a page or more: `frames` must be that long, and the link's
+/// MTU must let them through.
+pub fn inject_paged(interface: &str, frames: &[Vec<u8>]) {
+    for frame in frames {
+        assert!(frame.len() >= 4096, "a paged frame must be a page or more");
+    }
+    send_frames(interface, frames, Some(14));
+}
+
+/// `struct virtio_net_hdr` (no checksum offload, no GSO), as the kernel reads it on a
+/// little-endian host.
+fn virtio_net_hdr(hdr_len: u16) -> [u8; 10] {
+    let mut h = [0u8; 10];
+    h[2..4].copy_from_slice(&hdr_len.to_le_bytes());
+    h
+}
+
+fn send_frames(interface: &str, frames: &[Vec<u8>], linear: Option<u16>) {
     let name = std::ffi::CString::new(interface).unwrap_or_else(|e| panic!("{interface}: {e}"));
     // SAFETY: plain syscalls on a socket this function owns; the address and buffers outlive
     // each call.
@@ -269,15 +293,34 @@ pub fn inject(interface: &str, frames: &[Vec<u8>]) {
             "AF_PACKET socket: {}",
             std::io::Error::last_os_error()
         );
+        if linear.is_some() {
+            let on: libc::c_int = 1;
+            let set = libc::setsockopt(
+                fd,
+                libc::SOL_PACKET,
+                libc::PACKET_VNET_HDR,
+                (&on as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+            if set != 0 {
+                let e = std::io::Error::last_os_error();
+                libc::close(fd);
+                panic!("PACKET_VNET_HDR: {e}");
+            }
+        }
         let mut addr: libc::sockaddr_ll = std::mem::zeroed();
         addr.sll_family = libc::AF_PACKET as u16;
         addr.sll_ifindex = ifindex as i32;
         addr.sll_halen = 6;
         for frame in frames {
+            let mut buf = linear
+                .map(|l| virtio_net_hdr(l).to_vec())
+                .unwrap_or_default();
+            buf.extend_from_slice(frame);
             let sent = libc::sendto(
                 fd,
-                frame.as_ptr().cast(),
-                frame.len(),
+                buf.as_ptr().cast(),
+                buf.len(),
                 0,
                 (&addr as *const libc::sockaddr_ll).cast(),
                 std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
@@ -291,6 +334,7 @@ pub fn inject(interface: &str, frames: &[Vec<u8>]) {
         libc::close(fd);
     }
 }
+
 impl Packet {
     /// The IP packet alone (no Ethernet header), for a raw socket.
     pub fn ip(&self) -> Vec<u8> {

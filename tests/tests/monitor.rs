@@ -1,7 +1,8 @@
 //! `wgfence monitor` against the pinned ring buffer of a datapath attached to a veth (Ethernet
 //! framed, so every drop reason can be sent, including what WireGuard itself would refuse):
 //! each reason produces its event, names resolved from the state file, and a flood produces at
-//! most the configured rate.
+//! most the configured rate. The same harness sends a packet whose IP header is outside the
+//! skb's linear data, which only raw frames can.
 
 use std::{
     io::{BufRead as _, BufReader},
@@ -22,7 +23,7 @@ use wgfence_tests::{
     agent::binary,
     install_policy, ip, net as prefix,
     net::{unique, Netns},
-    packet::{inject, Ext, Packet, TCP, UDP},
+    packet::{inject, inject_paged, Ext, Packet, TCP, UDP},
 };
 
 const RESTRICTED: &str = "10.8.0.2";
@@ -315,6 +316,53 @@ fn a_flood_yields_at_most_the_configured_event_rate() {
     let counters = bench.dataplane.maps().counters().unwrap();
     let limited = counters.get(wgfence_common::Counter::EventRateLimited);
     assert!(limited > 0 && limited + counters.get(wgfence_common::Counter::EventSent) >= sent);
+}
+
+/// A packet whose IP header is not in the skb's linear data (only its Ethernet header is, as
+/// after some drivers and GRO) gets the verdict its header calls for: the datapath pulls the
+/// header into the linear data instead of calling the packet malformed or misreading it.
+#[test]
+fn a_header_outside_the_linear_data_is_judged_like_any_other() {
+    use wgfence_common::Counter;
+    let bench = Bench::new(1000);
+    for link in [bench.attached.as_str(), SENDER] {
+        bench.ns.ip(&["link", "set", link, "mtu", "9000"]);
+    }
+    let paged = |dst_port| {
+        let mut frame = Packet::new(RESTRICTED, "10.1.2.3", TCP, dst_port).frame();
+        frame.resize(6000, 0);
+        let ip_len = u16::try_from(frame.len() - 14).unwrap();
+        frame[16..18].copy_from_slice(&ip_len.to_be_bytes());
+        frame
+    };
+    let count = |c| bench.dataplane.maps().counters().unwrap().get(c);
+    let watched = [
+        Counter::PassPolicy,
+        Counter::DropPolicy,
+        Counter::DropMalformed,
+    ];
+    let before: Vec<u64> = watched.iter().map(|&c| count(c)).collect();
+    bench
+        .ns
+        .enter(|| inject_paged(SENDER, &[paged(443), paged(22)]));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let delta = loop {
+        let delta: Vec<u64> = watched
+            .iter()
+            .zip(&before)
+            .map(|(&c, b)| count(c) - b)
+            .collect();
+        if delta.iter().sum::<u64>() >= 2 || Instant::now() > deadline {
+            break delta;
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(
+        delta,
+        [1, 1, 0],
+        "allowed to 443 passes, denied to 22 drops, neither is malformed \
+         (pass_policy, drop_policy, drop_malformed)"
+    );
 }
 
 /// The limiter refills from `jiffies`, so the agent must know how long a jiffy is: what it
