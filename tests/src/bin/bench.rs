@@ -5,29 +5,64 @@
 
 use std::{path::PathBuf, process::Command, time::Instant};
 
+use clap::{CommandFactory as _, Parser};
+
 use serde_json::json;
 use wgfence_tests::bench::{self, report::Report, Config, SCENARIOS};
 
+/// Measures wgfence side by side with the per-peer iptables design it replaces (root; run
+/// through `cargo xtask bench`, which builds it and the agent).
+#[derive(Parser)]
+#[command(name = "wgfence-bench")]
+struct Args {
+    /// A reduced set (smaller N, shorter runs) for a quick look.
+    #[arg(long)]
+    quick: bool,
+    /// The workspace to write the report into (docs/benchmarks.md, target/bench/).
+    #[arg(long, default_value = ".")]
+    out: PathBuf,
+    /// Only these scenarios (comma-separated); the report then goes to target/bench/partial.md.
+    #[arg(long, value_delimiter = ',')]
+    only: Option<Vec<String>>,
+    /// Only these of each scenario's sizes (comma-separated peer counts); the report then goes
+    /// to target/bench/partial.md.
+    #[arg(long, value_delimiter = ',')]
+    sizes: Option<Vec<usize>>,
+}
+
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
-    let out_dir = std::env::args()
-        .skip_while(|a| a != "--out")
-        .nth(1)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."));
-    let only_arg = std::env::args().skip_while(|a| a != "--only").nth(1);
-    let sizes_arg = std::env::args().skip_while(|a| a != "--sizes").nth(1);
+    // An unknown argument or `--help` ends here, before any namespace or map exists.
+    let args = Args::parse();
+    let names: Vec<&str> = SCENARIOS.iter().map(|(n, _)| *n).collect();
+    for name in args.only.iter().flatten() {
+        if !names.contains(&name.as_str()) {
+            Args::command()
+                .error(
+                    clap::error::ErrorKind::InvalidValue,
+                    format!(
+                        "--only {name}: no such scenario (the scenarios: {})",
+                        names.join(", ")
+                    ),
+                )
+                .exit();
+        }
+    }
+    let out_dir = args.out;
+    let only = args.only;
     let config = Config {
-        quick,
-        sizes: sizes_arg
-            .as_ref()
-            .map(|s| s.split(',').filter_map(|n| n.parse().ok()).collect()),
+        quick: args.quick,
+        sizes: args.sizes.clone(),
         command: format!(
             "cargo xtask bench{}{}{}",
-            if quick { " --quick" } else { "" },
-            only_arg.map(|o| format!(" --only {o}")).unwrap_or_default(),
-            sizes_arg
-                .map(|s| format!(" --sizes {s}"))
+            if args.quick { " --quick" } else { "" },
+            only.as_ref()
+                .map(|o| format!(" --only {}", o.join(",")))
+                .unwrap_or_default(),
+            args.sizes
+                .map(|s| {
+                    let s: Vec<String> = s.iter().map(ToString::to_string).collect();
+                    format!(" --sizes {}", s.join(","))
+                })
                 .unwrap_or_default()
         ),
     };
@@ -53,18 +88,6 @@ fn main() {
 
     // `--only NAME[,NAME]` runs some scenarios (while working on one); the report then holds
     // only those and is written to target/bench/ instead of docs/.
-    let only: Option<Vec<String>> = std::env::args()
-        .skip_while(|a| a != "--only")
-        .nth(1)
-        .map(|s| s.split(',').map(str::to_owned).collect());
-    for name in only.iter().flatten() {
-        let names: Vec<&str> = SCENARIOS.iter().map(|(n, _)| *n).collect();
-        assert!(
-            names.contains(&name.as_str()),
-            "--only {name}: no such scenario (the scenarios: {})",
-            names.join(", ")
-        );
-    }
     for (name, scenario) in SCENARIOS {
         if only.as_ref().is_none_or(|o| o.iter().any(|x| x == name)) {
             scenario(&mut report, &config);
