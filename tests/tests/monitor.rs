@@ -318,9 +318,9 @@ fn a_flood_yields_at_most_the_configured_event_rate() {
     assert!(limited > 0 && limited + counters.get(wgfence_common::Counter::EventSent) >= sent);
 }
 
-/// A packet whose IP header is not in the skb's linear data (only its Ethernet header is, as
-/// after some drivers and GRO) gets the verdict its header calls for: the datapath pulls the
-/// header into the linear data instead of calling the packet malformed or misreading it.
+/// A packet whose IP header is not in the skb's linear data (only its Ethernet header is) gets
+/// the verdict its header calls for: the datapath pulls the header into the linear data
+/// instead of calling the packet malformed or misreading it.
 #[test]
 fn a_header_outside_the_linear_data_is_judged_like_any_other() {
     use wgfence_common::Counter;
