@@ -328,13 +328,7 @@ fn a_header_outside_the_linear_data_is_judged_like_any_other() {
     for link in [bench.attached.as_str(), SENDER] {
         bench.ns.ip(&["link", "set", link, "mtu", "9000"]);
     }
-    let paged = |dst_port| {
-        let mut frame = Packet::new(RESTRICTED, "10.1.2.3", TCP, dst_port).frame();
-        frame.resize(6000, 0);
-        let ip_len = u16::try_from(frame.len() - 14).unwrap();
-        frame[16..18].copy_from_slice(&ip_len.to_be_bytes());
-        frame
-    };
+    let paged = |dst_port| paged(&Packet::new(RESTRICTED, "10.1.2.3", TCP, dst_port));
     let count = |c| bench.dataplane.maps().counters().unwrap().get(c);
     let watched = [
         Counter::PassPolicy,
@@ -363,6 +357,52 @@ fn a_header_outside_the_linear_data_is_judged_like_any_other() {
         "allowed to 443 passes, denied to 22 drops, neither is malformed \
          (pass_policy, drop_policy, drop_malformed)"
     );
+}
+
+/// The egress side of the same: a packet toward a restricted peer whose IP header is outside
+/// the linear data still records its flow, so the peer's reply passes (a policy denial
+/// otherwise: the policy allows only TCP 443).
+#[test]
+fn a_paged_packet_toward_a_peer_records_its_flow() {
+    use wgfence_common::Counter;
+    let bench = Bench::new(1000);
+    for link in [bench.attached.as_str(), SENDER] {
+        bench.ns.ip(&["link", "set", link, "mtu", "9000"]);
+    }
+    let count = |c| bench.dataplane.maps().counters().unwrap().get(c);
+    let toward_peer = paged(&Packet::new("10.1.2.3", RESTRICTED, UDP, 40000).src_port(53));
+    // Out of the attached interface: its egress program sees it.
+    bench
+        .ns
+        .enter(|| inject_paged(&bench.attached, &[toward_peer]));
+    let (replies, denied) = (count(Counter::PassReply), count(Counter::DropPolicy));
+    let reply = Packet::new(RESTRICTED, "10.1.2.3", UDP, 53)
+        .src_port(40000)
+        .frame();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while count(Counter::PassReply) == replies && count(Counter::DropPolicy) == denied {
+        assert!(Instant::now() < deadline, "the reply was never judged");
+        bench.send(std::slice::from_ref(&reply));
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        (
+            count(Counter::PassReply) - replies,
+            count(Counter::DropPolicy) - denied
+        ),
+        (1, 0),
+        "the reply to the paged packet's flow passes (pass_reply, drop_policy)"
+    );
+}
+
+/// `packet` as a frame of 6,000 bytes (zeros after its headers), which [`inject_paged`] sends
+/// with only its Ethernet header in the linear data.
+fn paged(packet: &Packet) -> Vec<u8> {
+    let mut frame = packet.frame();
+    frame.resize(6000, 0);
+    let ip_len = u16::try_from(frame.len() - 14).unwrap();
+    frame[16..18].copy_from_slice(&ip_len.to_be_bytes());
+    frame
 }
 
 /// The limiter refills from `jiffies`, so the agent must know how long a jiffy is: what it
