@@ -428,12 +428,13 @@ impl Core {
         );
         self.metrics.state_rejected.inc();
         // A Secret's version is named: which write was refused.
-        let of = origin.map(|o| format!(" ({o})")).unwrap_or_default();
         if failed_tests.is_empty() {
+            let of = origin.map(|o| format!("{o}; ")).unwrap_or_default();
             self.not_ready(&format!(
-                "state file rejected by validation{of} (see the agent's log)"
+                "state file rejected by validation ({of}see the agent's log)"
             ));
         } else {
+            let of = origin.map(|o| format!(" ({o})")).unwrap_or_default();
             self.not_ready(&format!(
                 "state file rejected{of}: policy test failed: {}",
                 failed_tests.join("; ")
@@ -688,7 +689,9 @@ async fn run_async(options: RunOptions) -> Result<(), DaemonError> {
     let health = Arc::new(Health::default());
     health.set_not_ready("no valid state loaded yet");
     // Bind before touching the kernel: a second agent started by mistake on the same node
-    // fails here, before it could replace the running one's program.
+    // fails here, before it could replace the running one's program. One on the same
+    // interface is told which agent runs there, not only that the port is taken.
+    crate::dataplane::refuse_if_locked(&options.bpffs, &options.interface)?;
     let listeners = bind(&options).await?;
     // The file is parsed while the datapath attaches; a Secret is read once the watch has
     // listed it (the first load).

@@ -247,7 +247,7 @@ fn datapath_repairs(registry: &mut Registry) -> Family<RepairLabels, Counter> {
     registry.register(
         "wgfence_datapath_repairs",
         "Repairs made while enforcing, by what: pin_dir (the pin directory, <bpffs>/wgfence \
-         or bpffs removed, not by wgfence detach), map_pin, link_pin, reattach (the \
+         or bpffs removed, not by wgfence detach), map_pin, link_pin, program_pin, reattach (the \
          interface was recreated)",
         datapath_repairs.clone(),
     );

@@ -9,6 +9,7 @@ use std::{
     fs,
     net::IpAddr,
     os::unix::fs::PermissionsExt as _,
+    path::Path,
     process::Command,
     thread,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
@@ -573,17 +574,33 @@ fn assert_denied_throughout(gw: &Gateway, how_long: Duration, when: &str) {
     }
 }
 
-/// Waits until every pin is back, and checks they are the live objects: the maps hold the
-/// state, the link pin is the link the program runs on, the directory is root's only.
+/// Waits until every pin is back (every one the docs list: the maps, the tombstones, the
+/// links and the programs), and checks they are the live objects: the maps hold the state,
+/// the link pin is the link the program runs on, the directory is root's only.
 #[track_caller]
 fn assert_pins_restored(gw: &Gateway, agent: &Agent, s: &str, link: (u32, u32)) {
     let dir = pin_dir(&gw.bpffs, gw.interface());
-    let pins = all_pins(&dir);
-    let restored = wait_for(Duration::from_secs(5), || pins.iter().all(|p| p.exists()));
+    let missing = || {
+        let present: Vec<String> = fs::read_dir(&dir)
+            .map(|entries| {
+                entries
+                    .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        wgfence::dataplane::pins()
+            .into_iter()
+            .filter(|pin| match pin.strip_suffix("<identity>") {
+                Some(prefix) => !present.iter().any(|p| p.starts_with(prefix)),
+                None => !present.contains(pin),
+            })
+            .collect::<Vec<_>>()
+    };
+    let restored = wait_for(Duration::from_secs(5), || missing().is_empty());
     assert!(
         restored.is_some(),
         "the pins were not restored: missing {:?}; log:\n{}",
-        pins.iter().filter(|p| !p.exists()).collect::<Vec<_>>(),
+        missing(),
         agent.log_text()
     );
     let mode = fs::metadata(&dir)
@@ -906,12 +923,23 @@ fn a_removed_wgfence_directory_and_a_remounted_bpffs_are_repaired() {
 /// of its own) and waits up to 5 s for it to exit; a second agent that keeps running fails the
 /// test.
 fn second_agent(gw: &Gateway, state: &str, extra: &[&str]) -> std::process::Output {
+    second_agent_as(state, |path| {
+        let mut command = wgfence_tests::agent::run_command(&binary(), gw, path);
+        command.args(extra);
+        command
+    })
+}
+
+/// As [`second_agent`], with the command `command` makes for the state file's path.
+fn second_agent_as(
+    state: &str,
+    command: impl FnOnce(&Path) -> std::process::Command,
+) -> std::process::Output {
     let dir = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-second-"));
     fs::create_dir_all(&dir).unwrap();
     let path = dir.join("state.json");
     fs::write(&path, state).unwrap();
-    let mut child = wgfence_tests::agent::run_command(&binary(), gw, &path)
-        .args(extra)
+    let mut child = command(&path)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -933,10 +961,11 @@ fn second_agent(gw: &Gateway, state: &str, extra: &[&str]) -> std::process::Outp
     out
 }
 
-/// A second `wgfence run` on an interface an agent already runs on (without the metrics port
-/// that used to be the only guard) exits non-zero at once, names the running agent's pid, and
-/// changes nothing: the maps and links stay as they were, the first agent keeps enforcing and
-/// keeps applying changes.
+/// A second `wgfence run` on an interface an agent already runs on exits non-zero at once,
+/// names the running agent's pid, and changes nothing: the maps and links stay as they were,
+/// the first agent keeps enforcing and keeps applying changes. Both without the metrics port
+/// (that used to be the only guard) and, as an operator repeats the command, with the same
+/// default port as the first, which is still in use.
 #[test]
 fn a_second_agent_on_the_same_interface_is_refused() {
     let gw = Gateway::new(1);
@@ -972,6 +1001,23 @@ fn a_second_agent_on_the_same_interface_is_refused() {
     assert!(
         stderr.contains(&format!("pid {pid}")),
         "the message does not name the running agent (pid {pid}): {stderr}"
+    );
+    assert_eq!(snapshot(), before, "the second agent changed the datapath");
+
+    // The same command as the first agent's, default metrics port and all.
+    let out = second_agent_as(&other, |path| {
+        let mut command = gw.node.command(binary());
+        command
+            .args(["run", "--interface", gw.interface(), "--state"])
+            .arg(path);
+        command
+    });
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("locked by another wgfence agent (pid {pid})")),
+        "with the first agent's metrics port, the message does not name it (pid {pid}): \
+         {stderr}"
     );
     assert_eq!(snapshot(), before, "the second agent changed the datapath");
     assert_enforced(&gw, "after the second agent was refused");

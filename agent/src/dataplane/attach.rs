@@ -98,6 +98,7 @@ impl Dataplane {
             retired: Vec::new(),
             hook: kind,
             added_qdisc,
+            identity,
             lock: Some(claim.lock),
             detached: false,
             unpinned: None,

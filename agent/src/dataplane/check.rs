@@ -12,10 +12,10 @@ use super::{
     detach::{detaching_dirs, mark},
     hooks, iface,
     links::{attach_new, pin_over},
-    load::program_of,
+    load::{program_of, program_pin},
     pins::{ensure_bpffs, lock_pin_dir},
-    sys, tc, Check, Dataplane, DataplaneError, HeldLink, Hook, HookKind, PinDirLock, Repair,
-    Result,
+    sys, tc, upgrade, Check, Dataplane, DataplaneError, HeldLink, Hook, HookKind, PinDirLock,
+    Repair, Result,
 };
 
 /// Where [`Dataplane::check`] found the pin directory this agent locked.
@@ -62,7 +62,7 @@ impl Dataplane {
         let mut repairs = Vec::new();
         let mut unpinned = match self.restore_pin_dir(&mut repairs) {
             Ok(PinDirState::Detaching(_)) => return Ok(Check::Detached),
-            Ok(_) => self.restore_map_pins(&mut repairs).err(),
+            Ok(_) => self.restore_pins(&mut repairs).err(),
             Err(e) => Some(e),
         };
         let ifindex = match iface::index(&self.interface) {
@@ -153,8 +153,9 @@ impl Dataplane {
         Ok(state)
     }
 
-    /// Pins again every map whose pin is missing, from the agent's own descriptors.
-    fn restore_map_pins(&self, repairs: &mut Vec<Repair>) -> Result<()> {
+    /// Pins again every map whose pin is missing, from the agent's own descriptors, then the
+    /// tombstones that stop an older agent, and (tcx) the programs the next start takes over.
+    fn restore_pins(&mut self, repairs: &mut Vec<Repair>) -> Result<()> {
         for (name, data) in &self.map_pins {
             let path = self.pin_dir.join(name);
             if path.exists() {
@@ -163,6 +164,21 @@ impl Dataplane {
             data.pin(&path)
                 .map_err(|source| DataplaneError::Pin { path, source })?;
             repairs.push(Repair::MapPin(name));
+        }
+        for name in upgrade::restore_tombstones(&self.pin_dir)? {
+            repairs.push(Repair::MapPin(name));
+        }
+        if self.hook == HookKind::Tcx {
+            for hook in hooks(&self.variant) {
+                let path = program_pin(&self.pin_dir, &hook, &self.identity);
+                if path.exists() {
+                    continue;
+                }
+                program_of(&mut self.ebpf, &mut self.adopted, hook.program)?
+                    .pin(&path)
+                    .map_err(|source| DataplaneError::Pin { path, source })?;
+                repairs.push(Repair::ProgramPin(hook.program));
+            }
         }
         Ok(())
     }

@@ -148,7 +148,7 @@ pub(super) fn program_identity(log_level: u8, variant: &Variant) -> String {
 }
 
 /// The pin of the program of `hook` with this identity.
-fn program_pin(pin_dir: &Path, hook: &Hook, identity: &str) -> PathBuf {
+pub(super) fn program_pin(pin_dir: &Path, hook: &Hook, identity: &str) -> PathBuf {
     pin_dir.join(format!("{PROGRAM_PIN_PREFIX}{}_{identity}", hook.direction))
 }
 

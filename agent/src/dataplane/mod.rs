@@ -155,6 +155,23 @@ pub fn pin_dir(bpffs: &Path, interface: &str) -> PathBuf {
     bpffs.join("wgfence").join(interface)
 }
 
+/// Refuses at once, naming the holder, when another agent holds the lock of `interface`'s pin
+/// directory: a check before `wgfence run` binds its ports, so that a second agent on the same
+/// interface is told of the first rather than of a port in use. Reads `/proc/locks` only and
+/// takes no lock (an agent starting at the same instant must not find it taken); a holder in
+/// another pid namespace is not visible here, and is found by the lock that counts, the one
+/// [`Dataplane::attach`] takes.
+pub fn refuse_if_locked(bpffs: &Path, interface: &str) -> Result<()> {
+    let dir = pin_dir(bpffs, interface);
+    match lock::holder_of(&dir) {
+        Some(pid) => Err(DataplaneError::Locked {
+            path: dir,
+            holder: Some(pid),
+        }),
+        None => Ok(()),
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct AttachOptions {
     pub interface: String,
@@ -244,13 +261,17 @@ pub enum Repair {
     MapPin(&'static str),
     /// A link's pin was missing: pinned again from the agent's descriptor.
     LinkPin(&'static str),
+    /// A program's pin (tcx: what the next start takes over) was missing: pinned again from
+    /// the agent's descriptor.
+    ProgramPin(&'static str),
     /// The interface was recreated: new links attached.
     Reattached { ifindex: u32 },
 }
 
 impl Repair {
     /// Every kind, as [`Repair::kind`] names them (for metric labels).
-    pub const KINDS: [&'static str; 4] = ["pin_dir", "map_pin", "link_pin", "reattach"];
+    pub const KINDS: [&'static str; 5] =
+        ["pin_dir", "map_pin", "link_pin", "program_pin", "reattach"];
 
     /// The kind of repair, for a metric label.
     pub fn kind(&self) -> &'static str {
@@ -258,6 +279,7 @@ impl Repair {
             Repair::PinDir => "pin_dir",
             Repair::MapPin(_) => "map_pin",
             Repair::LinkPin(_) => "link_pin",
+            Repair::ProgramPin(_) => "program_pin",
             Repair::Reattached { .. } => "reattach",
         }
     }
@@ -269,6 +291,7 @@ impl std::fmt::Display for Repair {
             Repair::PinDir => write!(f, "created the pin directory again"),
             Repair::MapPin(name) => write!(f, "pinned map {name} again"),
             Repair::LinkPin(name) => write!(f, "pinned the link {name} again"),
+            Repair::ProgramPin(name) => write!(f, "pinned the program {name} again"),
             Repair::Reattached { ifindex } => {
                 write!(f, "attached to the recreated interface (index {ifindex})")
             }
@@ -302,6 +325,8 @@ pub struct Dataplane {
     hook: HookKind,
     /// The agent added the clsact qdisc (tc hook): marked in the pin directory for `detach`.
     added_qdisc: bool,
+    /// What identifies the programs (part of their pin names, see `load::program_identity`).
+    identity: String,
     /// The exclusive lock on the pin directory; `None` once detached.
     lock: Option<PinDirLock>,
     /// `wgfence detach` took the pin directory: the links are let go and never attached again.

@@ -1345,6 +1345,19 @@ fn place_tombstone(pin_dir: &Path, pin: &str) -> Result<()> {
     )
 }
 
+/// Places each tombstone whose pin is missing (removed under a running agent); the names of
+/// those placed. One that is there is left as it is: [`tidy`] checks what it is at each start.
+pub(crate) fn restore_tombstones(pin_dir: &Path) -> Result<Vec<&'static str>> {
+    let mut placed = Vec::new();
+    for pin in TOMBSTONE_PINS {
+        if !pin_dir.join(pin).exists() {
+            place_tombstone(pin_dir, pin)?;
+            placed.push(pin);
+        }
+    }
+    Ok(placed)
+}
+
 /// Whether the pin at `path` is a tombstone (this agent's, or the one a layout-2 agent placed
 /// at layout 1's peer map: an array either way, which no older agent accepts).
 fn is_tombstone(path: &Path) -> bool {
