@@ -142,13 +142,21 @@ impl Window {
 }
 
 /// An RFC 3339 time in UTC (`2026-12-04T17:00:00Z`, fractions of a second allowed) as seconds
-/// since the Unix epoch, rounded down.
+/// since the Unix epoch, rounded down: an `expires` (a window closes no later than written).
 pub fn parse_time(text: &str) -> Result<u64, String> {
+    since_epoch(text).map(|d| d.as_secs())
+}
+
+/// As [`parse_time`], rounded up: a `notBefore` (a window opens no earlier than written).
+pub fn parse_start_time(text: &str) -> Result<u64, String> {
+    since_epoch(text).map(|d| d.as_secs() + u64::from(d.subsec_nanos() != 0))
+}
+
+fn since_epoch(text: &str) -> Result<std::time::Duration, String> {
     let t = humantime::parse_rfc3339(text).map_err(|e| {
         format!("{text:?} is not an RFC 3339 time in UTC such as 2026-12-04T17:00:00Z ({e})")
     })?;
     t.duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
         .map_err(|_| format!("{text:?} is before 1970"))
 }
 
@@ -162,7 +170,8 @@ pub fn format_time(secs: u64) -> String {
 fn window_error(window: &Window) -> Option<String> {
     match (window.not_before, window.expires) {
         (Some(nb), Some(ex)) if ex <= nb => Some(format!(
-            "{} is not after notBefore {}: the window is empty",
+            "{} is not after notBefore {}: the window is empty (a window is whole seconds: \
+             a fraction rounds notBefore up and expires down)",
             format_time(ex),
             format_time(nb)
         )),
@@ -705,6 +714,24 @@ mod tests {
             &state(vec![p]),
             "field expires: 2026-12-04T17:00:00Z is not after notBefore",
         );
+        // Fractions round the window inward, never wider than written: within one second
+        // nothing is left; across one, the whole seconds inside.
+        let mut p = peer("alice", 2);
+        p["notBefore"] = "2026-12-04T17:00:00.200Z".into();
+        p["expires"] = "2026-12-04T17:00:00.800Z".into();
+        assert_error(
+            &state(vec![p]),
+            "2026-12-04T17:00:00Z is not after notBefore 2026-12-04T17:00:01Z",
+        );
+        let mut p = peer("alice", 2);
+        p["notBefore"] = "2026-12-04T17:00:00.200Z".into();
+        p["expires"] = "2026-12-04T17:00:05.900Z".into();
+        for parse in [parse, parse_value_tree] {
+            let desired = parse(&state(vec![p.clone()])).expect("a window of whole seconds");
+            let window = desired.peers[0].window();
+            assert_eq!(window.not_before, parse_time("2026-12-04T17:00:01Z").ok());
+            assert_eq!(window.expires, parse_time("2026-12-04T17:00:05Z").ok());
+        }
     }
 
     #[track_caller]
@@ -850,6 +877,12 @@ mod tests {
             r#"{"version":1,"version":1,"peers":[]}"#,
             "version: repeated",
         );
+        // In the policy tests too: the last "deny" would win and the test would check nothing.
+        let text = format!(
+            r#"{{"version":1,"peers":[{{"name":"a","publicKey":"{}","address":"10.8.0.2","egress":[{{"cidr":"10.0.0.0/8"}}]}}],"tests":[{{"peer":"a","deny":["192.0.2.1:443/tcp"],"deny":[]}}]}}"#,
+            key(2)
+        );
+        assert_error(&text, "tests[0].deny: repeated");
     }
 
     #[test]

@@ -12,9 +12,9 @@ use serde_json::{Map, Value};
 use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 
 use super::{
-    assertions, keepalive, parse_endpoint, parse_time, port_number, port_text, protocol_named,
-    share, trie_entries, unique_keys, usable_tunnel_addr, valid_name, window_error, Compiled,
-    DesiredState, FieldError, Mode, PeerSpec, StateError, WgKey, Window, MAX_NAME_LEN,
+    assertions, keepalive, parse_endpoint, parse_start_time, parse_time, port_number, port_text,
+    protocol_named, share, trie_entries, unique_keys, usable_tunnel_addr, valid_name, window_error,
+    Compiled, DesiredState, FieldError, Mode, PeerSpec, StateError, WgKey, Window, MAX_NAME_LEN,
     MAX_RULES_PER_PEER, SCHEMA_VERSION,
 };
 use crate::policy::{PortRange, Protocol, Rule};
@@ -457,13 +457,13 @@ fn mode_field(obj: &Map<String, Value>, e: &mut Errors<'_>) -> Mode {
 
 /// `notBefore` and `expires`: the peer's window.
 fn window_field(obj: &Map<String, Value>, e: &mut Errors<'_>) -> Window {
-    let mut time = |field: &str| match obj.get(field) {
+    let mut time = |field: &str, parse: fn(&str) -> Result<u64, String>| match obj.get(field) {
         None => None,
         Some(Value::Null) => {
             e.add(field, NULL);
             None
         }
-        Some(Value::String(t)) => match parse_time(t) {
+        Some(Value::String(t)) => match parse(t) {
             Ok(secs) => Some(secs),
             Err(message) => {
                 e.add(field, message);
@@ -479,8 +479,8 @@ fn window_field(obj: &Map<String, Value>, e: &mut Errors<'_>) -> Window {
         }
     };
     let window = Window {
-        not_before: time("notBefore"),
-        expires: time("expires"),
+        not_before: time("notBefore", parse_start_time),
+        expires: time("expires", parse_time),
     };
     if let Some(message) = window_error(&window) {
         e.add("expires", message);

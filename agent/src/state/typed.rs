@@ -20,9 +20,10 @@ use serde_json::value::RawValue;
 use wgfence_common::{MAX_PEERS, MAX_POLICY_ENTRIES};
 
 use super::{
-    keepalive, parse_endpoint, parse_time, port_number, port_text, protocol_named, scan, share,
-    trie_entries, usable_tunnel_addr, valid_name, window_error, Compiled, DesiredState, Mode,
-    PeerSpec, Shared, WgKey, Window, MAX_RULES_PER_PEER, SCHEMA_VERSION,
+    keepalive, parse_endpoint, parse_start_time, parse_time, port_number, port_text,
+    protocol_named, scan, share, trie_entries, unique_keys, usable_tunnel_addr, valid_name,
+    window_error, Compiled, DesiredState, Mode, PeerSpec, Shared, WgKey, Window,
+    MAX_RULES_PER_PEER, SCHEMA_VERSION,
 };
 use crate::policy::{PortRange, Protocol, Rule};
 
@@ -421,6 +422,11 @@ pub(super) fn parse(text: &str) -> Option<DesiredState> {
     }
     let tests = match raw.tests {
         Some(text) => {
+            // A JSON value keeps the last of a repeated key, where the derived structs above
+            // refuse one: the tree walk names it.
+            if unique_keys::first_repeated(text.get()).is_some() {
+                return None;
+            }
             let value = serde_json::from_str(text.get()).ok()?;
             super::assertions::parse_tests(&value).ok()?
         }
@@ -494,15 +500,13 @@ fn peer<'a>(
 
 /// The peer's `notBefore` and `expires`, if they are times and make a window.
 fn window(raw: &RawPeer<'_>) -> Option<Window> {
-    let time = |t: &Option<Str<'_>>| -> Option<Option<u64>> {
-        match t {
-            Some(t) => parse_time(&t.0).ok().map(Some),
-            None => Some(None),
-        }
+    let time = |t: &Option<Str<'_>>, parse: fn(&str) -> Result<u64, String>| match t {
+        Some(t) => parse(&t.0).ok().map(Some),
+        None => Some(None),
     };
     let window = Window {
-        not_before: time(&raw.not_before)?,
-        expires: time(&raw.expires)?,
+        not_before: time(&raw.not_before, parse_start_time)?,
+        expires: time(&raw.expires, parse_time)?,
     };
     if window_error(&window).is_some() {
         return None;
