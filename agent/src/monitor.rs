@@ -120,6 +120,8 @@ pub struct Watch {
     maps: Option<Maps>,
     interface: String,
     state: Option<PathBuf>,
+    /// The largest state file read for names (`--max-state-bytes`).
+    max_state_bytes: u64,
     names: BTreeMap<IpAddr, String>,
     names_at: Instant,
     peer: Option<String>,
@@ -127,12 +129,14 @@ pub struct Watch {
 }
 
 impl Watch {
-    /// Opens the ring buffer of `interface`. `state` (else the running agent's state file)
-    /// names the peers; `peer`: only this peer's events, which must be in it.
+    /// Opens the ring buffer of `interface`. `state` (else the running agent's state file,
+    /// either read only up to `max_state_bytes`) names the peers; `peer`: only this peer's
+    /// events, which must be in it.
     pub fn open(
         bpffs: &Path,
         interface: &str,
         state: Option<&Path>,
+        max_state_bytes: u64,
         peer: Option<&str>,
     ) -> Result<Self, MonitorError> {
         let monitor = Monitor::open(bpffs, interface)?;
@@ -141,6 +145,7 @@ impl Watch {
             maps: Dataplane::open_maps(bpffs, interface).ok(),
             interface: interface.to_owned(),
             state: state.map(Path::to_path_buf),
+            max_state_bytes,
             names: BTreeMap::new(),
             names_at: Instant::now(),
             peer: peer.map(str::to_owned),
@@ -157,11 +162,7 @@ impl Watch {
 
     fn load_names(&mut self) {
         let agent = AgentStatus::read(&self.interface).ok();
-        self.names = peer_names(
-            self.state.as_deref(),
-            agent.as_ref(),
-            crate::input::DEFAULT_MAX_STATE_BYTES,
-        );
+        self.names = peer_names(self.state.as_deref(), agent.as_ref(), self.max_state_bytes);
         self.names_at = Instant::now();
     }
 

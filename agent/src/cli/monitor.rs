@@ -5,7 +5,7 @@ use std::{io::Write as _, path::PathBuf, process::ExitCode, time::Duration};
 use anyhow::Result;
 use wgfence::monitor::Watch;
 
-use super::Target;
+use super::{StateArgs, Target};
 
 #[derive(Debug, clap::Args)]
 pub struct Monitor {
@@ -20,6 +20,8 @@ pub struct Monitor {
     /// State file to name peers by (default: the running agent's).
     #[arg(long, short)]
     state: Option<PathBuf>,
+    #[command(flatten)]
+    state_args: StateArgs,
     /// Exit after this many events.
     #[arg(long, value_name = "N")]
     count: Option<u64>,
@@ -32,6 +34,7 @@ impl Monitor {
             bpffs,
             interface,
             self.state.as_deref(),
+            self.state_args.max_state_bytes,
             self.peer.as_deref(),
         )?;
         // On stderr, so stdout stays one event per line; scripts can wait for it.
