@@ -288,6 +288,22 @@ fn peer_filter_shows_only_that_peer() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("no peer named \"carol\""), "{stderr}");
+
+    // A state file that cannot be read is named as the fault, not as a peer it lacks.
+    let missing = bench.state.0.with_extension("missing");
+    let out = Command::new(binary())
+        .args(["monitor", "--interface", &bench.attached, "--peer", "alice"])
+        .args(["--state", &missing.display().to_string()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("reading the state file")
+            && stderr.contains(&missing.display().to_string()),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("no peer named"), "{stderr}");
 }
 
 #[test]

@@ -30,6 +30,11 @@ pub struct Monitor {
 impl Monitor {
     pub fn execute(self) -> Result<ExitCode> {
         let Target { interface, bpffs } = &self.target;
+        // A peer is found by its name in the state file: a file given that cannot be read or
+        // is not valid is named as such, not reported as a peer it lacks.
+        if let (Some(_), Some(path)) = (&self.peer, &self.state) {
+            super::parse_state(path, self.state_args)?;
+        }
         let mut watch = Watch::open(
             bpffs,
             interface,
