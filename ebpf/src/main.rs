@@ -480,6 +480,32 @@ pub(crate) fn under_quota(slot: u32, config: &Config) -> bool {
     made.saturating_sub(*freed) < u64::from(config.flows_per_peer)
 }
 
+/// Whether `slot` may hold a live reply flow: the flows recorded for it outnumber those the
+/// agent deleted. A denied packet of a peer that holds none skips the flow lookup (a hash of a
+/// 16- or 40-byte key), so a flood of denied datagrams from a peer the network never started
+/// a flow toward costs what a denied TCP SYN does.
+///
+/// Sound because `made - freed` never falls below the flows a slot's entries hold: the
+/// datapath counts a flow as it records it, the agent counts one only after deleting it, and
+/// a start recounts from the tables, never below them (`Maps::recount_flow_quota`). `freed`
+/// is read before `made` (volatile reads, kept in that order), so a deletion the agent counts
+/// meanwhile cannot make a slot with a live flow look empty. What is left is the instant
+/// between a flow's insertion and its count (a reply cannot arrive before the packet that
+/// starts the flow has left), where a reply is dropped, never passed. A failed lookup (a slot
+/// out of range, which the agent never writes) looks the flow up, as before.
+#[inline(always)]
+pub(crate) fn holds_flows(slot: u32) -> bool {
+    let (Some(freed), Some(made)) = (FLOW_FREED.get_ptr(slot), FLOW_MADE.get_ptr(slot)) else {
+        return true;
+    };
+    // SAFETY: preallocated array elements; aligned 8-byte words, written whole (an atomic add
+    // by the datapath, a map update by the agent).
+    let freed = unsafe { core::ptr::read_volatile(freed) };
+    // SAFETY: as above.
+    let made = unsafe { core::ptr::read_volatile(made) };
+    made > freed
+}
+
 /// Counts a flow recorded for `slot` against its quota.
 #[inline(always)]
 pub(crate) fn count_made(slot: u32) {

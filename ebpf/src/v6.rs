@@ -12,8 +12,8 @@ use wgfence_common::{
 use crate::{
     audit, config, decide,
     flow::{self, Answer, ICMP_ERROR_LEN, ICMP_V6},
-    has_ports, in_window, load, ports, unrestricted, Drop, Pass, Ports, FLOWS_V6, HEAD_LEN,
-    PEERS_V6, POLICY_V6,
+    has_ports, holds_flows, in_window, load, ports, unrestricted, Drop, Pass, Ports, FLOWS_V6,
+    HEAD_LEN, PEERS_V6, POLICY_V6,
 };
 
 const HEADER_LEN: usize = 40;
@@ -137,7 +137,8 @@ fn reply(
     let Some(config) = config().copied() else {
         return denied;
     };
-    if !config.replies() {
+    // A peer that holds no flow answers none: no flow lookup.
+    if !config.replies() || !holds_flows(peer.slot) {
         return denied;
     }
     let (peer_port, remote_port, close) = match flow::answer(ctx, l4, protocol, ports, &ICMP_V6) {

@@ -340,6 +340,54 @@ fn idle_flows_expire_and_closing_tcp_flows_expire_sooner() {
     from_peer(&mut p, &udp, Counter::PassReply);
 }
 
+/// A denied packet of a peer looks for the flow it answers only while the peer's slot holds
+/// one (`made - freed`, the flow quota): the agent counts a flow it deletes only after the
+/// deletion, so the flows that stay keep answering, in both families, and once the last one is
+/// deleted nothing answers.
+#[test]
+fn the_flows_that_stay_answer_after_the_agent_deletes_others() {
+    let mut p = default_program();
+    let (made, freed) = p.maps().flow_quota(SLOT).unwrap();
+    assert_eq!(made, freed, "a new program's slot holds no flow");
+    let answer_v4 = |port| Packet::new(PEER_V4, NODE_V4, UDP, port).src_port(161);
+    let answer_v6 = Packet::new(PEER_V6, NODE_V6, UDP, 52000).src_port(161);
+    // Nothing recorded: no flow answers (and none is looked up).
+    from_peer(&mut p, &answer_v4(52000), Counter::DropPolicy);
+    for port in [52000, 52001, 52002] {
+        to_peer(
+            &mut p,
+            &Packet::new(NODE_V4, PEER_V4, UDP, 161).src_port(port),
+        );
+    }
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V6, PEER_V6, UDP, 161).src_port(52000),
+    );
+    assert_eq!(p.maps().flow_quota(SLOT).unwrap(), (made + 4, freed));
+    // The agent deletes two IPv4 flows and the IPv6 one, and counts them.
+    let flows = p.maps().flows().unwrap();
+    let gone: Vec<Flow> = flows
+        .into_iter()
+        .filter(|f| f.remote_port != 52002)
+        .collect();
+    assert_eq!(gone.len(), 3, "{gone:?}");
+    assert_eq!(p.maps_mut().remove_flow_list(&gone).unwrap(), 3);
+    assert_eq!(p.maps().flow_quota(SLOT).unwrap(), (made + 4, freed + 3));
+    from_peer(&mut p, &answer_v4(52002), Counter::PassReply);
+    from_peer(&mut p, &answer_v4(52000), Counter::DropPolicy);
+    from_peer(&mut p, &answer_v6, Counter::DropPolicy);
+    // The last one goes: the slot holds none, and its answer is judged by the policy alone.
+    let last = p.maps().flows().unwrap();
+    assert_eq!(p.maps_mut().remove_flow_list(&last).unwrap(), 1);
+    from_peer(&mut p, &answer_v4(52002), Counter::DropPolicy);
+    // Recorded again: it answers again, in both families.
+    to_peer(
+        &mut p,
+        &Packet::new(NODE_V6, PEER_V6, UDP, 161).src_port(52000),
+    );
+    from_peer(&mut p, &answer_v6, Counter::PassReply);
+}
+
 /// Nothing is evicted: a full table keeps every flow it has and refuses new ones (which only
 /// stops replies), so no peer can push another's flows out.
 #[test]
