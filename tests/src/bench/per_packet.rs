@@ -177,8 +177,14 @@ pub struct Packets {
     pub allowed: Vec<u8>,
     /// A TCP SYN the policy denies.
     pub denied: Vec<u8>,
-    /// A UDP datagram the policy denies (with replies on it looks for a flow it answers).
+    /// A UDP datagram the policy denies. Its peer holds no reply flow, so it looks for none.
     pub denied_udp: Vec<u8>,
+    /// A UDP datagram another restricted peer's policy denies; that peer holds a live reply
+    /// flow (toward [`FLOW_REMOTE`], which the datagram does not answer), so with replies on
+    /// it looks for a flow it answers and finds none.
+    pub denied_udp_flow: Vec<u8>,
+    /// The source of `denied_udp_flow`: the peer the bench gives the flow.
+    pub flow_holder: IpAddr,
     /// A packet of another unrestricted peer (another counter slot).
     pub other_unrestricted: Vec<u8>,
 }
@@ -225,6 +231,12 @@ fn cases(p: &Packets) -> Vec<Case> {
             "floor_lpm_denied",
             LPM,
             &p.denied,
+        ),
+        floor(
+            "floor: lookup + LPM, the flow holder's denied UDP",
+            "floor_lpm_denied_udp_flow",
+            LPM,
+            &p.denied_udp_flow,
         ),
         floor(
             "floor: lookup + the policy's own trie (map in map), allowed packet",
@@ -275,13 +287,22 @@ fn cases(p: &Packets) -> Vec<Case> {
             (4, 1.5),
         ),
         wg(
-            "restricted, denied UDP (replies and events on)",
+            "restricted, denied UDP, its peer holding no flow (replies and events on)",
             "denied_udp_on",
             true,
             1000,
             &p.denied_udp,
             false,
             (4, 1.5),
+        ),
+        wg(
+            "restricted, denied UDP, its peer holding a flow (replies and events on)",
+            "denied_udp_flow_on",
+            true,
+            1000,
+            &p.denied_udp_flow,
+            false,
+            (5, 1.5),
         ),
         wg(
             "unknown source (events off)",
@@ -356,6 +377,7 @@ fn compare(report: &mut Report, command: &str, states: &[(usize, DesiredState, P
     for (n, desired, packets) in states {
         eprintln!("bench: per-packet cost beside the floor, N={n}");
         let mut program = loaded_variant(desired, VARIANT_L3);
+        give_a_flow(&mut program, packets.flow_holder);
         let floor = Floor::load(&program);
         let cases = cases(packets);
         let ns = measure(&mut program, &floor, &cases);
@@ -407,7 +429,12 @@ fn compare(report: &mut Report, command: &str, states: &[(usize, DesiredState, P
              not have yet: measured to see whether it is flat in N). Each wgfence path is \
              divided by the floor that does its essential work on the same packet (a hit or a \
              miss) in today's layout. A denied TCP SYN answers no flow, so it skips the reply \
-             lookup that a denied UDP datagram makes when replies are on. Every figure \
+             lookup; so does a denied UDP datagram of a peer that holds no reply flow (its \
+             slot's flow quota is empty). A denied UDP datagram of a peer holding a flow (the \
+             bench records one, toward another remote, for another restricted peer, the last \
+             but one whose policy denies a sampled UDP datagram) looks for the flow it \
+             answers and finds none: a third lookup, beside the floor's two (its floor row \
+             runs that peer's own datagram). Every figure \
              includes the harness's own per-run cost (the empty classifier's row), which the \
              ratios do not subtract. Packets from the last peer of each kind; events on means \
              the agent's default 1,000/s node-wide, so a steady stream of drops is rate-limited. \
@@ -486,6 +513,35 @@ fn compare(report: &mut Report, command: &str, states: &[(usize, DesiredState, P
     report.record("per_packet", record);
 }
 
+/// The remote of the one reply flow the bench records (TEST-NET-2: no generated destination).
+const FLOW_REMOTE: [u8; 4] = [198, 51, 100, 1];
+
+/// Records a live UDP flow toward `holder` from [`FLOW_REMOTE`], as the egress program would,
+/// so that its slot holds a flow: its denied packets then look for the flow they answer.
+fn give_a_flow(program: &mut TestProgram, holder: IpAddr) {
+    let entry = program
+        .maps()
+        .peer(holder)
+        .expect("reading the peer map")
+        .unwrap_or_else(|| panic!("{holder} has no peer entry"));
+    program
+        .maps_mut()
+        .insert_flow(&wgfence::dataplane::Flow {
+            peer: holder,
+            remote: IpAddr::from(FLOW_REMOTE),
+            protocol: PROTO_UDP,
+            peer_port: 7,
+            remote_port: 9,
+            value: wgfence_common::FlowValue {
+                last_seen_ns: u64::MAX / 2,
+                owner: entry.owner,
+                state: wgfence_common::FLOW_OPEN,
+                slot: entry.slot,
+            },
+        })
+        .expect("recording a flow");
+}
+
 /// The raw IP packet of an Ethernet frame built by [`crate::packet::Packet::frame`].
 pub fn ip(frame: Vec<u8>) -> Vec<u8> {
     frame.get(14..).map(<[u8]>::to_vec).unwrap_or_default()
@@ -520,6 +576,8 @@ pub fn run(report: &mut Report, config: &Config) {
                 allowed: frame("allowed"),
                 denied: frame("denied"),
                 denied_udp: frame("denied_udp"),
+                denied_udp_flow: frame("denied_udp_flow"),
+                flow_holder: flow_holder(&desired),
                 other_unrestricted: other,
             };
             (n, desired, packets)
@@ -536,15 +594,8 @@ fn test_packets(desired: &DesiredState) -> Vec<(&'static str, Vec<u8>, bool)> {
         .rev()
         .find(|p| p.policy.is_none())
         .expect("no unrestricted peer");
-    let restricted = desired
-        .peers
-        .iter()
-        .rev()
-        .find(|p| {
-            p.policy
-                .as_ref()
-                .is_some_and(|c| c.entries().any(|(n, _)| n.addr().is_ipv4()))
-        })
+    let restricted = restricted_v4(desired)
+        .next()
         .expect("no restricted peer with IPv4 rules");
     let policy: &CompiledPolicy = restricted.policy.as_deref().unwrap();
     let src = restricted
@@ -570,11 +621,12 @@ fn test_packets(desired: &DesiredState) -> Vec<(&'static str, Vec<u8>, bool)> {
         .find(|d| !policy.permits(*d, PROTO_TCP, Some(1)))
         .map(|d| Packet::new(&src, &d.to_string(), TCP, 1).frame())
         .expect("no denied destination found");
-    let denied_udp = (0..10_000)
-        .map(|_| gen::destination(&mut rng, false))
-        .find(|d| !policy.permits(*d, PROTO_UDP, Some(1)))
-        .map(|d| Packet::new(&src, &d.to_string(), UDP, 1).frame())
-        .expect("no denied UDP destination found");
+    let denied_udp = udp_denied(&mut rng, policy, &src).expect("no denied UDP destination found");
+    let holder = flow_holder(desired);
+    let denied_udp_flow = restricted_v4(desired)
+        .find(|p| p.address.map(IpAddr::V4) == Some(holder))
+        .and_then(|p| udp_denied(&mut rng, p.policy.as_deref()?, &holder.to_string()))
+        .expect("the flow holder has no denied UDP destination");
     let open_src = unrestricted.address.unwrap().to_string();
     vec![
         // The cheapest verdict (one hash lookup that misses): the floor of the harness.
@@ -591,5 +643,37 @@ fn test_packets(desired: &DesiredState) -> Vec<(&'static str, Vec<u8>, bool)> {
         ("allowed", allowed, true),
         ("denied", denied, false),
         ("denied_udp", denied_udp, false),
+        ("denied_udp_flow", denied_udp_flow, false),
     ]
+}
+
+/// Restricted peers with IPv4 rules, from the last.
+fn restricted_v4(desired: &DesiredState) -> impl Iterator<Item = &wgfence::state::PeerSpec> {
+    desired.peers.iter().rev().filter(|p| {
+        p.policy
+            .as_ref()
+            .is_some_and(|c| c.entries().any(|(n, _)| n.addr().is_ipv4()))
+    })
+}
+
+/// The peer the bench gives a reply flow: the last restricted peer but one whose policy
+/// denies some UDP datagram (with the same sampled destinations every time).
+fn flow_holder(desired: &DesiredState) -> IpAddr {
+    restricted_v4(desired)
+        .skip(1)
+        .find_map(|p| {
+            let addr = IpAddr::V4(p.address?);
+            udp_denied(&mut Rng::new(7), p.policy.as_deref()?, &addr.to_string())?;
+            Some(addr)
+        })
+        .expect("no other restricted peer denies a UDP datagram")
+}
+
+/// A UDP datagram from `src` to port 1 of a destination `policy` denies (never the bench's
+/// flow remote).
+fn udp_denied(rng: &mut Rng, policy: &CompiledPolicy, src: &str) -> Option<Vec<u8>> {
+    (0..10_000)
+        .map(|_| gen::destination(rng, false))
+        .find(|d| *d != IpAddr::from(FLOW_REMOTE) && !policy.permits(*d, PROTO_UDP, Some(1)))
+        .map(|d| Packet::new(src, &d.to_string(), UDP, 1).frame())
 }
