@@ -470,40 +470,44 @@ pub(crate) fn count(counter: Counter) {
     }
 }
 
-/// Whether `slot` may record one more flow: its live flows (recorded by the datapath minus
-/// deleted by the agent) are below the quota. A failed lookup refuses.
-#[inline(always)]
-pub(crate) fn under_quota(slot: u32, config: &Config) -> bool {
-    let (Some(made), Some(freed)) = (FLOW_MADE.get(slot), FLOW_FREED.get(slot)) else {
-        return false;
-    };
-    made.saturating_sub(*freed) < u64::from(config.flows_per_peer)
-}
-
-/// Whether `slot` may hold a live reply flow: the flows recorded for it outnumber those the
-/// agent deleted. A denied packet of a peer that holds none skips the flow lookup (a hash of a
-/// 16- or 40-byte key), so a flood of denied datagrams from a peer the network never started
-/// a flow toward costs what a denied TCP SYN does.
+/// The flows `slot` holds by its quota: recorded by the datapath minus deleted by the agent;
+/// `None` when a lookup fails (a slot out of range, which the agent never writes).
 ///
-/// Sound because `made - freed` never falls below the flows a slot's entries hold: the
-/// datapath counts a flow as it records it, the agent counts one only after deleting it, and
-/// a start recounts from the tables, never below them (`Maps::recount_flow_quota`). `freed`
-/// is read before `made` (volatile reads, kept in that order), so a deletion the agent counts
-/// meanwhile cannot make a slot with a live flow look empty. What is left is the instant
-/// between a flow's insertion and its count (a reply cannot arrive before the packet that
-/// starts the flow has left), where a reply is dropped, never passed. A failed lookup (a slot
-/// out of range, which the agent never writes) looks the flow up, as before.
+/// Never below the flows the slot's entries hold: the datapath counts a flow as it records
+/// it, the agent counts one only after deleting it, and a start recounts from the tables,
+/// never below them (`Maps::recount_flow_quota`). `freed` is read before `made` (volatile
+/// reads, kept in that order), so a deletion the agent counts meanwhile cannot make a slot
+/// with a live flow look empty. What is left is the instant between a flow's insertion and
+/// its count, where the slot looks one flow short.
 #[inline(always)]
-pub(crate) fn holds_flows(slot: u32) -> bool {
-    let (Some(freed), Some(made)) = (FLOW_FREED.get_ptr(slot), FLOW_MADE.get_ptr(slot)) else {
-        return true;
-    };
+fn live_flows(slot: u32) -> Option<u64> {
+    let freed = FLOW_FREED.get_ptr(slot)?;
+    let made = FLOW_MADE.get_ptr(slot)?;
     // SAFETY: preallocated array elements; aligned 8-byte words, written whole (an atomic add
     // by the datapath, a map update by the agent).
-    let freed = unsafe { core::ptr::read_volatile(freed) };
-    // SAFETY: as above.
-    let made = unsafe { core::ptr::read_volatile(made) };
-    made > freed
+    let (freed, made) = unsafe {
+        let freed = core::ptr::read_volatile(freed);
+        (freed, core::ptr::read_volatile(made))
+    };
+    Some(made.saturating_sub(freed))
+}
+
+/// Whether `slot` may record one more flow: its [`live_flows`] are below the quota. A failed
+/// lookup refuses.
+#[inline(always)]
+pub(crate) fn under_quota(slot: u32, config: &Config) -> bool {
+    live_flows(slot).is_some_and(|live| live < u64::from(config.flows_per_peer))
+}
+
+/// Whether `slot` may hold a live reply flow. A denied packet of a peer that holds none skips
+/// the flow lookup (a hash of a 16- or 40-byte key), so a flood of denied datagrams from a
+/// peer the network never started a flow toward costs what a denied TCP SYN does. Sound by
+/// [`live_flows`]: a reply in the instant between its flow's insertion and count (it cannot
+/// arrive before the packet that starts the flow has left) is dropped, never passed. A failed
+/// lookup looks the flow up, as before.
+#[inline(always)]
+pub(crate) fn holds_flows(slot: u32) -> bool {
+    live_flows(slot).is_none_or(|live| live > 0)
 }
 
 /// Counts a flow recorded for `slot` against its quota.

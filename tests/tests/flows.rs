@@ -351,7 +351,7 @@ fn the_flows_that_stay_answer_after_the_agent_deletes_others() {
     assert_eq!(made, freed, "a new program's slot holds no flow");
     let answer_v4 = |port| Packet::new(PEER_V4, NODE_V4, UDP, port).src_port(161);
     let answer_v6 = Packet::new(PEER_V6, NODE_V6, UDP, 52000).src_port(161);
-    // Nothing recorded: no flow answers (and none is looked up).
+    // Nothing recorded: no flow answers.
     from_peer(&mut p, &answer_v4(52000), Counter::DropPolicy);
     for port in [52000, 52001, 52002] {
         to_peer(

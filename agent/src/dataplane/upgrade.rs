@@ -804,17 +804,12 @@ impl V3Maps {
     /// Copies the v2 flows into the v3 tables. `late`: after the switch, only flows the v3
     /// tables do not have (the v3 programs may have recorded or refreshed them meanwhile); a
     /// v3 flow older than its v2 copy gets the v2 timestamp. Returns how many were copied.
-    ///
-    /// A late copy is counted in its slot's `made` (the quota the fill carried over is older
-    /// than it): the v3 programs look a reply's flow up only for a slot whose `made` exceeds
-    /// its `freed`, so an uncounted flow would not answer until the recount after the switch.
     fn copy_flows(
         &mut self,
         flows: &[(FlowKey, wgfence_common::FlowValue)],
         late: bool,
     ) -> Result<u64> {
         let mut copied = 0;
-        let mut late_by_slot: BTreeMap<u32, u64> = BTreeMap::new();
         for (key, value) in flows {
             let inserted = match key {
                 FlowKey::V4(k) => {
@@ -825,18 +820,6 @@ impl V3Maps {
                 }
             };
             copied += u64::from(inserted);
-            if late && inserted {
-                *late_by_slot.entry(value.slot).or_default() += 1;
-            }
-        }
-        for (slot, n) in late_by_slot {
-            let made = self
-                .flow_made
-                .get(&slot, 0)
-                .map_err(map_err(map_names::FLOW_MADE))?;
-            self.flow_made
-                .set(slot, made.wrapping_add(n), 0)
-                .map_err(map_err(map_names::FLOW_MADE))?;
         }
         Ok(copied)
     }
