@@ -573,9 +573,11 @@ impl Core {
             }) => {
                 self.metrics.count_repairs(&repairs);
                 let was_faulted = std::mem::replace(&mut self.dataplane_fault, false);
-                if reattached || was_faulted {
+                let tries_lost = repairs.iter().any(|r| matches!(r, Repair::PolicyTries(_)));
+                if reattached || was_faulted || tries_lost {
                     // A new device has none of the old one's WireGuard peers; after a fault,
-                    // loads were held back and the agent said it was not ready.
+                    // loads were held back and the agent said it was not ready; policy tries
+                    // without their pins read as empty until they are written again.
                     self.resync()
                 } else {
                     Next::Idle

@@ -1,4 +1,4 @@
-//! The datapath's settings, the single entry of `wgf3_config`: whether replies pass (from the
+//! The datapath's settings, the single entry of `wgf4_config`: whether replies pass (from the
 //! state's `"replies"`), the reply flows' idle timeouts, each peer's flow quota and the drop
 //! event rate (from the command line). The reconciler writes the entry only when it differs
 //! from the kernel's. The entry also keeps the owner high-water mark, which is the planner's.

@@ -8,7 +8,7 @@
 //! all flows when replies are switched off. It deletes in chunks of [`CHUNK`] and, between
 //! chunks, waits while a state change is being loaded or applied ([`Sweeper::pause`]).
 //!
-//! Once it runs, it is the agent's only writer of `wgf3_flow_freed` (each count is read and
+//! Once it runs, it is the agent's only writer of `wgf4_flow_freed` (each count is read and
 //! written back, so two writers would lose flows): the reconciler deletes no flow itself.
 
 use std::{

@@ -13,48 +13,58 @@
 use bytemuck::{Pod, Zeroable};
 
 /// Version of the map layout below. Bumped on any change to a key, a value or a map's meaning.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 
 /// Map names. Each carries the layout version and fits the kernel's 15-character limit
 /// (`BPF_OBJ_NAME_LEN` - 1), so `bpftool map show` prints them whole.
 pub mod map_names {
     /// IPv4 peer address -> [`super::PeerEntry`].
-    pub const PEERS_V4: &str = "wgf3_peers_v4";
+    pub const PEERS_V4: &str = "wgf4_peers_v4";
     /// IPv6 peer address -> [`super::PeerEntry`].
-    pub const PEERS_V6: &str = "wgf3_peers_v6";
-    /// LPM trie: (policy id, IPv4 destination prefix) -> [`super::PolicyValue`].
-    pub const POLICY_V4: &str = "wgf3_policy_v4";
-    /// LPM trie: (policy id, IPv6 destination prefix) -> [`super::PolicyValue`].
-    pub const POLICY_V6: &str = "wgf3_policy_v6";
+    pub const PEERS_V6: &str = "wgf4_peers_v6";
+    /// Hash of maps: policy id -> that policy's IPv4 trie ([`TRIE_V4`]).
+    pub const POLICY_V4: &str = "wgf4_policy_v4";
+    /// Hash of maps: policy id -> that policy's IPv6 trie ([`TRIE_V6`]).
+    pub const POLICY_V6: &str = "wgf4_policy_v6";
+    /// The name of every policy's IPv4 trie, an LPM trie: destination prefix
+    /// ([`super::PolicyKeyV4`]) -> [`super::PolicyValue`]. Not a map of the programs: the agent
+    /// creates one per policy and pins it under [`TRIES_V4`] by its policy id.
+    pub const TRIE_V4: &str = "wgf4_trie_v4";
+    /// The name of every policy's IPv6 trie; see [`TRIE_V4`].
+    pub const TRIE_V6: &str = "wgf4_trie_v6";
+    /// The pin directory of the IPv4 policy tries: `<pin dir>/wgf4_tries_v4/<policy id>`.
+    pub const TRIES_V4: &str = "wgf4_tries_v4";
+    /// The pin directory of the IPv6 policy tries; see [`TRIES_V4`].
+    pub const TRIES_V6: &str = "wgf4_tries_v6";
     /// Per-CPU array of packet counters indexed by [`super::Counter`].
-    pub const STATS: &str = "wgf3_stats";
+    pub const STATS: &str = "wgf4_stats";
     /// Per-CPU array of [`super::PeerCounters`] indexed by [`super::PeerEntry::slot`]: each CPU
     /// writes only its own copy; readers sum over the CPUs.
-    pub const PEER_STATS: &str = "wgf3_peer_stats";
+    pub const PEER_STATS: &str = "wgf4_peer_stats";
 
     /// Hash: IPv4 flow the network started toward a peer ([`super::FlowKeyV4`]) ->
     /// [`super::FlowValue`].
-    pub const FLOWS_V4: &str = "wgf3_flows_v4";
+    pub const FLOWS_V4: &str = "wgf4_flows_v4";
     /// Hash: IPv6 flow the network started toward a peer ([`super::FlowKeyV6`]) ->
     /// [`super::FlowValue`].
-    pub const FLOWS_V6: &str = "wgf3_flows_v6";
+    pub const FLOWS_V6: &str = "wgf4_flows_v6";
     /// Array of u64 indexed by [`super::PeerEntry::slot`]: flows the datapath recorded for
     /// the slot (atomic adds, datapath only).
-    pub const FLOW_MADE: &str = "wgf3_flow_made";
+    pub const FLOW_MADE: &str = "wgf4_flow_made";
     /// Array of u64 indexed by [`super::PeerEntry::slot`]: flows of the slot the agent deleted
     /// (agent only). A slot's live flows are `made - freed`.
-    pub const FLOW_FREED: &str = "wgf3_flow_freed";
+    pub const FLOW_FREED: &str = "wgf4_flow_freed";
     /// Array of one [`super::Config`]: the settings the agent gives the datapath.
-    pub const CONFIG: &str = "wgf3_config";
+    pub const CONFIG: &str = "wgf4_config";
     /// Ring buffer of [`super::DropEvent`]s, read by `wgfence monitor`.
-    pub const EVENTS: &str = "wgf3_events";
+    pub const EVENTS: &str = "wgf4_events";
     /// Per-CPU array of one [`super::EventBucket`]: the drop event rate limiter.
-    pub const EVENT_BUCKET: &str = "wgf3_ev_bucket";
+    pub const EVENT_BUCKET: &str = "wgf4_ev_bucket";
     /// Per-CPU array of [`super::RuleCounters`]: a policy pass counts at the index
     /// [`super::PeerEntry::rules`] + [`super::Allow::rule`] of the entry that matched.
-    pub const RULE_STATS: &str = "wgf3_rule_stats";
+    pub const RULE_STATS: &str = "wgf4_rule_stats";
     /// Array of [`super::RuleSeen`] indexed like [`RULE_STATS`], written by the agent only.
-    pub const RULE_SEEN: &str = "wgf3_rule_seen";
+    pub const RULE_SEEN: &str = "wgf4_rule_seen";
 
     /// Every map the agent pins, in a fixed order.
     pub const ALL: [&str; 15] = [
@@ -122,7 +132,8 @@ impl Variant {
 
 /// Peers per address family; also the number of per-peer counter slots.
 pub const MAX_PEERS: u32 = 131_072;
-/// Policy trie entries per address family (tries are not preallocated: this is a ceiling).
+/// Policy trie entries per address family, all policies together (the agent's ceiling; tries
+/// are not preallocated, and each policy's trie is created with this as its own).
 pub const MAX_POLICY_ENTRIES: u32 = 1_048_576;
 /// Allow entries per trie value: the bound of the datapath's scan.
 pub const MAX_ALLOWS: usize = 32;
@@ -231,13 +242,12 @@ impl PeerEntry {
     }
 }
 
-/// Data part of an IPv4 policy trie key. The trie key's prefix length counts the 32 bits of
-/// `policy` plus the destination prefix length, so a lookup only ever matches entries of the
-/// peer's own policy.
+/// Data part of an IPv4 policy trie key: the destination. Each policy has a trie of its own
+/// (found by its id in [`map_names::POLICY_V4`]), so a lookup only ever walks the entries of the
+/// peer's own policy, however many other policies there are.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
 pub struct PolicyKeyV4 {
-    pub policy: u32,
     pub addr: [u8; 4],
 }
 
@@ -245,12 +255,23 @@ pub struct PolicyKeyV4 {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
 pub struct PolicyKeyV6 {
-    pub policy: u32,
     pub addr: [u8; 16],
 }
 
-/// Bits of the policy id at the front of every policy trie key.
-pub const POLICY_ID_BITS: u32 = 32;
+/// Data part of a key of one IPv4 trie that all policies share, whose prefix length counts the
+/// 32 bits of `policy` plus the destination's: map layout 3's policy trie, which the bench's
+/// floor programs still measure beside layout 4's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Pod, Zeroable)]
+pub struct SharedPolicyKeyV4 {
+    pub policy: u32,
+    pub addr: [u8; 4],
+}
+
+/// Policy ids each [`map_names::POLICY_V4`] and [`map_names::POLICY_V6`] holds at most: a
+/// policy per peer, twice, for a push that gives every peer a new policy (the new ones are
+/// written before the old ones go).
+pub const MAX_POLICIES: u32 = 2 * MAX_PEERS;
 
 /// One allowed (protocol, destination port range). `protocol` is an IP protocol number or
 /// [`PROTO_ANY`]. A packet whose destination port is unknown (not TCP/UDP, or a non-first
@@ -655,6 +676,7 @@ mod user {
     unsafe impl aya::Pod for PeerEntry {}
     unsafe impl aya::Pod for PolicyKeyV4 {}
     unsafe impl aya::Pod for PolicyKeyV6 {}
+    unsafe impl aya::Pod for SharedPolicyKeyV4 {}
     unsafe impl aya::Pod for PolicyValue {}
     unsafe impl aya::Pod for PeerCounters {}
     unsafe impl aya::Pod for RuleCounters {}
@@ -676,7 +698,7 @@ mod tests {
         for name in map_names::ALL {
             assert!(name.len() <= 15, "{name} is longer than 15 characters");
             assert!(
-                name.starts_with("wgf3_"),
+                name.starts_with("wgf4_"),
                 "{name} does not carry layout version 3"
             );
         }
@@ -703,8 +725,8 @@ mod tests {
         assert_eq!(core::mem::size_of::<PeerKeyV4>(), 4);
         assert_eq!(core::mem::size_of::<PeerKeyV6>(), 16);
         assert_eq!(core::mem::size_of::<PeerEntry>(), 40);
-        assert_eq!(core::mem::size_of::<PolicyKeyV4>(), 8);
-        assert_eq!(core::mem::size_of::<PolicyKeyV6>(), 20);
+        assert_eq!(core::mem::size_of::<PolicyKeyV4>(), 4);
+        assert_eq!(core::mem::size_of::<PolicyKeyV6>(), 16);
         assert_eq!(core::mem::size_of::<Allow>(), 8);
         assert_eq!(core::mem::size_of::<PolicyValue>(), 4 + 8 * MAX_ALLOWS);
         assert_eq!(core::mem::size_of::<PeerCounters>(), 48);

@@ -4,12 +4,11 @@
 //! ratios to them:
 //! - [`floor_empty`]: nothing, the harness's own cost;
 //! - [`floor_lookup`]: the source address looked up in a hash map with the key and value sizes
-//!   of `wgf3_peers_v4`;
-//! - [`floor_lpm`]: that lookup, then the destination in an LPM trie with the key and value
-//!   sizes of `wgf3_policy_v4`;
+//!   of `wgf4_peers_v4`;
+//! - [`floor_lpm`]: that lookup, then the destination in one LPM trie that all policies share,
+//!   keyed by (policy id, destination): the floor of map layout 3, measured beside layout 4's;
 //! - [`floor_mim`]: that lookup, then the destination in a trie of the peer's policy alone,
-//!   found by policy id in a hash of maps: the floor of a layout with one trie per distinct
-//!   policy, which the bench measures beside today's one shared trie (issue 29).
+//!   found by policy id in a hash of maps: the floor of map layout 4 (`wgf4_policy_v4`).
 //!
 //! Packets are read directly (no helper); a short packet is dropped.
 #![no_std]
@@ -23,7 +22,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use wgfence_common::{
-    PeerEntry, PeerKeyV4, PolicyKeyV4, PolicyValue, MAX_PEERS, MAX_POLICY_ENTRIES, POLICY_ID_BITS,
+    PeerEntry, PeerKeyV4, PolicyKeyV4, PolicyValue, SharedPolicyKeyV4, MAX_PEERS, MAX_POLICIES,
+    MAX_POLICY_ENTRIES,
 };
 
 const TCX_NEXT: i32 = -1;
@@ -33,14 +33,15 @@ const TCX_DROP: i32 = 2;
 static PEERS: HashMap<PeerKeyV4, PeerEntry, { MAX_PEERS as usize }> = HashMap::new();
 
 #[btf_map(name = "floor_policy")]
-static POLICY: LpmTrie<PolicyKeyV4, PolicyValue, { MAX_POLICY_ENTRIES as usize }> = LpmTrie::new();
+static POLICY: LpmTrie<SharedPolicyKeyV4, PolicyValue, { MAX_POLICY_ENTRIES as usize }> =
+    LpmTrie::new();
 
 /// One policy's trie: destination prefixes only, no policy id in the key.
-pub type PolicyTrieV4 = LpmTrie<[u8; 4], PolicyValue, { MAX_POLICY_ENTRIES as usize }>;
+pub type PolicyTrieV4 = LpmTrie<PolicyKeyV4, PolicyValue, { MAX_POLICY_ENTRIES as usize }>;
 
 /// Policy id -> that policy's trie.
 #[btf_map(name = "floor_pol_of")]
-static POLICY_OF: HashOfMaps<u32, PolicyTrieV4, { MAX_PEERS as usize }> = HashOfMaps::new();
+static POLICY_OF: HashOfMaps<u32, PolicyTrieV4, { MAX_POLICIES as usize }, 1> = HashOfMaps::new();
 
 /// The first 20 bytes of the packet (an IPv4 header without options).
 #[inline(always)]
@@ -92,8 +93,8 @@ pub fn floor_lpm(ctx: TcContext) -> i32 {
         return TCX_DROP;
     };
     let key = Key::new(
-        POLICY_ID_BITS + 32,
-        PolicyKeyV4 {
+        32 + 32,
+        SharedPolicyKeyV4 {
             policy: peer.policy,
             addr: addr(&ip, 16),
         },
@@ -109,7 +110,12 @@ pub fn floor_mim(ctx: TcContext) -> i32 {
     let Some((ip, peer)) = head(&ctx).and_then(|ip| Some((ip, source_peer(&ip)?))) else {
         return TCX_DROP;
     };
-    let key = Key::new(32, addr(&ip, 16));
+    let key = Key::new(
+        32,
+        PolicyKeyV4 {
+            addr: addr(&ip, 16),
+        },
+    );
     // SAFETY: the value is not kept past the lookup.
     match unsafe { POLICY_OF.get_value(&peer.policy, &key) } {
         Some(_) => TCX_NEXT,

@@ -2,9 +2,11 @@
 //! packets that peers sent, after WireGuard decrypted them, and one on its egress (packets to
 //! peers) that records the flows the network starts toward restricted peers.
 //!
-//! It only looks things up. The agent compiles every policy into two maps per address family:
-//! a hash map from peer address to policy id, and an LPM trie keyed by (policy id, destination)
-//! whose value already holds every (protocol, port range) allowed for the longest matching prefix.
+//! It only looks things up. The agent compiles every policy into maps per address family: a
+//! hash map from peer address to policy id, and per policy an LPM trie keyed by destination
+//! (found by policy id in a hash of maps) whose value already holds every (protocol, port
+//! range) allowed for the longest matching prefix. A lookup walks the peer's own policy alone,
+//! so its cost does not grow with the number of policies.
 //! A packet passes if its source is an unrestricted peer, or a restricted peer's trie entry for
 //! its destination has an entry matching its protocol and destination port. Everything else is
 //! dropped: unknown sources, malformed headers, too long IPv6 header chains (fail closed).
@@ -34,7 +36,7 @@ use core::{
 };
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LpmTrie, PerCpuArray, RingBuf},
+    btf_maps::{Array, HashMap, HashOfMaps, LpmTrie, PerCpuArray, RingBuf},
     macros::{btf_map, classifier},
     programs::TcContext,
 };
@@ -42,8 +44,8 @@ use aya_log_ebpf::debug;
 use wgfence_common::{
     Config, Counter, DropEvent, EventBucket, FlowKeyV4, FlowKeyV6, FlowValue, PeerCounters,
     PeerEntry, PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, RuleCounters, RuleSeen,
-    COUNTERS_LEN, EVENTS_BYTES, MAX_ALLOWS, MAX_FLOWS, MAX_PEERS, MAX_POLICY_ENTRIES, MAX_RULES,
-    NO_RULES, NO_SLOT, PEER_WINDOWED, PROTO_TCP, PROTO_UDP,
+    COUNTERS_LEN, EVENTS_BYTES, MAX_ALLOWS, MAX_FLOWS, MAX_PEERS, MAX_POLICIES, MAX_POLICY_ENTRIES,
+    MAX_RULES, NO_RULES, NO_SLOT, PEER_WINDOWED, PROTO_TCP, PROTO_UDP,
 };
 
 /// tcx: let the next program (or the stack) decide; passing is never final, so wgfence composes
@@ -52,53 +54,62 @@ const TCX_NEXT: i32 = -1;
 /// tcx: drop the packet.
 const TCX_DROP: i32 = 2;
 
-#[btf_map(name = "wgf3_peers_v4")]
+#[btf_map(name = "wgf4_peers_v4")]
 static PEERS_V4: HashMap<PeerKeyV4, PeerEntry, { MAX_PEERS as usize }> = HashMap::new();
 
-#[btf_map(name = "wgf3_peers_v6")]
+#[btf_map(name = "wgf4_peers_v6")]
 static PEERS_V6: HashMap<PeerKeyV6, PeerEntry, { MAX_PEERS as usize }> = HashMap::new();
 
-#[btf_map(name = "wgf3_policy_v4")]
-static POLICY_V4: LpmTrie<PolicyKeyV4, PolicyValue, { MAX_POLICY_ENTRIES as usize }> =
-    LpmTrie::new();
+/// `BPF_F_NO_PREALLOC`: elements of the policy maps are allocated per insert and freed after
+/// an RCU grace period, so a lookup never sees a removed policy's slot reused by another.
+const NO_PREALLOC: usize = 1;
 
-#[btf_map(name = "wgf3_policy_v6")]
-static POLICY_V6: LpmTrie<PolicyKeyV6, PolicyValue, { MAX_POLICY_ENTRIES as usize }> =
-    LpmTrie::new();
+/// One policy's IPv4 trie (the agent creates one per policy).
+type TrieV4 = LpmTrie<PolicyKeyV4, PolicyValue, { MAX_POLICY_ENTRIES as usize }>;
+/// One policy's IPv6 trie.
+type TrieV6 = LpmTrie<PolicyKeyV6, PolicyValue, { MAX_POLICY_ENTRIES as usize }>;
 
-#[btf_map(name = "wgf3_stats")]
+#[btf_map(name = "wgf4_policy_v4")]
+static POLICY_V4: HashOfMaps<u32, TrieV4, { MAX_POLICIES as usize }, NO_PREALLOC> =
+    HashOfMaps::new();
+
+#[btf_map(name = "wgf4_policy_v6")]
+static POLICY_V6: HashOfMaps<u32, TrieV6, { MAX_POLICIES as usize }, NO_PREALLOC> =
+    HashOfMaps::new();
+
+#[btf_map(name = "wgf4_stats")]
 static STATS: PerCpuArray<u64, { COUNTERS_LEN as usize }> = PerCpuArray::new();
 
-#[btf_map(name = "wgf3_peer_stats")]
+#[btf_map(name = "wgf4_peer_stats")]
 static PEER_STATS: PerCpuArray<PeerCounters, { MAX_PEERS as usize }> = PerCpuArray::new();
 
-#[btf_map(name = "wgf3_flows_v4")]
+#[btf_map(name = "wgf4_flows_v4")]
 static FLOWS_V4: HashMap<FlowKeyV4, FlowValue, { MAX_FLOWS as usize }> = HashMap::new();
 
-#[btf_map(name = "wgf3_flows_v6")]
+#[btf_map(name = "wgf4_flows_v6")]
 static FLOWS_V6: HashMap<FlowKeyV6, FlowValue, { MAX_FLOWS as usize }> = HashMap::new();
 
-#[btf_map(name = "wgf3_flow_made")]
+#[btf_map(name = "wgf4_flow_made")]
 static FLOW_MADE: Array<u64, { MAX_PEERS as usize }> = Array::new();
 
-#[btf_map(name = "wgf3_flow_freed")]
+#[btf_map(name = "wgf4_flow_freed")]
 static FLOW_FREED: Array<u64, { MAX_PEERS as usize }> = Array::new();
 
-#[btf_map(name = "wgf3_config")]
+#[btf_map(name = "wgf4_config")]
 static CONFIG: Array<Config, 1> = Array::new();
 
-#[btf_map(name = "wgf3_events")]
+#[btf_map(name = "wgf4_events")]
 static EVENTS: RingBuf<DropEvent, { EVENTS_BYTES as usize }> = RingBuf::new();
 
-#[btf_map(name = "wgf3_ev_bucket")]
+#[btf_map(name = "wgf4_ev_bucket")]
 static EVENT_BUCKET: PerCpuArray<EventBucket, 1> = PerCpuArray::new();
 
-#[btf_map(name = "wgf3_rule_stats")]
+#[btf_map(name = "wgf4_rule_stats")]
 static RULE_STATS: PerCpuArray<RuleCounters, { MAX_RULES as usize }> = PerCpuArray::new();
 
 /// Written by the agent only; part of the object so that it is created, checked and pinned
 /// with the others.
-#[btf_map(name = "wgf3_rule_seen")]
+#[btf_map(name = "wgf4_rule_seen")]
 static RULE_SEEN: Array<RuleSeen, { MAX_RULES as usize }> = Array::new();
 
 /// Where the IP header starts in the two program variants: on WireGuard and TUN devices (no

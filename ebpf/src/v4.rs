@@ -3,7 +3,7 @@
 
 use aya_ebpf::{btf_maps::lpm_trie::Key, programs::TcContext};
 use wgfence_common::{
-    Counter, DropEvent, FlowKeyV4, PeerEntry, PeerKeyV4, PolicyKeyV4, EVENT_PORTS, POLICY_ID_BITS,
+    Counter, DropEvent, FlowKeyV4, PeerEntry, PeerKeyV4, PolicyKeyV4, PolicyValue, EVENT_PORTS,
     PROTO_ICMP, PROTO_TCP, PROTO_UDP, UNRESTRICTED,
 };
 
@@ -60,13 +60,6 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
         Ports::NONE
     };
 
-    let key = Key::new(
-        POLICY_ID_BITS + 32,
-        PolicyKeyV4 {
-            policy: peer.policy,
-            addr: addr(ip, 16),
-        },
-    );
     let audited = peer.audit();
     // ICMP is matched by its type where TCP/UDP are by their destination port (first fragment
     // only; an unread type matches only entries for every type).
@@ -77,7 +70,12 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
     } else {
         None
     };
-    let verdict = match decide(POLICY_V4.get(&key), &peer, protocol, port) {
+    let verdict = match decide(
+        policy_entry(peer.policy, addr(ip, 16)),
+        &peer,
+        protocol,
+        port,
+    ) {
         Err(Drop {
             why: Counter::DropPolicy,
             ..
@@ -85,6 +83,14 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
         verdict => verdict,
     };
     audit(verdict, audited)
+}
+
+/// The entry of `policy`'s trie for destination `addr`, if the policy has one that covers it.
+#[inline(always)]
+fn policy_entry(policy: u32, addr: [u8; 4]) -> Option<&'static PolicyValue> {
+    // SAFETY: the outer map is BPF_F_NO_PREALLOC (see `POLICY_V4`), and the value is read
+    // through the reference only while this packet runs.
+    unsafe { POLICY_V4.get_value(&policy, &Key::new(32, PolicyKeyV4 { addr })) }
 }
 
 /// A denied packet of a restricted peer: does it answer a flow the network started?
@@ -215,15 +221,8 @@ pub(crate) fn record(
     };
     // The peer's reply: to the remote, its port (none for an echo reply).
     let reply_allowed = || {
-        let policy_key = Key::new(
-            POLICY_ID_BITS + 32,
-            PolicyKeyV4 {
-                policy: peer.policy,
-                addr: key.remote,
-            },
-        );
         let port = (protocol != PROTO_ICMP).then_some(remote_port);
-        decide(POLICY_V4.get(&policy_key), &peer, protocol, port).is_ok()
+        decide(policy_entry(peer.policy, key.remote), &peer, protocol, port).is_ok()
     };
     flow::on_egress(&FLOWS_V4, &key, &packet, &peer, config, reply_allowed);
 }

@@ -4,9 +4,8 @@
 
 use aya_ebpf::{btf_maps::lpm_trie::Key, programs::TcContext};
 use wgfence_common::{
-    Counter, DropEvent, FlowKeyV6, PeerEntry, PeerKeyV6, PolicyKeyV6, EVENT_PORTS,
-    MAX_IPV6_EXT_HEADERS, POLICY_ID_BITS, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, PROTO_UNKNOWN,
-    UNRESTRICTED,
+    Counter, DropEvent, FlowKeyV6, PeerEntry, PeerKeyV6, PolicyKeyV6, PolicyValue, EVENT_PORTS,
+    MAX_IPV6_EXT_HEADERS, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, PROTO_UNKNOWN, UNRESTRICTED,
 };
 
 use crate::{
@@ -92,12 +91,8 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
         Ports::NONE
     };
 
-    let mut dst = PolicyKeyV6 {
-        policy: peer.policy,
-        addr: [0; 16],
-    };
-    dst.addr.copy_from_slice(&tail[4..20]);
-    let key = Key::new(POLICY_ID_BITS + 128, dst);
+    let mut dst = [0; 16];
+    dst.copy_from_slice(&tail[4..20]);
     // A later fragment's next header is the sender's word (it need not be the first
     // fragment's): such a fragment matches only entries for every protocol.
     let protocol = if first_fragment { next } else { PROTO_UNKNOWN };
@@ -111,14 +106,22 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
     } else {
         None
     };
-    let verdict = match decide(POLICY_V6.get(&key), &peer, protocol, port) {
+    let verdict = match decide(policy_entry(peer.policy, dst), &peer, protocol, port) {
         Err(Drop {
             why: Counter::DropPolicy,
             ..
-        }) if first_fragment => reply(ctx, offset, &src, &dst.addr, next, ports, &peer),
+        }) if first_fragment => reply(ctx, offset, &src, &dst, next, ports, &peer),
         verdict => verdict,
     };
     audit(verdict, audited)
+}
+
+/// The entry of `policy`'s trie for destination `addr`, if the policy has one that covers it.
+#[inline(always)]
+fn policy_entry(policy: u32, addr: [u8; 16]) -> Option<&'static PolicyValue> {
+    // SAFETY: the outer map is BPF_F_NO_PREALLOC (see `POLICY_V6`), and the value is read
+    // through the reference only while this packet runs.
+    unsafe { POLICY_V6.get_value(&policy, &Key::new(128, PolicyKeyV6 { addr })) }
 }
 
 /// A denied packet of a restricted peer: does it answer a flow the network started?
@@ -267,15 +270,8 @@ pub(crate) fn record(
     key.remote[12..].copy_from_slice(&tail[..4]);
     // The peer's reply: to the remote, its port (none for an echo reply).
     let reply_allowed = || {
-        let policy_key = Key::new(
-            POLICY_ID_BITS + 128,
-            PolicyKeyV6 {
-                policy: peer.policy,
-                addr: key.remote,
-            },
-        );
         let port = (protocol != PROTO_ICMPV6).then_some(remote_port);
-        decide(POLICY_V6.get(&policy_key), &peer, protocol, port).is_ok()
+        decide(policy_entry(peer.policy, key.remote), &peer, protocol, port).is_ok()
     };
     flow::on_egress(&FLOWS_V6, &key, &packet, &peer, config, reply_allowed);
 }

@@ -95,16 +95,16 @@ pub enum Layout {
     ParentLink,
 }
 
-/// The `wgfence` of map layout 1 (commit 02c7ddc), which the upgrade test starts from:
-/// `WGFENCE_V1_BIN`, else where `cargo xtask v1-agent` (and `cargo xtask test`) builds it.
-pub fn v1_binary() -> PathBuf {
-    old_binary(1, "02c7ddc")
-}
-
 /// The layout-2 agent (commit b4200bd): `WGFENCE_V2_BIN`, else where `cargo xtask v2-agent`
 /// (and `cargo xtask test`) builds it.
 pub fn v2_binary() -> PathBuf {
     old_binary(2, "b4200bd")
+}
+
+/// The layout-3 agent (commit f530f25), which the upgrade tests start from:
+/// `WGFENCE_V3_BIN`, else where `cargo xtask v3-agent` (and `cargo xtask test`) builds it.
+pub fn v3_binary() -> PathBuf {
+    old_binary(3, "f530f25")
 }
 
 fn old_binary(layout: u32, commit: &str) -> PathBuf {
@@ -151,7 +151,7 @@ impl Agent {
         Self::start_with(binary(), gw, layout, state, extra, METRICS, &[])
     }
 
-    /// [`Agent::start`] with another `wgfence` binary (e.g. [`v1_binary`]).
+    /// [`Agent::start`] with another `wgfence` binary (e.g. [`v3_binary`]).
     pub fn start_binary(
         bin: PathBuf,
         gw: &Gateway,

@@ -546,3 +546,127 @@ fn attached_to_a_veth(
         .unwrap_or_else(|e| panic!("{}", wgfence::error_chain(&e)));
     (ns, name, detach, dp)
 }
+
+/// Map layout 4: each policy's entries are a trie of its own, pinned by its id and found by the
+/// datapath through the hash of maps. A trie whose pin is removed by hand keeps enforcing and
+/// reads as empty until the policy is written again, which replaces it for the next packet; a
+/// pin swapped for another map is never taken for the policy; a policy's last entry takes its
+/// trie and pin with it. bpftool prints a trie's fields (its BTF).
+#[test]
+fn each_policy_is_a_trie_of_its_own_found_through_its_pin() {
+    let gw = Gateway::new(1);
+    let mut dp = gw.attach();
+    let tries = dp.pin_dir().join(wgfence_common::map_names::TRIES_V4);
+    let web = |port| {
+        vec![Rule::new(
+            net("10.0.0.0/8"),
+            Protocol::Tcp,
+            vec![PortRange::single(port)],
+        )]
+    };
+    let maps = dp.maps_mut();
+    install_policy(maps, 1, &web(443));
+    install_policy(maps, 2, &web(80));
+    for addr in gw.peers[0].addrs() {
+        maps.upsert_peer(addr, entry(1, 0)).unwrap();
+    }
+    let ns = &gw.peers[0].ns;
+    let dst = ip("10.2.3.4");
+    assert_eq!(probe(ns, Kind::Tcp(443), dst), Reach::Reached);
+    assert_eq!(probe(ns, Kind::Tcp(80), dst), Reach::Blocked);
+
+    // bpftool names the fields of a trie's key and value.
+    let out = wgfence_tests::net::run(&[
+        "bpftool",
+        "-j",
+        "map",
+        "dump",
+        "pinned",
+        &tries.join("1").to_string_lossy(),
+    ]);
+    let dump: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("bpftool -j map dump: {e}: {out:?}"));
+    let formatted = &dump[0]["formatted"];
+    assert_eq!(formatted["key"]["prefix_len"], 8, "{dump:#}");
+    assert_eq!(
+        formatted["key"]["data"]["addr"],
+        serde_json::json!([10, 0, 0, 0]),
+        "{dump:#}"
+    );
+    assert_eq!(formatted["value"]["allows"][0]["port_lo"], 443, "{dump:#}");
+
+    // A trie's pin removed by hand: the datapath keeps the trie; the agent cannot read it.
+    std::fs::remove_file(tries.join("1")).unwrap();
+    assert_eq!(probe(ns, Kind::Tcp(443), dst), Reach::Reached);
+    let read = |dp: &wgfence::dataplane::Dataplane| -> Vec<(u32, u16)> {
+        dp.maps()
+            .policies()
+            .unwrap()
+            .iter()
+            .map(|e| (e.policy, e.value.allows()[0].port_lo))
+            .collect()
+    };
+    assert_eq!(
+        read(&dp),
+        vec![(2, 80)],
+        "the unpinned trie read as entries"
+    );
+    // Written again (other contents): a new trie replaces it for the next packet.
+    install_policy(dp.maps_mut(), 1, &web(22));
+    assert_eq!(probe(ns, Kind::Tcp(22), dst), Reach::Reached);
+    assert_eq!(probe(ns, Kind::Tcp(443), dst), Reach::Blocked);
+    assert!(tries.join("1").exists(), "the new trie is not pinned");
+    assert_eq!(read(&dp), vec![(1, 22), (2, 80)]);
+
+    // A pin swapped for another map of the same layout is not policy 2's trie.
+    let other = tries.join("other");
+    wgfence_tests::net::run(&[
+        "bpftool",
+        "map",
+        "create",
+        &other.to_string_lossy(),
+        "type",
+        "lpm_trie",
+        "key",
+        "8",
+        "value",
+        "260",
+        "entries",
+        "16",
+        "name",
+        "stranger",
+        "flags",
+        "1",
+    ]);
+    // It holds an entry: 10.0.0.0/8 -> tcp 9999.
+    let mut args: Vec<String> = ["bpftool", "map", "update", "pinned"]
+        .map(str::to_owned)
+        .to_vec();
+    args.push(other.to_string_lossy().into_owned());
+    args.extend(["key", "hex", "08", "00", "00", "00", "0a", "00", "00", "00"].map(str::to_owned));
+    let mut value = vec![1u8, 0, 0, 0, 6, 0];
+    value.extend(9999u16.to_le_bytes());
+    value.extend(9999u16.to_le_bytes());
+    value.resize(260, 0);
+    args.extend(["value".to_owned(), "hex".to_owned()]);
+    args.extend(value.iter().map(|b| format!("{b:02x}")));
+    wgfence_tests::net::run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    std::fs::rename(&other, tries.join("2")).unwrap();
+    assert_eq!(
+        read(&dp),
+        vec![(1, 22)],
+        "a swapped pin was read as policy 2"
+    );
+    for addr in gw.peers[0].addrs() {
+        dp.maps_mut().upsert_peer(addr, entry(2, 0)).unwrap();
+    }
+    assert_eq!(probe(ns, Kind::Tcp(80), dst), Reach::Reached);
+
+    // Policy 1's last entry goes: its trie leaves the hash of maps, its pin goes too.
+    let writes = dp.maps().writes();
+    assert!(dp.maps_mut().remove_policy(1, net("10.0.0.0/8")).unwrap());
+    assert_eq!(dp.maps().writes(), writes + 2, "the entry, then the trie");
+    assert!(!tries.join("1").exists(), "an empty policy's pin stayed");
+    // Deleting what is already gone is not an error.
+    assert!(!dp.maps_mut().remove_policy(1, net("10.0.0.0/8")).unwrap());
+}

@@ -59,14 +59,14 @@ fn every_list_of_pins_in_the_docs_names_what_the_agent_pins() {
 
 #[test]
 fn a_list_that_disagrees_is_named() {
-    let pins: BTreeSet<String> = ["wgf3_stats", "link_ingress", "prog_ingress_<identity>"]
+    let pins: BTreeSet<String> = ["wgf4_stats", "link_ingress", "prog_ingress_<identity>"]
         .map(str::to_owned)
         .into();
     let listing = "-rw------- 1 root root 0 Nov 30 02:58 link_ingress\n\
                    -rw------- 1 root root 0 Nov 30 02:58 prog_ingress_0123456789abcdef\n\
-                   -rw------- 1 root root 0 Nov 30 02:58 wgf3_stats\n";
+                   -rw------- 1 root root 0 Nov 30 02:58 wgf4_stats\n";
     assert_eq!(differences(listing, &pins), None);
-    let text = "the maps `wgf3_stats` and `wgf2_peers_v4`, the link `link_ingress`";
+    let text = "the maps `wgf4_stats` and `wgf2_peers_v4`, the link `link_ingress`";
     assert_eq!(
         differences(text, &pins).as_deref(),
         Some(r#"missing ["prog_ingress_<identity>"], not pinned by the agent ["wgf2_peers_v4"]"#)

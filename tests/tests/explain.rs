@@ -307,10 +307,9 @@ fn verify_and_explain_see_drift_until_the_resync_repairs_it() {
         .as_u64()
         .unwrap_or_else(|| panic!("no policy id in {before:#}")) as u32;
 
-    // The drift: policy `policy` gains 10.2.3.4/32 -> tcp 22 (an LPM key is the prefix
-    // length, then the policy id and the address; the value a count and 32 allow entries).
-    let mut key = (32u32 + 32).to_le_bytes().to_vec();
-    key.extend(policy.to_le_bytes());
+    // The drift: policy `policy`'s trie gains 10.2.3.4/32 -> tcp 22 (an LPM key is the prefix
+    // length, then the address; the value a count and 32 allow entries).
+    let mut key = 32u32.to_le_bytes().to_vec();
     key.extend([10, 2, 3, 4]);
     let mut value = 1u32.to_le_bytes().to_vec();
     value.extend([6, 0]);
@@ -322,7 +321,8 @@ fn verify_and_explain_see_drift_until_the_resync_repairs_it() {
         0,
     );
     let trie = wgfence::dataplane::pin_dir(&gw.bpffs, gw.interface())
-        .join(wgfence_common::map_names::POLICY_V4);
+        .join(wgfence_common::map_names::TRIES_V4)
+        .join(policy.to_string());
     let mut args = vec![
         "bpftool".to_owned(),
         "map".to_owned(),

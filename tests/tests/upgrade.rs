@@ -1,9 +1,9 @@
-//! Map layout upgrade: a datapath of layout 2, made and run by that version's own agent (the
-//! binary of commit b4200bd), is upgraded to layout 3 by this agent under 10 ms packet streams
+//! Map layout upgrade: a datapath of layout 3, made and run by that version's own agent (the
+//! binary of commit f530f25), is upgraded to layout 4 by this agent under 10 ms packet streams
 //! without losing an allowed packet or passing a denied one, on tcx and on the legacy TC hook;
-//! a rollback to the layout-2 agent (or the layout-1 one) is refused before it attaches
-//! anything, and enforcement goes on unchanged. A layout-1 datapath is refused with the way
-//! through a layout-2 agent, and keeps enforcing.
+//! a rollback to the layout-3 agent (or the layout-2 one) is refused before it attaches
+//! anything, and enforcement goes on unchanged. A layout-2 datapath is refused with the way
+//! through a layout-3 agent, and keeps enforcing.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -21,7 +21,7 @@ use std::{
 use serde_json::{json, Value};
 use wgfence::dataplane::Dataplane;
 use wgfence_tests::{
-    agent::{binary, v1_binary, v2_binary, Agent, Layout},
+    agent::{binary, v2_binary, v3_binary, Agent, Layout},
     bench::gen,
     map_mismatch,
     net::Netns,
@@ -240,16 +240,16 @@ fn pins(gw: &Gateway) -> BTreeSet<String> {
         .unwrap_or_default()
 }
 
-/// Pins of layouts 1 and 2.
+/// Pins of layouts 1 to 3.
 fn old_pins(gw: &Gateway) -> Vec<String> {
     pins(gw)
         .into_iter()
-        .filter(|p| p.starts_with("wgf1_") || p.starts_with("wgf2_"))
+        .filter(|p| ["wgf1_", "wgf2_", "wgf3_"].iter().any(|l| p.starts_with(l)))
         .collect()
 }
 
 /// What an upgraded datapath keeps of the older layouts: their tombstones.
-const TOMBSTONES: [&str; 2] = ["wgf1_peers_v4", "wgf2_peers_v4"];
+const TOMBSTONES: [&str; 3] = ["wgf1_peers_v4", "wgf2_peers_v4", "wgf3_peers_v4"];
 
 /// `bin` with only the capabilities the DaemonSet gives the agent (CAP_BPF, CAP_PERFMON,
 /// CAP_NET_ADMIN; no CAP_SYS_ADMIN, so no looking up programs or maps by id): a script in
@@ -310,8 +310,8 @@ fn run_to_exit(
 }
 
 #[test]
-fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
-    let v1 = v2_binary();
+fn a_layout_3_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
+    let v1 = v3_binary();
     let gw = Gateway::new(3);
     // 10,000 generated peers (WireGuard peers without sessions, policies from a pool) beside
     // the three real ones: the fill has real work to do, and an agent that attached empty maps
@@ -328,7 +328,7 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let s = generated.to_string();
     let desired = wgfence::state::parse(&s).unwrap();
 
-    // The layout-2 datapath, made by the layout-2 agent.
+    // The layout-3 datapath, made by the layout-3 agent.
     // Both versions run with the DaemonSet's capabilities, as they would on a node.
     let scripts = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-caps-"));
     fs::create_dir_all(&scripts).unwrap();
@@ -339,8 +339,8 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let layout = Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap();
     assert_eq!(
         layout,
-        Some(2),
-        "the layout-2 agent did not attach layout 2"
+        Some(3),
+        "the layout-3 agent did not attach layout 3"
     );
     // This version's `status` names the layout the attached programs run.
     let out = Command::new(binary())
@@ -349,11 +349,11 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         .expect("wgfence status");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && stderr.contains("runs map layout 2"),
-        "status on a layout-2 datapath: {out:?}"
+        !out.status.success() && stderr.contains("runs map layout 3"),
+        "status on a layout-3 datapath: {out:?}"
     );
 
-    // A flow the network started toward peer 0 under layout 2: node 10.1.2.3:4000 -> peer 0
+    // A flow the network started toward peer 0 under layout 3: node 10.1.2.3:4000 -> peer 0
     // port 5000. Peer 0's answers to it pass only as replies (its policy denies them).
     let node_sock = gw.node.enter(|| UdpSocket::bind("10.1.2.3:4000")).unwrap();
     node_sock
@@ -376,37 +376,37 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     thread::sleep(Duration::from_millis(200));
     assert!(
         reply_arrives(&peer_sock),
-        "layout 2: the reply to the flow did not pass"
+        "layout 3: the reply to the flow did not pass"
     );
     assert!(
         !reply_arrives(&stranger),
-        "layout 2: a packet of no flow passed"
+        "layout 3: a packet of no flow passed"
     );
 
-    // Peer 2 sends only now, under layout 2: its counters must come through unchanged.
+    // Peer 2 sends only now, under layout 3: its counters must come through unchanged.
     let out = gw.peers[2]
         .ns
         .try_exec(&["ping", "-n", "-q", "-i", "0.002", "-c", "500", "10.1.2.3"]);
     assert!(out.status.success(), "{out:?}");
 
-    // Not while the layout-2 agent still runs: it would attach its programs again. (It locks
+    // Not while the layout-3 agent still runs: it would attach its programs again. (It locks
     // the pin directory as this agent does, so the lock refuses first, naming it.)
     let out = run_refused(&v2, &gw, &agent.state);
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!(
-        "started next to the layout-2 agent: {:?}\n{stderr}",
+        "started next to the layout-3 agent: {:?}\n{stderr}",
         out.status
     );
-    let pid = agent.pid().expect("the layout-2 agent runs");
+    let pid = agent.pid().expect("the layout-3 agent runs");
     assert!(
         !out.status.success()
             && (stderr.contains(&format!("pid [{pid}] holds the link"))
                 || stderr.contains(&format!("locked by another wgfence agent (pid {pid})"))),
-        "started next to the running layout-2 agent: {out:?}"
+        "started next to the running layout-3 agent: {out:?}"
     );
     assert_eq!(
         Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap(),
-        Some(2)
+        Some(3)
     );
 
     // 10 ms streams across the upgrade.
@@ -416,14 +416,14 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let stopped = agent.stop();
     assert!(
         stopped.is_some_and(|s| s.success()),
-        "the layout-2 agent did not stop cleanly"
+        "the layout-3 agent did not stop cleanly"
     );
     let v1_final = status_json(&v1, &gw);
     assert!(v1_final["packets"]["pass"].as_u64() >= v1_status["packets"]["pass"].as_u64());
     let (link_v1, prog_v1) = Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
         .ok()
         .flatten()
-        .expect("no pinned link under layout 2");
+        .expect("no pinned link under layout 3");
 
     agent.binary = v2.clone();
     let t = Instant::now();
@@ -431,7 +431,7 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(120));
     let ready = t.elapsed();
     // Right after the upgrade, before the streams have added much: the counters are the
-    // layout-2 ones plus.
+    // layout-3 ones plus.
     let v2_status = status_json(&binary(), &gw);
     let report = streams.check("across the upgrade");
     eprintln!("upgrade (start to ready in {ready:?}): {report}");
@@ -439,12 +439,12 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let log = agent.log_text();
     let line = log
         .lines()
-        .find(|l| l.contains("upgraded the datapath from map layout 2 to 3"))
+        .find(|l| l.contains("upgraded the datapath from map layout 3 to 4"))
         .unwrap_or_else(|| panic!("no upgrade line in the log:\n{log}"));
     eprintln!("{line}");
     assert!(line.contains("switch_us="), "{line}");
 
-    // The programs were replaced through the same links; the layout-2 maps are gone but for
+    // The programs were replaced through the same links; the layout-3 maps are gone but for
     // the tombstones.
     let (link_v2, prog_v2) = Dataplane::ingress_link_info(&gw.bpffs, gw.interface())
         .ok()
@@ -457,23 +457,23 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     assert_ne!(prog_v2, prog_v1);
     assert_eq!(
         Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap(),
-        Some(3)
+        Some(4)
     );
     assert_eq!(old_pins(&gw), TOMBSTONES, "pins: {:?}", pins(&gw));
-    assert_eq!(v2_status["layoutVersion"], 3, "{v2_status:#}");
+    assert_eq!(v2_status["layoutVersion"], 4, "{v2_status:#}");
     let text = Command::new(binary())
         .args(["status", "--interface", gw.interface()])
         .output()
         .unwrap();
     assert!(
-        String::from_utf8_lossy(&text.stdout).contains("(layout v3,"),
+        String::from_utf8_lossy(&text.stdout).contains("(layout v4,"),
         "{text:?}"
     );
 
-    // The layout-3 maps hold the state: every peer, its policy, and the owners layout 2 gave
-    // (one per address, as the planner allocates them: a flow counts only for the entry of its
-    // own address). That they are layout 2's own, not new ones, shows in the flow below:
-    // recorded under layout 2, it still belongs to its entry.
+    // The layout-4 maps hold the state: every peer, each policy in a trie of its own, and the
+    // owners layout 3 gave (one per address, as the planner allocates them: a flow counts only
+    // for the entry of its own address). That they are layout 3's own, not new ones, shows in
+    // the flow below: recorded under layout 3, it still belongs to its entry.
     let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap();
     assert_eq!(map_mismatch(&maps, &desired), None);
     let peers = maps.peers().unwrap();
@@ -511,15 +511,15 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     assert!(made > freed, "flow_made {made}, flow_freed {freed}");
     assert!(
         reply_arrives(&peer_sock),
-        "layout 3: the reply to the carried flow did not pass"
+        "layout 4: the reply to the carried flow did not pass"
     );
     assert!(
         !reply_arrives(&stranger),
-        "layout 3: a packet of no flow passed"
+        "layout 4: a packet of no flow passed"
     );
 
-    // Counters carried: peer 2 sent nothing since, so its counters are exactly layout 2's;
-    // the totals are at least layout 2's final ones.
+    // Counters carried: peer 2 sent nothing since, so its counters are exactly layout 3's;
+    // the totals are at least layout 3's final ones.
     let c1 = peer_counters(&v1_final);
     let c2 = peer_counters(&v2_status);
     for field in ["passPackets", "passBytes", "dropPackets", "dropBytes"] {
@@ -533,7 +533,7 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         let (before, after) = (v1_final[key][what].as_u64(), v2_status[key][what].as_u64());
         assert!(
             after >= before && before > Some(0),
-            "{key}.{what}: {before:?} under layout 2, {after:?} after the upgrade"
+            "{key}.{what}: {before:?} under layout 3, {after:?} after the upgrade"
         );
     }
     for (addr, v1c) in &c1 {
@@ -545,23 +545,23 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
         );
     }
 
-    // Rollback: the layout-2 agent is refused before it attaches anything, naming the map,
-    // and the layout-3 datapath keeps enforcing throughout.
+    // Rollback: the layout-3 agent is refused before it attaches anything, naming the map,
+    // and the layout-4 datapath keeps enforcing throughout.
     assert!(agent.stop().is_some_and(|s| s.success()));
     let streams = Streams::start(&gw, 300);
     thread::sleep(Duration::from_millis(500));
     let out = run_refused(&v1_caps, &gw, &agent.state);
     let stderr = String::from_utf8_lossy(&out.stderr);
     eprintln!(
-        "layout-2 agent on the layout-3 datapath: {:?}\n{stderr}",
+        "layout-3 agent on the layout-4 datapath: {:?}\n{stderr}",
         out.status
     );
     assert!(
         !out.status.success(),
-        "the layout-2 agent ran on a layout-3 datapath"
+        "the layout-3 agent ran on a layout-4 datapath"
     );
     assert!(
-        stderr.contains("wgf2_peers_v4"),
+        stderr.contains("wgf3_peers_v4"),
         "the refusal does not name the map: {stderr}"
     );
     let report = streams.check("during the refused rollback");
@@ -579,7 +579,7 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     );
     // What the refused agent left (maps it created before it checked) ...
     let junk = old_pins(&gw);
-    assert!(junk.len() > 2, "the refused agent left no pins? {junk:?}");
+    assert!(junk.len() > 3, "the refused agent left no pins? {junk:?}");
 
     // ... goes at the next start of this version.
     agent.restart(&gw, &[]);
@@ -600,14 +600,14 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     assert!(agent.stop().is_some_and(|s| s.success()));
     let out = run_refused(&v1_caps, &gw, &agent.state);
     assert!(!out.status.success());
-    assert!(old_pins(&gw).len() > 2);
-    // The layout-1 agent is refused the same way, at its own tombstone.
-    let v1_caps = with_daemonset_caps(&scripts, &v1_binary());
-    let out = run_refused(&v1_caps, &gw, &agent.state);
+    assert!(old_pins(&gw).len() > 3);
+    // The layout-2 agent is refused the same way, at its own tombstone.
+    let v2_caps = with_daemonset_caps(&scripts, &v2_binary());
+    let out = run_refused(&v2_caps, &gw, &agent.state);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && stderr.contains("wgf1_peers_v4"),
-        "the layout-1 agent on a layout-3 datapath: {out:?}"
+        !out.status.success() && stderr.contains("wgf2_peers_v4"),
+        "the layout-2 agent on a layout-4 datapath: {out:?}"
     );
     let out = Command::new(binary())
         .args(["detach", "--interface", gw.interface()])
@@ -619,9 +619,9 @@ fn a_layout_2_datapath_is_upgraded_under_traffic_and_a_rollback_is_refused() {
     let _ = fs::remove_dir_all(&scripts);
 }
 
-/// An upgrade interrupted before its switch left `wgf3_*` pins that nothing runs (here one
-/// planted by hand, holding an entry layout 2 never had), and the state file is invalid when
-/// the new agent starts: the upgrade still fills from the layout-2 maps alone, and the agent
+/// An upgrade interrupted before its switch left `wgf4_*` pins that nothing runs (here one
+/// planted by hand, holding an entry layout 3 never had), and the state file is invalid when
+/// the new agent starts: the upgrade still fills from the layout-3 maps alone, and the agent
 /// keeps enforcing exactly that (not ready, nothing applied).
 #[test]
 fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state() {
@@ -629,12 +629,12 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
     let s = serde_json::json!({ "version": 1, "peers": [gw.peer_json(0, Some(restricted()))] })
         .to_string();
     let desired = wgfence::state::parse(&s).unwrap();
-    let mut agent = Agent::start_binary(v2_binary(), &gw, Layout::Plain, &s, &[]);
+    let mut agent = Agent::start_binary(v3_binary(), &gw, Layout::Plain, &s, &[]);
     agent.wait_ready(&gw);
     assert!(agent.stop().is_some_and(|s| s.success()));
 
     let dir = gw.bpffs.join("wgfence").join(gw.interface());
-    let stale = dir.join("wgf3_peers_v4");
+    let stale = dir.join("wgf4_peers_v4");
     let stale = stale.to_string_lossy();
     let bpftool = |args: &[&str]| {
         let out = wgfence_tests::net::run(&[&["bpftool"][..], args].concat());
@@ -653,7 +653,7 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
         "entries",
         "131072",
         "name",
-        "wgf3_peers_v4",
+        "wgf4_peers_v4",
     ]);
     // 10.99.0.1: unrestricted, slot 7, owner 99, no flags, no rules, no window.
     let mut value: Vec<String> = [0u8, 0, 0, 0, 7, 0, 0, 0, 99, 0, 0, 0, 0, 0, 0, 0]
@@ -679,7 +679,7 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
     agent.wait_readyz(&gw, 503);
     let log = agent.log_text();
     assert!(
-        log.contains("upgraded the datapath from map layout 2 to 3"),
+        log.contains("upgraded the datapath from map layout 3 to 4"),
         "{log}"
     );
     let maps = Dataplane::open_maps(&gw.bpffs, gw.interface()).unwrap();
@@ -690,25 +690,18 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
             .all(|(a, _)| *a != IpAddr::from([10, 99, 0, 1])),
         "the stale entry survived: {peers:?}"
     );
-    // Exactly the layout-2 state, translated: the policy's entries are what the state
-    // compiles to, but every allow credited to rule 0 (no valid state to apply: the agent
-    // rewrites nothing, so the attribution waits for the first apply).
-    let untagged = |allows: &[wgfence_common::Allow]| -> Vec<wgfence_common::Allow> {
-        allows
-            .iter()
-            .map(|a| wgfence_common::Allow { rule: 0, ..*a })
-            .collect()
-    };
+    // Exactly the layout-3 state, copied (no valid state to apply: the agent rewrites
+    // nothing): the policy's entries are what the state compiles to, in a trie of their own.
     let mut want: Vec<_> = desired.peers[0]
         .policy
         .as_deref()
-        .map(|p| p.entries().map(|(n, a)| (n, untagged(a))).collect())
+        .map(|p| p.entries().map(|(n, a)| (n, a.to_vec())).collect())
         .expect("peer 0 has egress rules");
     let mut have: Vec<_> = maps
         .policies()
         .unwrap()
         .into_iter()
-        .map(|e| (e.prefix, untagged(e.value.allows())))
+        .map(|e| (e.prefix, e.value.allows().to_vec()))
         .collect();
     want.sort();
     have.sort();
@@ -728,22 +721,22 @@ fn an_upgrade_ignores_stale_new_maps_and_keeps_enforcing_without_a_valid_state()
 /// would).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Interrupted {
-    /// The egress link runs layout 3, the ingress link still layout 2.
+    /// The egress link runs layout 4, the ingress link still layout 3.
     BetweenLinks,
-    /// Both links run layout 3; every layout-2 pin is still there.
+    /// Both links run layout 4; every layout-3 pin is still there.
     AfterSwitch,
-    /// Both links run layout 3 and some of the layout-2 pins are removed.
+    /// Both links run layout 4 and some of the layout-3 pins are removed.
     WhileUnpinning,
 }
 
-/// A layout-2 datapath (made by the layout-2 agent, with a reply flow recorded toward peer 0),
+/// A layout-3 datapath (made by the layout-3 agent, with a reply flow recorded toward peer 0),
 /// an upgrade interrupted at `at`, and this agent started again (with the DaemonSet's
-/// capabilities, or as root with `root`): it starts, enforces layout 3, tidies layout 2 away
+/// capabilities, or as root with `root`): it starts, enforces layout 4, tidies layout 3 away
 /// (only the tombstones are left), finishes an upgrade the interruption left half done instead
 /// of redoing a finished one, and the flow quota of peer 0's slot counts exactly the flows
 /// its table holds (`made - freed` = live).
 fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
-    let v1 = v2_binary();
+    let v1 = v3_binary();
     let gw = Gateway::new(1);
     let s = wgfence_tests::state(vec![gw.peer_json(0, Some(restricted()))]);
     let scripts = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-caps-"));
@@ -752,7 +745,7 @@ fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
     let v2_caps = with_daemonset_caps(&scripts, &binary());
     let mut agent = Agent::start_binary(v1_caps, &gw, Layout::Plain, &s, &[]);
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(60));
-    // A flow the network starts toward peer 0, recorded by the layout-2 egress program.
+    // A flow the network starts toward peer 0, recorded by the layout-3 egress program.
     let node_sock = gw.node.enter(|| UdpSocket::bind("10.1.2.3:4000")).unwrap();
     node_sock.send_to(b"start", "10.8.0.2:5000").unwrap();
     assert!(agent.stop().is_some_and(|s| s.success()));
@@ -778,7 +771,7 @@ fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
     agent.restart(&gw, &[]);
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(30));
     let log = agent.log_text();
-    let upgraded = log.contains("map layout 2: upgrading it");
+    let upgraded = log.contains("map layout 3: upgrading it");
     if at == Interrupted::BetweenLinks {
         assert!(
             upgraded,
@@ -792,16 +785,16 @@ fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
     }
     assert_eq!(
         Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap(),
-        Some(3)
+        Some(4)
     );
     let left = pins(&gw);
     assert_eq!(
         old_pins(&gw),
         TOMBSTONES,
-        "layout 2 not tidied (only the tombstones stay): {left:?}"
+        "layout 3 not tidied (only the tombstones stay): {left:?}"
     );
     assert!(
-        left.iter().all(|p| p.starts_with("wgf3_")
+        left.iter().all(|p| p.starts_with("wgf4_")
             || p.starts_with("link_")
             || p.starts_with("prog_")
             || TOMBSTONES.contains(&p.as_str())),
@@ -842,7 +835,7 @@ fn interrupted_upgrade_resumes(at: Interrupted, root: bool) {
         .filter(|f| f.value.slot == slot)
         .count() as u64;
     let (made, freed) = maps.flow_quota(slot).unwrap();
-    assert!(live >= 1, "the layout-2 flow was not carried");
+    assert!(live >= 1, "the layout-3 flow was not carried");
     assert_eq!(
         made.wrapping_sub(freed),
         live,
@@ -873,21 +866,21 @@ fn an_upgrade_interrupted_after_its_switch_is_tidied_not_redone() {
 }
 
 #[test]
-fn an_upgrade_interrupted_while_unpinning_layout_2_starts_and_tidies() {
+fn an_upgrade_interrupted_while_unpinning_layout_3_starts_and_tidies() {
     interrupted_upgrade_resumes(Interrupted::WhileUnpinning, false);
 }
 
-/// A datapath that still runs layout 1 is not upgraded directly: this agent refuses before it
-/// changes anything, saying to go through a layout-2 agent, and the layout-1 programs keep
-/// enforcing; the layout-2 agent then upgrades 1 -> 2 and this one 2 -> 3, each without a gap.
+/// A datapath that still runs layout 2 is not upgraded directly: this agent refuses before it
+/// changes anything, saying to go through a layout-3 agent, and the layout-2 programs keep
+/// enforcing; the layout-3 agent then upgrades 2 -> 3 and this one 3 -> 4, each without a gap.
 #[test]
-fn a_layout_1_datapath_is_refused_and_goes_through_layout_2() {
+fn a_layout_2_datapath_is_refused_and_goes_through_layout_3() {
     let gw = Gateway::new(2);
     let s = wgfence_tests::state(vec![
         gw.peer_json(0, Some(restricted())),
         gw.peer_json(1, None),
     ]);
-    let mut agent = Agent::start_binary(v1_binary(), &gw, Layout::Plain, &s, &[]);
+    let mut agent = Agent::start_binary(v2_binary(), &gw, Layout::Plain, &s, &[]);
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(60));
     assert!(agent.stop().is_some_and(|s| s.success()));
     let scripts = std::env::temp_dir().join(wgfence_tests::net::unique("wgfence-caps-"));
@@ -905,24 +898,24 @@ fn a_layout_1_datapath_is_refused_and_goes_through_layout_2() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
             !out.status.success()
-                && stderr.contains("runs a datapath of map layout 1")
-                && stderr.contains("layout-2 agent"),
+                && stderr.contains("runs a datapath of map layout 2")
+                && stderr.contains("layout-3 agent"),
             "{what}: {out:?}"
         );
         eprintln!("refused {what}: {}", streams.check("while refused"));
         assert_eq!(
             Dataplane::running_layout(&gw.bpffs, gw.interface()).unwrap(),
-            Some(1),
+            Some(2),
             "{what}"
         );
         assert!(
-            pins(&gw).iter().all(|p| !p.starts_with("wgf3_")),
-            "{what}: the refused agent pinned layout-3 maps: {:?}",
+            pins(&gw).iter().all(|p| !p.starts_with("wgf4_")),
+            "{what}: the refused agent pinned layout-4 maps: {:?}",
             pins(&gw)
         );
     }
-    // The way through: the layout-2 agent once, then this one.
-    for (bin, to) in [(v2_binary(), 2), (binary(), 3)] {
+    // The way through: the layout-3 agent once, then this one.
+    for (bin, to) in [(v3_binary(), 3), (binary(), 4)] {
         let streams = Streams::start(&gw, 400);
         thread::sleep(Duration::from_millis(500));
         agent.binary = bin;
@@ -942,11 +935,11 @@ fn a_layout_1_datapath_is_refused_and_goes_through_layout_2() {
     let _ = fs::remove_dir_all(&scripts);
 }
 
-/// On the legacy TC hook (clsact filters, no links): the layout-2 filters are replaced in
-/// place by the layout-3 programs, with the state carried, and not a packet lost or passed
+/// On the legacy TC hook (clsact filters, no links): the layout-3 filters are replaced in
+/// place by the layout-4 programs, with the state carried, and not a packet lost or passed
 /// wrongly.
 #[test]
-fn a_layout_2_datapath_on_the_legacy_tc_hook_is_upgraded_in_place() {
+fn a_layout_3_datapath_on_the_legacy_tc_hook_is_upgraded_in_place() {
     let gw = Gateway::new(3);
     let s = wgfence_tests::state(vec![
         gw.peer_json(0, Some(restricted())),
@@ -955,7 +948,7 @@ fn a_layout_2_datapath_on_the_legacy_tc_hook_is_upgraded_in_place() {
     ]);
     let desired = wgfence::state::parse(&s).unwrap();
     let tc = ["--attach", "tc"];
-    let mut agent = Agent::start_binary(v2_binary(), &gw, Layout::Plain, &s, &tc);
+    let mut agent = Agent::start_binary(v3_binary(), &gw, Layout::Plain, &s, &tc);
     agent.wait_readyz_for(&gw, 200, Duration::from_secs(60));
     let streams = Streams::start(&gw, 600);
     thread::sleep(Duration::from_secs(1));
@@ -967,11 +960,11 @@ fn a_layout_2_datapath_on_the_legacy_tc_hook_is_upgraded_in_place() {
     eprintln!("upgrade on tc: {report}");
     let log = agent.log_text();
     assert!(
-        log.contains("upgraded the datapath from map layout 2 to 3"),
+        log.contains("upgraded the datapath from map layout 3 to 4"),
         "{log}"
     );
     let after = status_json(&binary(), &gw);
-    assert_eq!(after["layoutVersion"], 3, "{after:#}");
+    assert_eq!(after["layoutVersion"], 4, "{after:#}");
     assert_eq!(old_pins(&gw), TOMBSTONES, "pins: {:?}", pins(&gw));
     assert!(
         pins(&gw).iter().all(|p| !p.starts_with("link_")),
@@ -982,6 +975,6 @@ fn a_layout_2_datapath_on_the_legacy_tc_hook_is_upgraded_in_place() {
     assert_eq!(map_mismatch(&maps, &desired), None);
     // The rollback is refused here too.
     assert!(agent.stop().is_some_and(|s| s.success()));
-    let out = run_refused(&v2_binary(), &gw, &agent.state);
+    let out = run_refused(&v3_binary(), &gw, &agent.state);
     assert!(!out.status.success(), "{out:?}");
 }

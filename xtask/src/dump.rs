@@ -12,7 +12,7 @@ const MAP_PREFIX: &str = "wgf";
 /// The pinned tcx links (`wgfence::dataplane::LINK_PIN_INGRESS`, `LINK_PIN_EGRESS`) start with this.
 const LINK_PREFIX: &str = "link_";
 /// The drop event ring buffer: bpftool cannot dump a ring buffer, only show it.
-const EVENTS_MAP: &str = "wgf3_events";
+const EVENTS_MAP: &str = "wgf4_events";
 
 pub fn run(interface: &str, bpffs: &Path) -> Result<()> {
     let dir = bpffs.join("wgfence").join(interface);
@@ -44,6 +44,24 @@ pub fn run(interface: &str, bpffs: &Path) -> Result<()> {
     let bpftool = util::find_program("bpftool")
         .context("bpftool not found: `cargo xtask setup` installs it (Debian package bpftool)")?;
 
+    // A directory of policy tries (`wgf4_tries_v4/<policy id>`): each trie in turn. The agent
+    // creates them without BTF, so bpftool prints their bytes (key: prefix length, u32 LE, then
+    // the address; value: the `PolicyValue`).
+    let mut expanded = Vec::new();
+    for name in names {
+        let path = dir.join(&name);
+        if path.is_dir() {
+            let mut ids: Vec<String> = fs::read_dir(&path)
+                .with_context(|| format!("cannot read {}", path.display()))?
+                .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
+                .collect();
+            ids.sort_by_key(|id| (id.len(), id.clone()));
+            expanded.extend(ids.into_iter().map(|id| format!("{name}/{id}")));
+        } else {
+            expanded.push(name);
+        }
+    }
+    let names = expanded;
     let mut failed = Vec::new();
     for name in &names {
         let path = dir.join(name);

@@ -75,12 +75,12 @@ enum Task {
     /// Build (once, about 4 minutes) the kube-apiserver the Kubernetes source's integration
     /// tests start, and install Debian's etcd beside it (root).
     KubeApiserver,
-    /// Build the layout-1 agent (commit 02c7ddc) that the upgrade tests start from, and print
-    /// its path.
-    V1Agent,
     /// Build the layout-2 agent (commit b4200bd) that the upgrade tests start from, and print
     /// its path.
     V2Agent,
+    /// Build the layout-3 agent (commit f530f25) that the upgrade tests start from, and print
+    /// its path.
+    V3Agent,
     /// Boot Debian's 5.10, 6.1 and 6.12 kernels under qemu (TCG) and run the conformance subset
     /// inside each (kernel WireGuard, enforcement, policy change, revocation, restart, status,
     /// monitor, detach); prints the table of docs/operations.md "Supported kernels".
@@ -120,8 +120,8 @@ fn run(cli: Cli) -> Result<()> {
         Task::Bench { quick, only, sizes } => bench::run(quick, only, sizes),
         Task::Fuzz(options) => fuzz::run(&options),
         Task::KubeApiserver => setup::kube_apiserver(),
-        Task::V1Agent => oldagent::run(oldagent::V1),
         Task::V2Agent => oldagent::run(oldagent::V2),
+        Task::V3Agent => oldagent::run(oldagent::V3),
         Task::VmTest(options) => vm::run(options),
         Task::Dump { interface, bpffs } => dump::run(&interface, &bpffs),
         Task::Image(options) => image::run(&options),

@@ -1,5 +1,5 @@
 //! The agents of older map layouts that the upgrade tests start from: the `wgfence` binary of
-//! the last commit of each layout ([`V1`], [`V2`]), built once with that commit's own
+//! the last commit of each layout ([`V2`], [`V3`]), built once with that commit's own
 //! Cargo.lock into `target/v<layout>-agent/<commit>/` and reused from there.
 //!
 //! The source is exported with `git archive` rather than checked out as a `git worktree`: a
@@ -27,13 +27,6 @@ pub struct OldAgent {
     pub env: &'static str,
 }
 
-/// Map layout 1: main before map layout 2.
-pub const V1: OldAgent = OldAgent {
-    layout: 1,
-    commit: "02c7ddc00e80408588b4545a1aa52dcc268f577f",
-    env: "WGFENCE_V1_BIN",
-};
-
 /// Map layout 2: main before map layout 3.
 pub const V2: OldAgent = OldAgent {
     layout: 2,
@@ -41,8 +34,15 @@ pub const V2: OldAgent = OldAgent {
     env: "WGFENCE_V2_BIN",
 };
 
+/// Map layout 3: main before map layout 4.
+pub const V3: OldAgent = OldAgent {
+    layout: 3,
+    commit: "f530f25c0f429fd07d60005b4e338f7ff2b20df4",
+    env: "WGFENCE_V3_BIN",
+};
+
 /// Every older agent the upgrade tests use.
-pub const ALL: [OldAgent; 2] = [V1, V2];
+pub const ALL: [OldAgent; 2] = [V2, V3];
 
 impl OldAgent {
     /// Where the binary is once built: `target/v<layout>-agent/<commit>/src/target/debug/wgfence`.
@@ -121,7 +121,7 @@ fn build(agent: &OldAgent, root: &Path) -> Result<PathBuf> {
     Ok(bin)
 }
 
-/// `cargo xtask v1-agent` / `v2-agent`: builds it and prints where it is.
+/// `cargo xtask v2-agent` / `v3-agent`: builds it and prints where it is.
 pub fn run(agent: OldAgent) -> Result<()> {
     let root = util::workspace_root()?;
     let bin = agent.build(&root)?;

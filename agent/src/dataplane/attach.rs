@@ -351,7 +351,7 @@ fn finish_upgrade(
             tracing::error!(
                 pin_dir = %pin_dir.display(),
                 error = %crate::error_chain(&e),
-                "the programs run layout 3 with the translated state, but finishing the \
+                "the programs run layout 4 with the copied state, but finishing the \
                  upgrade failed: flows recorded during the switch may be lost, the old \
                  pins are removed at the next start"
             );

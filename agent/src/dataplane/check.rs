@@ -168,6 +168,9 @@ impl Dataplane {
         for name in upgrade::restore_tombstones(&self.pin_dir)? {
             repairs.push(Repair::MapPin(name));
         }
+        for name in self.maps.restore_tries_dirs()? {
+            repairs.push(Repair::PolicyTries(name));
+        }
         if self.hook == HookKind::Tcx {
             for hook in hooks(&self.variant) {
                 let path = program_pin(&self.pin_dir, &hook, &self.identity);

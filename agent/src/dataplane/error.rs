@@ -142,12 +142,18 @@ pub enum DataplaneError {
     )]
     NoTcx,
     #[error(
-        "{} runs a datapath of map layout 1, which this agent (layout 3) does not upgrade \
-         directly: run a layout-2 agent (wgfence at commit b4200bd) on it once, which upgrades \
-         1 -> 2 without a gap, then this one; nothing was changed",
-        pin_dir.display()
+        "{} runs a datapath of map layout {layout}, which this agent (layout 4) does not \
+         upgrade directly: run {} on it once, which upgrades {layout} -> {} without a gap, \
+         then this one; nothing was changed",
+        pin_dir.display(),
+        if *layout == 1 {
+            "a layout-2 agent (wgfence at commit b4200bd), then a layout-3 agent (commit f530f25)"
+        } else {
+            "a layout-3 agent (wgfence at commit f530f25)"
+        },
+        layout + 1
     )]
-    UpgradeThroughLayout2 { pin_dir: PathBuf },
+    UpgradeThroughOlder { pin_dir: PathBuf, layout: u32 },
     #[error("BPF_PROG_TEST_RUN")]
     TestRun(#[source] io::Error),
     #[error(

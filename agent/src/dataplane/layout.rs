@@ -7,13 +7,13 @@ use std::mem::size_of;
 use aya::maps::{MapInfo, MapType};
 use wgfence_common::{
     map_names, Config, EventBucket, FlowKeyV4, FlowKeyV6, FlowValue, PeerCounters, PeerEntry,
-    PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, RuleCounters, RuleSeen,
-    COUNTERS_LEN, EVENTS_BYTES, MAX_FLOWS, MAX_PEERS, MAX_POLICY_ENTRIES, MAX_RULES,
+    PeerKeyV4, PeerKeyV6, PolicyValue, RuleCounters, RuleSeen, COUNTERS_LEN, EVENTS_BYTES,
+    MAX_FLOWS, MAX_PEERS, MAX_POLICIES, MAX_POLICY_ENTRIES, MAX_RULES,
 };
 
 use super::error::{DataplaneError, Result};
 
-/// `BPF_F_NO_PREALLOC`: required by LPM tries.
+/// `BPF_F_NO_PREALLOC`: required by LPM tries, chosen for the policy maps.
 const NO_PREALLOC: u32 = 1;
 /// Size of the prefix length that heads every LPM trie key.
 const LPM_PREFIX_LEN: usize = size_of::<u32>();
@@ -41,8 +41,14 @@ pub(crate) fn expected(name: &str) -> Option<Layout> {
     Some(match name {
         map_names::PEERS_V4 => Layout::of::<PeerKeyV4, PeerEntry>(MapType::Hash, MAX_PEERS),
         map_names::PEERS_V6 => Layout::of::<PeerKeyV6, PeerEntry>(MapType::Hash, MAX_PEERS),
-        map_names::POLICY_V4 => Layout::trie::<PolicyKeyV4>(),
-        map_names::POLICY_V6 => Layout::trie::<PolicyKeyV6>(),
+        map_names::POLICY_V4 | map_names::POLICY_V6 => Layout {
+            map_type: MapType::HashOfMaps,
+            key_size: size_of::<u32>(),
+            // User space sees an inner map's id (writes its descriptor).
+            value_size: size_of::<u32>(),
+            max_entries: MAX_POLICIES,
+            flags: NO_PREALLOC,
+        },
         map_names::STATS => Layout::of::<u32, u64>(MapType::PerCpuArray, COUNTERS_LEN),
         map_names::PEER_STATS => Layout::of::<u32, PeerCounters>(MapType::PerCpuArray, MAX_PEERS),
         map_names::FLOWS_V4 => Layout::of::<FlowKeyV4, FlowValue>(MapType::Hash, MAX_FLOWS),
@@ -63,6 +69,11 @@ pub(crate) fn expected(name: &str) -> Option<Layout> {
         map_names::RULE_SEEN => Layout::of::<u32, RuleSeen>(MapType::Array, MAX_RULES),
         _ => return None,
     })
+}
+
+/// The layout of every policy trie with key data `K` (the inner maps of the policy maps).
+pub(crate) fn inner_trie<K>() -> Layout {
+    Layout::trie::<K>()
 }
 
 impl Layout {
@@ -115,6 +126,8 @@ pub(crate) fn check(name: &'static str, info: &MapInfo) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use wgfence_common::{PolicyKeyV4, PolicyKeyV6};
+
     use super::*;
 
     #[test]
@@ -124,13 +137,12 @@ mod tests {
         }
         assert!(expected("wgf1_peers_v4").is_none());
         assert!(expected("wgf2_peers_v4").is_none());
+        assert!(expected("wgf3_peers_v4").is_none());
     }
 
     #[test]
     fn lpm_keys_are_prefix_length_plus_data() {
-        let v4 = expected(map_names::POLICY_V4).map(|l| l.key_size);
-        let v6 = expected(map_names::POLICY_V6).map(|l| l.key_size);
-        assert_eq!(v4, Some(12));
-        assert_eq!(v6, Some(24));
+        assert_eq!(inner_trie::<PolicyKeyV4>().key_size, 8);
+        assert_eq!(inner_trie::<PolicyKeyV6>().key_size, 20);
     }
 }

@@ -1,5 +1,5 @@
 //! Typed access to the datapath's maps: peers by address, policy entries by (policy id,
-//! prefix), counters. Every update and delete is counted, so the agent can report exactly how
+//! prefix) in each policy's own trie ([`super::tries`]), counters. Every update and delete is counted, so the agent can report exactly how
 //! many kernel writes a reconcile cost.
 
 use std::{
@@ -10,22 +10,19 @@ use std::{
 };
 
 use aya::{
-    maps::{
-        lpm_trie::Key, Array, HashMap, IterableMap, LpmTrie, Map, MapData, MapError, PerCpuArray,
-        PerCpuValues,
-    },
+    maps::{Array, HashMap, IterableMap, Map, MapData, MapError, PerCpuArray, PerCpuValues},
     Ebpf,
 };
-use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use ipnet::IpNet;
 use wgfence_common::{
     map_names, Config, Counter, FlowKeyV4, FlowKeyV6, FlowValue, PeerCounters, PeerEntry,
-    PeerKeyV4, PeerKeyV6, PolicyKeyV4, PolicyKeyV6, PolicyValue, RuleCounters, RuleSeen,
-    COUNTERS_LEN, MAX_PEERS, POLICY_ID_BITS,
+    PeerKeyV4, PeerKeyV6, PolicyValue, RuleCounters, RuleSeen, COUNTERS_LEN, MAX_PEERS,
 };
 
 use super::{
     error::{DataplaneError, Result},
     layout, sys,
+    tries::{Tries, V4, V6},
 };
 
 /// One policy trie entry as stored in the kernel.
@@ -81,8 +78,8 @@ impl Counters {
 pub struct Maps {
     peers_v4: HashMap<MapData, PeerKeyV4, PeerEntry>,
     peers_v6: HashMap<MapData, PeerKeyV6, PeerEntry>,
-    policy_v4: LpmTrie<MapData, PolicyKeyV4, PolicyValue>,
-    policy_v6: LpmTrie<MapData, PolicyKeyV6, PolicyValue>,
+    policy_v4: Tries<V4>,
+    policy_v6: Tries<V6>,
     stats: PerCpuArray<MapData, u64>,
     peer_stats: PerCpuArray<MapData, PeerCounters>,
     flows_v4: HashMap<MapData, FlowKeyV4, FlowValue>,
@@ -129,7 +126,7 @@ fn map_err(map: &'static str) -> impl Fn(MapError) -> DataplaneError {
 
 /// `Ok(false)` for a delete of a key that is not there: deleting what is already gone is not
 /// an error.
-fn removed(map: &'static str, result: Result<(), MapError>) -> Result<bool> {
+pub(super) fn removed(map: &'static str, result: Result<(), MapError>) -> Result<bool> {
     match result {
         Ok(()) => Ok(true),
         Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
@@ -152,13 +149,14 @@ where
 }
 
 impl Maps {
-    /// Takes the maps out of a loaded object, checking each one's layout.
-    pub(crate) fn from_ebpf(ebpf: &mut Ebpf) -> Result<Self> {
-        Self::open(|name| {
+    /// Takes the maps out of a loaded object, checking each one's layout. The policy tries
+    /// are pinned under `pin_dir`, or held by this value without one.
+    pub(crate) fn from_ebpf(ebpf: &mut Ebpf, pin_dir: Option<&Path>) -> Result<Self> {
+        Self::open(pin_dir, |name| {
             ebpf.take_map(name)
                 .map(|map| match map {
                     Map::HashMap(d)
-                    | Map::LpmTrie(d)
+                    | Map::HashOfMaps(d)
                     | Map::PerCpuArray(d)
                     | Map::Array(d)
                     | Map::RingBuf(d) => Ok(d),
@@ -170,10 +168,15 @@ impl Maps {
 
     /// Opens the maps pinned in `dir`, checking each one's layout.
     pub(crate) fn from_pins(dir: &Path) -> Result<Self> {
-        Self::open(|name| MapData::from_pin(dir.join(name)).map_err(map_err(name)))
+        Self::open(Some(dir), |name| {
+            MapData::from_pin(dir.join(name)).map_err(map_err(name))
+        })
     }
 
-    fn open(mut data: impl FnMut(&'static str) -> Result<MapData>) -> Result<Self> {
+    fn open(
+        pin_dir: Option<&Path>,
+        mut data: impl FnMut(&'static str) -> Result<MapData>,
+    ) -> Result<Self> {
         // Maps the agent never reads or writes (the ring buffer, the rate limiter's state) are
         // still checked: an adopted pin of another layout must fail the load.
         let unused = |name: &'static str, map: MapData| -> Result<MapData> {
@@ -185,8 +188,8 @@ impl Maps {
             _event_bucket: unused(map_names::EVENT_BUCKET, data(map_names::EVENT_BUCKET)?)?,
             peers_v4: typed(map_names::PEERS_V4, data(map_names::PEERS_V4)?)?,
             peers_v6: typed(map_names::PEERS_V6, data(map_names::PEERS_V6)?)?,
-            policy_v4: typed(map_names::POLICY_V4, data(map_names::POLICY_V4)?)?,
-            policy_v6: typed(map_names::POLICY_V6, data(map_names::POLICY_V6)?)?,
+            policy_v4: Tries::new(data(map_names::POLICY_V4)?, pin_dir)?,
+            policy_v6: Tries::new(data(map_names::POLICY_V6)?, pin_dir)?,
             stats: typed(map_names::STATS, data(map_names::STATS)?)?,
             peer_stats: typed(map_names::PEER_STATS, data(map_names::PEER_STATS)?)?,
             flows_v4: typed(map_names::FLOWS_V4, data(map_names::FLOWS_V4)?)?,
@@ -206,8 +209,10 @@ impl Maps {
     }
 
     /// Inserts or replaces the entry of one peer address. Switching a peer to another policy is
-    /// this one update: the next packet sees the new policy.
+    /// this one update: the next packet sees the new policy. Staged policy tries are published
+    /// first, so the entry never names a policy the datapath cannot find.
     pub fn upsert_peer(&mut self, addr: IpAddr, entry: PeerEntry) -> Result<()> {
+        self.publish_policies()?;
         self.writes += 1;
         match addr {
             IpAddr::V4(a) => self
@@ -279,35 +284,51 @@ impl Maps {
         Ok(peers)
     }
 
-    /// Inserts or replaces the trie entry of (policy, prefix). Host bits of `prefix` are
-    /// cleared: the kernel would keep them in the key and `policies()` would not round-trip.
+    /// Inserts or replaces the entry of (policy, prefix) in the policy's trie. Host bits of
+    /// `prefix` are cleared: the kernel would keep them in the key and `policies()` would not
+    /// round-trip. A policy without a trie gets a new one, which no packet finds until
+    /// [`Self::publish_policies`] (which every peer write does first).
     pub fn upsert_policy(&mut self, policy: u32, prefix: IpNet, value: &PolicyValue) -> Result<()> {
         self.writes += 1;
-        match prefix.trunc() {
-            IpNet::V4(net) => self
-                .policy_v4
-                .insert(&key_v4(policy, net), value, 0)
-                .map_err(map_err(map_names::POLICY_V4)),
-            IpNet::V6(net) => self
-                .policy_v6
-                .insert(&key_v6(policy, net), value, 0)
-                .map_err(map_err(map_names::POLICY_V6)),
+        match prefix {
+            IpNet::V4(_) => self.policy_v4.upsert(policy, prefix, value),
+            IpNet::V6(_) => self.policy_v6.upsert(policy, prefix, value),
         }
     }
 
-    /// Deletes the trie entry of (policy, prefix); `false` if there was none.
+    /// Deletes the entry of (policy, prefix); `false` if there was none. A trie left without
+    /// entries goes.
     pub fn remove_policy(&mut self, policy: u32, prefix: IpNet) -> Result<bool> {
         self.writes += 1;
-        match prefix.trunc() {
-            IpNet::V4(net) => removed(
-                map_names::POLICY_V4,
-                self.policy_v4.remove(&key_v4(policy, net)),
-            ),
-            IpNet::V6(net) => removed(
-                map_names::POLICY_V6,
-                self.policy_v6.remove(&key_v6(policy, net)),
-            ),
+        let (removed, dropped) = match prefix {
+            IpNet::V4(_) => self.policy_v4.remove(policy, prefix)?,
+            IpNet::V6(_) => self.policy_v6.remove(policy, prefix)?,
+        };
+        if dropped {
+            self.writes += 1;
         }
+        Ok(removed)
+    }
+
+    /// Makes the policy tries' pin directories where they are missing; the hash of maps of
+    /// each family whose directory was missing while it held tries (their pins are gone: the
+    /// agent reads them again once it has written them again).
+    pub(crate) fn restore_tries_dirs(&mut self) -> Result<Vec<&'static str>> {
+        let mut lost = Vec::new();
+        if self.policy_v4.restore_dir()? {
+            lost.push(map_names::TRIES_V4);
+        }
+        if self.policy_v6.restore_dir()? {
+            lost.push(map_names::TRIES_V6);
+        }
+        Ok(lost)
+    }
+
+    /// Makes the policy tries created since the last call findable by the datapath. Every
+    /// write of a peer entry does this first; an apply does it at its end as well.
+    pub fn publish_policies(&mut self) -> Result<()> {
+        self.writes += self.policy_v4.publish()? + self.policy_v6.publish()?;
+        Ok(())
     }
 
     /// All policy trie entries, sorted by (policy, prefix).
@@ -328,23 +349,8 @@ impl Maps {
     /// list of whole map values (260 bytes an entry, most of them unused: about 80 MiB for
     /// the 291,000 entries of a policy per peer at 60k peers).
     pub fn each_policy_entry(&self, mut each: impl FnMut(u32, IpNet, &PolicyValue)) -> Result<()> {
-        for item in self.policy_v4.iter() {
-            let (key, value) = item.map_err(map_err(map_names::POLICY_V4))?;
-            let data = key.data();
-            let len = prefix_len(key.prefix_len(), 32)?;
-            let prefix = Ipv4Net::new(Ipv4Addr::from(data.addr), len)
-                .map_err(|_| out_of_range(key.prefix_len()))?;
-            each(data.policy, IpNet::V4(prefix), &value);
-        }
-        for item in self.policy_v6.iter() {
-            let (key, value) = item.map_err(map_err(map_names::POLICY_V6))?;
-            let data = key.data();
-            let len = prefix_len(key.prefix_len(), 128)?;
-            let prefix = Ipv6Net::new(Ipv6Addr::from(data.addr), len)
-                .map_err(|_| out_of_range(key.prefix_len()))?;
-            each(data.policy, IpNet::V6(prefix), &value);
-        }
-        Ok(())
+        self.policy_v4.each(&mut each)?;
+        self.policy_v6.each(&mut each)
     }
 
     /// Packet counters summed over all CPUs.
@@ -757,68 +763,5 @@ fn flow_v6(key: &FlowKeyV6, value: FlowValue) -> Flow {
         peer_port: key.peer_port,
         remote_port: key.remote_port,
         value,
-    }
-}
-
-fn out_of_range(prefix_len: u32) -> DataplaneError {
-    DataplaneError::OutOfRange {
-        field: "policy trie prefix length",
-        value: u64::from(prefix_len),
-    }
-}
-
-/// Destination prefix length of a trie key whose prefix length counts the policy id too.
-fn prefix_len(key_prefix_len: u32, max: u8) -> Result<u8> {
-    key_prefix_len
-        .checked_sub(POLICY_ID_BITS)
-        .and_then(|len| u8::try_from(len).ok())
-        .filter(|len| *len <= max)
-        .ok_or_else(|| out_of_range(key_prefix_len))
-}
-
-fn key_v4(policy: u32, net: Ipv4Net) -> Key<PolicyKeyV4> {
-    Key::new(
-        POLICY_ID_BITS + u32::from(net.prefix_len()),
-        PolicyKeyV4 {
-            policy,
-            addr: net.network().octets(),
-        },
-    )
-}
-
-fn key_v6(policy: u32, net: Ipv6Net) -> Key<PolicyKeyV6> {
-    Key::new(
-        POLICY_ID_BITS + u32::from(net.prefix_len()),
-        PolicyKeyV6 {
-            policy,
-            addr: net.network().octets(),
-        },
-    )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn trie_keys_count_the_policy_id_bits() {
-        let net: Ipv4Net = "10.1.0.0/16".parse().unwrap();
-        let key = key_v4(7, net);
-        assert_eq!(key.prefix_len(), 48);
-        assert_eq!(key.data().policy, 7);
-        assert_eq!(key.data().addr, [10, 1, 0, 0]);
-        assert_eq!(prefix_len(key.prefix_len(), 32).ok(), Some(16));
-
-        let net: Ipv6Net = "fd00::/8".parse().unwrap();
-        let key = key_v6(9, net);
-        assert_eq!(key.prefix_len(), 40);
-        assert_eq!(prefix_len(key.prefix_len(), 128).ok(), Some(8));
-    }
-
-    #[test]
-    fn impossible_prefix_lengths_are_rejected() {
-        assert!(prefix_len(31, 32).is_err());
-        assert!(prefix_len(65, 32).is_err());
-        assert!(prefix_len(32 + 129, 128).is_err());
     }
 }

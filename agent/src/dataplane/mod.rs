@@ -45,6 +45,8 @@ mod sys;
 pub mod tc;
 mod test_run;
 pub mod tick;
+mod trie_btf;
+mod tries;
 mod upgrade;
 
 use std::{
@@ -87,8 +89,9 @@ pub const LINK_PIN_INGRESS: &str = "link_ingress";
 pub const LINK_PIN_EGRESS: &str = "link_egress";
 
 /// What the agent pins in an interface's pin directory on the tcx hook, as the docs list it:
-/// every map, the tombstones that stop an agent of layout 1 or 2 (placed at every start), the
-/// two links, and the two programs (`prog_<direction>_<identity>`, with `<identity>` standing
+/// every map, the two directories of policy tries (a pin per policy in each), the tombstones
+/// that stop an agent of layouts 1 to 3 (placed at every start), the two links, and the two
+/// programs (`prog_<direction>_<identity>`, with `<identity>` standing
 /// for the hash [`program_identity`] makes). The legacy tc hook pins no link; an upgrade in
 /// progress adds its marker for a while. The docs test compares the lists in README.md and
 /// docs/operations.md with this one.
@@ -96,6 +99,10 @@ pub const LINK_PIN_EGRESS: &str = "link_egress";
 pub fn pins() -> Vec<String> {
     let mut pins: Vec<String> = wgfence_common::map_names::ALL
         .iter()
+        .chain(&[
+            wgfence_common::map_names::TRIES_V4,
+            wgfence_common::map_names::TRIES_V6,
+        ])
         .chain(&upgrade::TOMBSTONE_PINS)
         .map(|n| (*n).to_owned())
         .collect();
@@ -266,12 +273,22 @@ pub enum Repair {
     ProgramPin(&'static str),
     /// The interface was recreated: new links attached.
     Reattached { ifindex: u32 },
+    /// A directory of policy tries was gone while the datapath held tries: made again; the
+    /// tries (which the datapath keeps using) are written again by a resync, since the agent
+    /// reaches a trie only through its pin.
+    PolicyTries(&'static str),
 }
 
 impl Repair {
     /// Every kind, as [`Repair::kind`] names them (for metric labels).
-    pub const KINDS: [&'static str; 5] =
-        ["pin_dir", "map_pin", "link_pin", "program_pin", "reattach"];
+    pub const KINDS: [&'static str; 6] = [
+        "pin_dir",
+        "map_pin",
+        "link_pin",
+        "program_pin",
+        "reattach",
+        "policy_tries",
+    ];
 
     /// The kind of repair, for a metric label.
     pub fn kind(&self) -> &'static str {
@@ -281,6 +298,7 @@ impl Repair {
             Repair::LinkPin(_) => "link_pin",
             Repair::ProgramPin(_) => "program_pin",
             Repair::Reattached { .. } => "reattach",
+            Repair::PolicyTries(_) => "policy_tries",
         }
     }
 }
@@ -295,6 +313,10 @@ impl std::fmt::Display for Repair {
             Repair::Reattached { ifindex } => {
                 write!(f, "attached to the recreated interface (index {ifindex})")
             }
+            Repair::PolicyTries(name) => write!(
+                f,
+                "made {name} again; its policies' tries are written again by a resync"
+            ),
         }
     }
 }

@@ -154,8 +154,13 @@ pub(super) fn remove_dir_if_exists(dir: &Path) -> Result<()> {
     }
 }
 
+/// Removes the pin at `path`, or the directory of pins there (the policy tries').
 pub(super) fn remove_if_exists(path: &Path) -> Result<()> {
-    match fs::remove_file(path) {
+    let removed = match fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => fs::remove_dir_all(path),
+        _ => fs::remove_file(path),
+    };
+    match removed {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
         Err(source) => Err(DataplaneError::Io {

@@ -13,6 +13,11 @@
 //! Which programs run on a tcx hook: `BPF_PROG_QUERY` gives their ids, which is all the check
 //! needs (aya's `query_tcx` opens each by id, CAP_SYS_ADMIN again).
 //!
+//! A policy trie with BTF (aya creates a standalone map only without), and the BTF itself.
+//!
+//! Which map a map of maps holds under a key: its id, read with `BPF_MAP_LOOKUP_ELEM` (aya's
+//! lookup opens the map by that id, CAP_SYS_ADMIN again).
+//!
 //! Reading a whole map: `BPF_MAP_LOOKUP_BATCH` (aya 0.14 has no batch API) copies thousands of
 //! entries per call where aya's iterator makes two calls per entry. Hash and array maps have it
 //! from Linux 5.6; a map type without it (the LPM tries) says so, and the caller iterates.
@@ -30,6 +35,9 @@ use std::{
 use super::{DataplaneError, Result};
 
 /// `bpf(2)` commands of the stable UAPI (include/uapi/linux/bpf.h).
+const BPF_MAP_CREATE: libc::c_long = 0;
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+const BPF_BTF_LOAD: libc::c_long = 18;
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_PROG_QUERY: libc::c_long = 16;
@@ -56,6 +64,120 @@ struct GetFdByIdAttr {
     id: u32,
     next_id: u32,
     open_flags: u32,
+}
+
+/// The `BPF_MAP_CREATE` member of `union bpf_attr`, up to the BTF type ids.
+#[repr(C)]
+struct MapCreateAttr {
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    map_flags: u32,
+    inner_map_fd: u32,
+    numa_node: u32,
+    map_name: [u8; 16],
+    map_ifindex: u32,
+    btf_fd: u32,
+    btf_key_type_id: u32,
+    btf_value_type_id: u32,
+    btf_vmlinux_value_type_id: u32,
+}
+
+/// A new map of `layout` named `name` (cut to the kernel's 15 characters), its keys and values
+/// described by the BTF type ids `key` and `value` of `btf` when given. aya 0.14 creates a
+/// standalone map only without BTF.
+pub(crate) fn create_map(
+    layout: &super::layout::Layout,
+    name: &str,
+    btf: Option<(BorrowedFd<'_>, u32, u32)>,
+) -> io::Result<OwnedFd> {
+    let mut map_name = [0u8; 16];
+    for (to, from) in map_name.iter_mut().zip(name.bytes().take(15)) {
+        *to = from;
+    }
+    let (btf_fd, btf_key_type_id, btf_value_type_id) = btf.map_or((0, 0, 0), |(fd, key, value)| {
+        (fd.as_raw_fd() as u32, key, value)
+    });
+    let mut attr = MapCreateAttr {
+        map_type: layout.map_type as u32,
+        key_size: layout.key_size as u32,
+        value_size: layout.value_size as u32,
+        max_entries: layout.max_entries,
+        map_flags: layout.flags,
+        inner_map_fd: 0,
+        numa_node: 0,
+        map_name,
+        map_ifindex: 0,
+        btf_fd,
+        btf_key_type_id,
+        btf_value_type_id,
+        btf_vmlinux_value_type_id: 0,
+    };
+    // SAFETY: `attr` is the BPF_MAP_CREATE member (no pointers); the BTF descriptor, if any,
+    // is the caller's and open.
+    let fd = unsafe { bpf(BPF_MAP_CREATE, &mut attr) }?;
+    // SAFETY: on success the syscall returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The `BPF_BTF_LOAD` member of `union bpf_attr`.
+#[repr(C)]
+struct BtfLoadAttr {
+    btf: u64,
+    btf_log_buf: u64,
+    btf_size: u32,
+    btf_log_size: u32,
+    btf_log_level: u32,
+    pad: u32,
+}
+
+/// Loads a BTF blob into the kernel; its descriptor.
+pub(crate) fn load_btf(blob: &[u8]) -> io::Result<OwnedFd> {
+    let mut attr = BtfLoadAttr {
+        btf: blob.as_ptr() as u64,
+        btf_log_buf: 0,
+        btf_size: u32::try_from(blob.len())
+            .map_err(|_| io::Error::from_raw_os_error(libc::E2BIG))?,
+        btf_log_size: 0,
+        btf_log_level: 0,
+        pad: 0,
+    };
+    // SAFETY: `attr` is the BPF_BTF_LOAD member; `blob` outlives the call.
+    let fd = unsafe { bpf(BPF_BTF_LOAD, &mut attr) }?;
+    // SAFETY: on success the syscall returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The `BPF_MAP_*_ELEM` member of `union bpf_attr`.
+#[repr(C)]
+struct ElemAttr {
+    map_fd: u32,
+    pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+/// The id of the inner map that a map of maps (behind `fd`, keyed by u32) holds at `key`;
+/// `None` if it holds none. aya's lookup opens the inner map by that id, which needs
+/// CAP_SYS_ADMIN; the id alone does not.
+pub(crate) fn inner_map_id(fd: BorrowedFd<'_>, key: u32) -> io::Result<Option<u32>> {
+    let mut id = 0u32;
+    let mut attr = ElemAttr {
+        map_fd: fd.as_raw_fd() as u32,
+        pad: 0,
+        key: &key as *const u32 as u64,
+        value: &mut id as *mut u32 as u64,
+        flags: 0,
+    };
+    // SAFETY: `attr` is the BPF_MAP_LOOKUP_ELEM member; `key` and `id` have the map's key and
+    // (for a map of maps, as user space sees it) value sizes and outlive the call.
+    match unsafe { bpf(BPF_MAP_LOOKUP_ELEM, &mut attr) } {
+        Ok(_) => Ok(Some(id)),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// The `BPF_PROG_QUERY` member of `union bpf_attr`.

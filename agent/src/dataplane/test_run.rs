@@ -97,7 +97,7 @@ impl TestProgram {
             loader.override_global(super::tick::JIFFY_NS_GLOBAL, super::tick::jiffy_ns(), true);
         }
         let mut ebpf = loader.load(OBJECT)?;
-        let maps = Maps::from_ebpf(&mut ebpf)?;
+        let maps = Maps::from_ebpf(&mut ebpf, None)?;
         for program in programs {
             classifier(&mut ebpf, program)?
                 .load()

@@ -1,61 +1,56 @@
-//! Upgrading a running datapath of map layout 2 (`wgf2_*`) to this agent's layout 3 (`wgf3_*`)
-//! without losing a packet, and refusing a rollback without a blackhole.
+//! Upgrading a running datapath of map layout 3 (`wgf3_*`, one policy trie that all policies
+//! share) to this agent's layout 4 (`wgf4_*`, a trie per policy) without losing a packet, and
+//! refusing a rollback without a blackhole.
 //!
 //! What runs is decided by what is attached, not by which pins exist: the pinned tcx link's
 //! program, or (legacy TC hook) the program of the agent's clsact filter -> the program's maps
 //! -> their names. Only without CAP_SYS_ADMIN (the DaemonSet's case), where the kernel shows no
 //! program or map by id, do the peer map pins decide. A datapath whose ingress hook runs
-//! layout-2 programs is upgraded in this order ("fill first, then switch"):
+//! layout-3 programs is upgraded in this order ("fill first, then switch"):
 //!
-//! 1. the v3 maps are created and pinned (by the loader) and both v3 programs loaded;
-//! 2. [`Upgrade::fill`] translates the v2 maps into them: peer entries keep their policy, slot
-//!    and owner and get no flags, no window and no rule counters (the agent's first apply
-//!    writes those); policy entries are copied with every allow credited to rule 0 (the
-//!    agent's first apply replaces them with its own compiled, attributed policies through the
-//!    usual write-then-switch); packet, per-peer and flow quota counters carried over; owners
-//!    one per address, as the planner gives them (a v2 owner two addresses share is replaced by
-//!    new ones above the high-water mark), live flows copied with their address's owner; the
-//!    config verbatim but for the high-water mark;
-//! 3. the switch marker (`wgf3_switch`, the ids of the v3 programs) is pinned, then each hook
-//!    gets its v3 program, egress then ingress: one `bpf_link_update` per pinned tcx link, or
+//! 1. the v4 maps are created and pinned (by the loader) and both v4 programs loaded;
+//! 2. [`Upgrade::fill`] copies the v3 maps into them: each policy's entries of the shared v3
+//!    trie into that policy's own trie, complete before the hash of maps holds it; peer
+//!    entries, packet, per-peer and rule counters, the flow quota, live flows and the config as
+//!    they are (layout 4 changed the policy maps alone);
+//! 3. the switch marker (`wgf4_switch`, the ids of the v4 programs) is pinned, then each hook
+//!    gets its v4 program, egress then ingress: one `bpf_link_update` per pinned tcx link, or
 //!    one in-place `tc filter replace` per clsact filter (both atomic per packet);
-//! 4. [`Upgrade::finish`] copies again what the v2 programs recorded between the fill and the
-//!    switch (flows, counter increments), places the tombstones, removes the other v2 pins and
+//! 4. [`Upgrade::finish`] copies again what the v3 programs recorded between the fill and the
+//!    switch (flows, counter increments), places the tombstones, removes the other v3 pins and
 //!    then the marker.
 //!
 //! An upgrade killed at any step is finished by the next start, also without CAP_SYS_ADMIN:
-//! before the switch the hooks run v2 (the upgrade starts again), between the two program
-//! switches the egress hook runs a program the marker names (the upgrade resumes with the v3
+//! before the switch the hooks run v3 (the upgrade starts again), between the two program
+//! switches the egress hook runs a program the marker names (the upgrade resumes with the v4
 //! maps it filled), after the switch a hook runs a program the marker names or the tombstone is
 //! in place (no upgrade: [`tidy`] finishes step 4). Every start recounts the flow quota from
 //! the tables.
 //!
-//! The tombstones are one-entry arrays pinned as `wgf2_peers_v4` and `wgf1_peers_v4`. An agent
-//! of layout 2 sees the v3 programs attached and refuses a newer layout; without CAP_SYS_ADMIN
-//! it adopts the pinned `wgf2_peers_v4`, checks its layout before it attaches anything and stops
-//! with "pinned map wgf2_peers_v4 has type Array ...". A layout-1 agent stops the same way at
-//! `wgf1_peers_v4`. The v3 programs keep enforcing meanwhile; the other pins such a refused
-//! agent created are removed by [`tidy`] at the next start.
+//! The tombstones are one-entry arrays pinned as `wgf3_peers_v4`, `wgf2_peers_v4` and
+//! `wgf1_peers_v4`. An agent of layout 3 sees the v4 programs attached and refuses a newer
+//! layout; without CAP_SYS_ADMIN it adopts the pinned `wgf3_peers_v4`, checks its layout before
+//! it attaches anything and stops with "pinned map wgf3_peers_v4 has type Array ...". Agents of
+//! layouts 2 and 1 stop the same way at theirs. The v4 programs keep enforcing meanwhile; the
+//! other pins such a refused agent created are removed by [`tidy`] at the next start.
 //!
-//! Layout 1 is not upgraded directly: a datapath that still runs it is refused before anything
-//! changes, with the advice to run a layout-2 agent (v0.2, commit b4200bd) once first, which
-//! upgrades 1 -> 2 without loss; this agent then upgrades 2 -> 3. Two hops each tested under
-//! traffic, rather than a chained translation no release ever ran.
+//! Layouts 1 and 2 are not upgraded directly: a datapath that still runs one is refused before
+//! anything changes, with the advice to run the next layout's agent on it once first (each
+//! upgrades its predecessor without loss): a layout-2 agent (commit b4200bd) for layout 1, a
+//! layout-3 agent (commit f530f25) for layout 2. One hop each, tested under traffic, rather
+//! than chained translations no release ever ran.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
     io::ErrorKind,
-    net::IpAddr,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::Path,
     time::{Duration, Instant},
 };
 
 use aya::{
-    maps::{
-        lpm_trie::Key, Array, HashMap, LpmTrie, Map, MapData, MapError, MapInfo, PerCpuArray,
-        PerCpuValues,
-    },
+    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, MapInfo, PerCpuArray, PerCpuValues},
     programs::{
         links::{FdLink, PinnedLink},
         loaded_programs,
@@ -64,36 +59,46 @@ use aya::{
 };
 use wgfence_common::{map_names, LAYOUT_VERSION};
 
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+
 use super::{
     error::{DataplaneError, Result},
     tc,
+    tries::{Tries, V4, V6},
 };
 
-/// The map layout 2, as main left it at commit b4200bd: the only layout this agent upgrades
-/// from. Private copies, so that a change to the current layout can never change how the old
-/// one is read.
-pub(crate) mod v2 {
+/// The map layout 3, as main left it at commit f530f25: the only layout this agent upgrades
+/// from. Layout 4 changed the policy maps alone, so only their keys are private copies here;
+/// every other map's types are layout 4's own, and the sizes test below pins them to layout
+/// 3's. A layout that changes one of them copies it here first.
+pub(crate) mod v3 {
     use bytemuck::{Pod, Zeroable};
+    pub use wgfence_common::{
+        Config, FlowKeyV4, FlowKeyV6, FlowValue, PeerCounters, PeerEntry, PeerKeyV4, PeerKeyV6,
+        PolicyValue, RuleCounters, RuleSeen, COUNTERS_LEN, MAX_RULES,
+    };
 
-    pub const LAYOUT: u32 = 2;
-    pub const PEERS_V4: &str = "wgf2_peers_v4";
-    pub const PEERS_V6: &str = "wgf2_peers_v6";
-    pub const POLICY_V4: &str = "wgf2_policy_v4";
-    pub const POLICY_V6: &str = "wgf2_policy_v6";
-    pub const STATS: &str = "wgf2_stats";
-    pub const PEER_STATS: &str = "wgf2_peer_stats";
-    pub const FLOWS_V4: &str = "wgf2_flows_v4";
-    pub const FLOWS_V6: &str = "wgf2_flows_v6";
-    pub const FLOW_MADE: &str = "wgf2_flow_made";
-    pub const FLOW_FREED: &str = "wgf2_flow_freed";
-    pub const CONFIG: &str = "wgf2_config";
+    pub const LAYOUT: u32 = 3;
+    pub const PEERS_V4: &str = "wgf3_peers_v4";
+    pub const PEERS_V6: &str = "wgf3_peers_v6";
+    pub const POLICY_V4: &str = "wgf3_policy_v4";
+    pub const POLICY_V6: &str = "wgf3_policy_v6";
+    pub const STATS: &str = "wgf3_stats";
+    pub const PEER_STATS: &str = "wgf3_peer_stats";
+    pub const FLOWS_V4: &str = "wgf3_flows_v4";
+    pub const FLOWS_V6: &str = "wgf3_flows_v6";
+    pub const FLOW_MADE: &str = "wgf3_flow_made";
+    pub const FLOW_FREED: &str = "wgf3_flow_freed";
+    pub const CONFIG: &str = "wgf3_config";
+    pub const RULE_STATS: &str = "wgf3_rule_stats";
+    pub const RULE_SEEN: &str = "wgf3_rule_seen";
     /// The maps an upgrade reads: all pinned, unless an upgrade removed some.
-    pub const UPGRADED: [&str; 11] = [
+    pub const UPGRADED: [&str; 13] = [
         PEERS_V4, PEERS_V6, POLICY_V4, POLICY_V6, STATS, PEER_STATS, FLOWS_V4, FLOWS_V6, FLOW_MADE,
-        FLOW_FREED, CONFIG,
+        FLOW_FREED, CONFIG, RULE_STATS, RULE_SEEN,
     ];
     #[cfg(test)]
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 15] = [
         PEERS_V4,
         PEERS_V6,
         POLICY_V4,
@@ -105,32 +110,15 @@ pub(crate) mod v2 {
         FLOW_MADE,
         FLOW_FREED,
         CONFIG,
-        "wgf2_events",
-        "wgf2_ev_bucket",
+        "wgf3_events",
+        "wgf3_ev_bucket",
+        RULE_STATS,
+        RULE_SEEN,
     ];
-    pub const MAX_ALLOWS: usize = 32;
-    pub const COUNTERS_LEN: u32 = 16;
+    /// Bits of the policy id at the front of every key of the shared trie.
+    pub const POLICY_ID_BITS: u32 = 32;
 
-    #[repr(C)]
-    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Pod, Zeroable)]
-    pub struct PeerKeyV4 {
-        pub addr: [u8; 4],
-    }
-
-    #[repr(C)]
-    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Pod, Zeroable)]
-    pub struct PeerKeyV6 {
-        pub addr: [u8; 16],
-    }
-
-    #[repr(C)]
-    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-    pub struct PeerEntry {
-        pub policy: u32,
-        pub slot: u32,
-        pub owner: u64,
-    }
-
+    /// Key data of the shared IPv4 trie: its prefix length counts `policy`'s 32 bits too.
     #[repr(C)]
     #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
     pub struct PolicyKeyV4 {
@@ -138,6 +126,7 @@ pub(crate) mod v2 {
         pub addr: [u8; 4],
     }
 
+    /// Key data of the shared IPv6 trie.
     #[repr(C)]
     #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
     pub struct PolicyKeyV6 {
@@ -145,90 +134,19 @@ pub(crate) mod v2 {
         pub addr: [u8; 16],
     }
 
-    #[repr(C)]
-    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-    pub struct Allow {
-        pub protocol: u8,
-        pub _pad: u8,
-        pub port_lo: u16,
-        pub port_hi: u16,
-    }
-
-    #[repr(C)]
-    #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-    pub struct PolicyValue {
-        pub count: u32,
-        pub allows: [Allow; MAX_ALLOWS],
-    }
-
-    #[repr(C)]
-    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Pod, Zeroable)]
-    pub struct FlowKeyV4 {
-        pub peer: [u8; 4],
-        pub remote: [u8; 4],
-        pub peer_port: u16,
-        pub remote_port: u16,
-        pub protocol: u8,
-        pub _pad: [u8; 3],
-    }
-
-    #[repr(C)]
-    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Pod, Zeroable)]
-    pub struct FlowKeyV6 {
-        pub peer: [u8; 16],
-        pub remote: [u8; 16],
-        pub peer_port: u16,
-        pub remote_port: u16,
-        pub protocol: u8,
-        pub _pad: [u8; 3],
-    }
-
-    #[repr(C)]
-    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-    pub struct FlowValue {
-        pub last_seen_ns: u64,
-        pub owner: u64,
-        pub state: u32,
-        pub slot: u32,
-    }
-
-    #[repr(C)]
-    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-    pub struct Config {
-        pub flags: u32,
-        pub flows_per_peer: u32,
-        pub tcp_timeout_ns: u64,
-        pub tcp_closing_timeout_ns: u64,
-        pub udp_timeout_ns: u64,
-        pub icmp_timeout_ns: u64,
-        pub unanswered_timeout_ns: u64,
-        pub event_interval_ns: u64,
-        pub event_burst_ns: u64,
-        pub owner_high: u64,
-    }
-
-    #[repr(C)]
-    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-    pub struct PeerCounters {
-        pub pass_packets: u64,
-        pub pass_bytes: u64,
-        pub drop_packets: u64,
-        pub drop_bytes: u64,
-    }
-
     // SAFETY: #[repr(C)], integers and arrays of integers only, no padding (the `Pod` derives
     // check it).
-    unsafe impl aya::Pod for PeerKeyV4 {}
-    unsafe impl aya::Pod for PeerKeyV6 {}
-    unsafe impl aya::Pod for PeerEntry {}
     unsafe impl aya::Pod for PolicyKeyV4 {}
     unsafe impl aya::Pod for PolicyKeyV6 {}
-    unsafe impl aya::Pod for PolicyValue {}
-    unsafe impl aya::Pod for FlowKeyV4 {}
-    unsafe impl aya::Pod for FlowKeyV6 {}
-    unsafe impl aya::Pod for FlowValue {}
-    unsafe impl aya::Pod for Config {}
-    unsafe impl aya::Pod for PeerCounters {}
+}
+
+/// Layout 2 (`wgf2_*`): never upgraded directly (see the module doc); its peer map pin holds a
+/// tombstone once a newer layout runs.
+pub(crate) mod v2 {
+    pub const LAYOUT: u32 = 2;
+    pub const PEERS_V4: &str = "wgf2_peers_v4";
+    /// Its peer entry: `{ policy: u32, slot: u32, owner: u64 }`.
+    pub const PEER_ENTRY_SIZE: usize = 16;
 }
 
 /// Layout 1 (`wgf1_*`): never upgraded directly (see the module doc); its peer map pin holds a
@@ -242,21 +160,22 @@ pub(crate) mod v1 {
 
 /// The pins older agents read first among the peer maps, where the tombstones go: each makes
 /// that layout's agent stop before it attaches anything.
-pub const TOMBSTONE_PINS: [&str; 2] = [v2::PEERS_V4, v1::PEERS_V4];
+pub const TOMBSTONE_PINS: [&str; 3] = [v3::PEERS_V4, v2::PEERS_V4, v1::PEERS_V4];
 /// Kernel name of the tombstones (`bpftool map show` prints it).
-const TOMBSTONE_NAME: &str = "wgf3_tombstone";
+const TOMBSTONE_NAME: &str = "wgf4_tombstone";
 /// A pin name for a tombstone before it is renamed into place (bpffs refuses dots).
 const TOMBSTONE_TMP: &str = "tombstone_new";
-/// The switch marker: a two-entry array of the layout-3 program ids (egress, ingress) an
-/// upgrade pins before its switch and removes once layout 2 is tidied away. Without
+/// The switch marker: a two-entry array of the layout-4 program ids (egress, ingress) an
+/// upgrade pins before its switch and removes once layout 3 is tidied away. Without
 /// CAP_SYS_ADMIN the kernel shows which program a hook runs (its id) but not that program's
-/// maps: a hook running one of these ids runs layout 3, whatever layout-2 pins an interrupted
+/// maps: a hook running one of these ids runs layout 4, whatever layout-3 pins an interrupted
 /// upgrade left.
-const SWITCH_PIN: &str = "wgf3_switch";
+const SWITCH_PIN: &str = "wgf4_switch";
 /// A pin name for the switch marker before it is renamed into place.
 const SWITCH_TMP: &str = "switch_new";
-/// The markers of the layout 1 -> 2 upgrade, removed if an interrupted one left them.
-const OLD_LEFTOVERS: [&str; 1] = ["wgf2_switch"];
+/// The markers of the layout 1 -> 2 and 2 -> 3 upgrades, removed if an interrupted one left
+/// them.
+const OLD_LEFTOVERS: [&str; 2] = ["wgf2_switch", "wgf3_switch"];
 /// `BPF_MAP_TYPE_ARRAY`.
 const MAP_TYPE_ARRAY: u32 = 2;
 /// `BPF_NOEXIST`: insert only if the key is absent.
@@ -416,40 +335,41 @@ fn is_peer_map(path: &Path, key_size: usize, value_size: usize) -> bool {
 
 /// The layout of the datapath pinned in `pin_dir`, from its pins, for when the attached
 /// program (`program_id`) cannot be looked up:
-/// - a program the switch marker names is layout 3 (an upgrade switched it, and was
-///   interrupted before it tidied layout 2 away);
-/// - a complete set of layout-2 map pins, its peer map under its own name, means layout 2
-///   (after an upgrade that name holds a tombstone, an array, and a refused layout-2 agent
+/// - a program the switch marker names is layout 4 (an upgrade switched it, and was
+///   interrupted before it tidied layout 3 away);
+/// - a complete set of layout-3 map pins, its peer map under its own name, means layout 3
+///   (after an upgrade that name holds a tombstone, an array, and a refused layout-3 agent
 ///   cannot replace it; an incomplete set is what an upgrade interrupted while it removed them
-///   leaves, once layout 3 runs);
-/// - a layout-1 peer map under its own name, and no newer one, means layout 1;
-/// - else a pinned layout-3 peer map means layout 3.
+///   leaves, once layout 4 runs);
+/// - a layout-2 or layout-1 peer map under its own name, and no newer one, means that layout;
+/// - else a pinned layout-4 peer map means layout 4.
 fn layout_by_pins(pin_dir: &Path, program_id: u32) -> Option<u32> {
     use std::mem::size_of;
     if switched_to(pin_dir).contains(&program_id) {
         return Some(LAYOUT_VERSION);
     }
-    let v3_peers = MapInfo::from_pin(pin_dir.join(map_names::PEERS_V4)).ok();
-    let v2_peers = is_peer_map(
-        &pin_dir.join(v2::PEERS_V4),
-        size_of::<v2::PeerKeyV4>(),
-        size_of::<v2::PeerEntry>(),
+    let v4_peers = MapInfo::from_pin(pin_dir.join(map_names::PEERS_V4)).ok();
+    let key_size = size_of::<v3::PeerKeyV4>();
+    let v3_peers = is_peer_map(
+        &pin_dir.join(v3::PEERS_V4),
+        key_size,
+        size_of::<v3::PeerEntry>(),
     );
-    let v2_complete = v2::UPGRADED.iter().all(|name| pin_dir.join(name).exists());
-    if v2_peers && (v2_complete || v3_peers.is_none()) {
-        return Some(v2::LAYOUT);
+    let v3_complete = v3::UPGRADED.iter().all(|name| pin_dir.join(name).exists());
+    if v3_peers && (v3_complete || v4_peers.is_none()) {
+        return Some(v3::LAYOUT);
     }
-    if v3_peers.is_none()
-        && !v2_peers
-        && is_peer_map(
-            &pin_dir.join(v1::PEERS_V4),
-            size_of::<v2::PeerKeyV4>(),
-            v1::PEER_ENTRY_SIZE,
-        )
-    {
-        return Some(v1::LAYOUT);
+    if v4_peers.is_none() && !v3_peers {
+        for (layout, pin, entry_size) in [
+            (v2::LAYOUT, v2::PEERS_V4, v2::PEER_ENTRY_SIZE),
+            (v1::LAYOUT, v1::PEERS_V4, v1::PEER_ENTRY_SIZE),
+        ] {
+            if is_peer_map(&pin_dir.join(pin), key_size, entry_size) {
+                return Some(layout);
+            }
+        }
     }
-    v3_peers.map(|_| LAYOUT_VERSION)
+    v4_peers.map(|_| LAYOUT_VERSION)
 }
 
 /// The program ids the switch marker in `pin_dir` names (none without a marker).
@@ -562,27 +482,34 @@ fn pins_of_layout(pin_dir: &Path, layout: u32) -> Result<Vec<String>> {
     Ok(names)
 }
 
+/// Removes the pin at `path`, or the directory of pins there (a layout's policy tries).
 fn remove_pin(path: &Path) -> Result<bool> {
-    match fs::remove_file(path) {
+    let removed = match fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => fs::remove_dir_all(path),
+        _ => fs::remove_file(path),
+    };
+    match removed {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
         Err(e) => Err(io_err(path)(e)),
     }
 }
 
-/// The v2 maps an upgrade reads, opened from the ids the running v2 programs use.
-struct V2Maps {
-    peers_v4: HashMap<MapData, v2::PeerKeyV4, v2::PeerEntry>,
-    peers_v6: HashMap<MapData, v2::PeerKeyV6, v2::PeerEntry>,
-    policy_v4: LpmTrie<MapData, v2::PolicyKeyV4, v2::PolicyValue>,
-    policy_v6: LpmTrie<MapData, v2::PolicyKeyV6, v2::PolicyValue>,
+/// The v3 maps an upgrade reads, opened from the ids the running v3 programs use.
+struct OldMaps {
+    peers_v4: HashMap<MapData, v3::PeerKeyV4, v3::PeerEntry>,
+    peers_v6: HashMap<MapData, v3::PeerKeyV6, v3::PeerEntry>,
+    policy_v4: LpmTrie<MapData, v3::PolicyKeyV4, v3::PolicyValue>,
+    policy_v6: LpmTrie<MapData, v3::PolicyKeyV6, v3::PolicyValue>,
     stats: PerCpuArray<MapData, u64>,
-    peer_stats: PerCpuArray<MapData, v2::PeerCounters>,
-    flows_v4: HashMap<MapData, v2::FlowKeyV4, v2::FlowValue>,
-    flows_v6: HashMap<MapData, v2::FlowKeyV6, v2::FlowValue>,
+    peer_stats: PerCpuArray<MapData, v3::PeerCounters>,
+    flows_v4: HashMap<MapData, v3::FlowKeyV4, v3::FlowValue>,
+    flows_v6: HashMap<MapData, v3::FlowKeyV6, v3::FlowValue>,
     flow_made: Array<MapData, u64>,
     flow_freed: Array<MapData, u64>,
-    config: Array<MapData, v2::Config>,
+    config: Array<MapData, v3::Config>,
+    rule_stats: PerCpuArray<MapData, v3::RuleCounters>,
+    rule_seen: Array<MapData, v3::RuleSeen>,
 }
 
 /// Opens a map by the id a running program uses, else (a map no program references) by its
@@ -601,65 +528,80 @@ fn typed_old<T: TryFrom<Map, Error = MapError>>(
     T::try_from(map).map_err(map_err(name))
 }
 
-impl V2Maps {
+impl OldMaps {
     fn open(ids: &BTreeMap<String, u32>, pin_dir: &Path) -> Result<Self> {
         Ok(Self {
-            peers_v4: typed_old(v2::PEERS_V4, ids, pin_dir)?,
-            peers_v6: typed_old(v2::PEERS_V6, ids, pin_dir)?,
-            policy_v4: typed_old(v2::POLICY_V4, ids, pin_dir)?,
-            policy_v6: typed_old(v2::POLICY_V6, ids, pin_dir)?,
-            stats: typed_old(v2::STATS, ids, pin_dir)?,
-            peer_stats: typed_old(v2::PEER_STATS, ids, pin_dir)?,
-            flows_v4: typed_old(v2::FLOWS_V4, ids, pin_dir)?,
-            flows_v6: typed_old(v2::FLOWS_V6, ids, pin_dir)?,
-            flow_made: typed_old(v2::FLOW_MADE, ids, pin_dir)?,
-            flow_freed: typed_old(v2::FLOW_FREED, ids, pin_dir)?,
-            config: typed_old(v2::CONFIG, ids, pin_dir)?,
+            peers_v4: typed_old(v3::PEERS_V4, ids, pin_dir)?,
+            peers_v6: typed_old(v3::PEERS_V6, ids, pin_dir)?,
+            policy_v4: typed_old(v3::POLICY_V4, ids, pin_dir)?,
+            policy_v6: typed_old(v3::POLICY_V6, ids, pin_dir)?,
+            stats: typed_old(v3::STATS, ids, pin_dir)?,
+            peer_stats: typed_old(v3::PEER_STATS, ids, pin_dir)?,
+            flows_v4: typed_old(v3::FLOWS_V4, ids, pin_dir)?,
+            flows_v6: typed_old(v3::FLOWS_V6, ids, pin_dir)?,
+            flow_made: typed_old(v3::FLOW_MADE, ids, pin_dir)?,
+            flow_freed: typed_old(v3::FLOW_FREED, ids, pin_dir)?,
+            config: typed_old(v3::CONFIG, ids, pin_dir)?,
+            rule_stats: typed_old(v3::RULE_STATS, ids, pin_dir)?,
+            rule_seen: typed_old(v3::RULE_SEEN, ids, pin_dir)?,
         })
     }
 
-    fn config(&self) -> Result<v2::Config> {
-        self.config.get(&0, 0).map_err(map_err(v2::CONFIG))
+    fn config(&self) -> Result<v3::Config> {
+        self.config.get(&0, 0).map_err(map_err(v3::CONFIG))
     }
 
     /// Every peer entry: (address, entry).
-    fn peers(&self) -> Result<Vec<(IpAddr, v2::PeerEntry)>> {
+    fn peers(&self) -> Result<Vec<(IpAddr, v3::PeerEntry)>> {
         let mut peers = Vec::new();
         for item in self.peers_v4.iter() {
-            let (key, entry) = item.map_err(map_err(v2::PEERS_V4))?;
+            let (key, entry) = item.map_err(map_err(v3::PEERS_V4))?;
             peers.push((IpAddr::from(key.addr), entry));
         }
         for item in self.peers_v6.iter() {
-            let (key, entry) = item.map_err(map_err(v2::PEERS_V6))?;
+            let (key, entry) = item.map_err(map_err(v3::PEERS_V6))?;
             peers.push((IpAddr::from(key.addr), entry));
         }
         Ok(peers)
     }
 
-    /// The per-CPU packet counters; the indexes layout 3 has (it kept layout 2's meanings and
-    /// added after them).
-    fn stats(&self) -> Result<Vec<Vec<u64>>> {
-        (0..v2::COUNTERS_LEN.min(wgfence_common::COUNTERS_LEN))
-            .map(|i| {
-                self.stats
-                    .get(&i, 0)
-                    .map(|values| values.to_vec())
-                    .map_err(map_err(v2::STATS))
-            })
-            .collect()
-    }
-
-    /// Each slot's per-CPU counters.
-    fn peer_stats(&self, slots: &BTreeSet<u32>) -> Result<BTreeMap<u32, Vec<v2::PeerCounters>>> {
-        slots
-            .iter()
-            .map(|slot| {
-                self.peer_stats
-                    .get(slot, 0)
-                    .map(|c| (*slot, c.to_vec()))
-                    .map_err(map_err(v2::PEER_STATS))
-            })
-            .collect()
+    /// Every entry of the shared policy tries: (policy id, destination prefix, value).
+    fn policies(&self) -> Result<Vec<(u32, IpNet, v3::PolicyValue)>> {
+        let prefix_len = |len: u32, max: u32| {
+            len.checked_sub(v3::POLICY_ID_BITS)
+                .filter(|len| *len <= max)
+                .and_then(|len| u8::try_from(len).ok())
+                .ok_or(DataplaneError::OutOfRange {
+                    field: "layout-3 policy trie prefix length",
+                    value: u64::from(len),
+                })
+        };
+        let mut entries = Vec::new();
+        for item in self.policy_v4.iter() {
+            let (key, value) = item.map_err(map_err(v3::POLICY_V4))?;
+            let len = prefix_len(key.prefix_len(), 32)?;
+            let data = key.data();
+            let net = Ipv4Net::new(Ipv4Addr::from(data.addr), len).map_err(|_| {
+                DataplaneError::OutOfRange {
+                    field: "layout-3 policy trie prefix length",
+                    value: u64::from(len),
+                }
+            })?;
+            entries.push((data.policy, IpNet::V4(net), value));
+        }
+        for item in self.policy_v6.iter() {
+            let (key, value) = item.map_err(map_err(v3::POLICY_V6))?;
+            let len = prefix_len(key.prefix_len(), 128)?;
+            let data = key.data();
+            let net = Ipv6Net::new(Ipv6Addr::from(data.addr), len).map_err(|_| {
+                DataplaneError::OutOfRange {
+                    field: "layout-3 policy trie prefix length",
+                    value: u64::from(len),
+                }
+            })?;
+            entries.push((data.policy, IpNet::V6(net), value));
+        }
+        Ok(entries)
     }
 
     /// Each slot's (made, freed) flow quota counts.
@@ -670,47 +612,25 @@ impl V2Maps {
                 let made = self
                     .flow_made
                     .get(slot, 0)
-                    .map_err(map_err(v2::FLOW_MADE))?;
+                    .map_err(map_err(v3::FLOW_MADE))?;
                 let freed = self
                     .flow_freed
                     .get(slot, 0)
-                    .map_err(map_err(v2::FLOW_FREED))?;
+                    .map_err(map_err(v3::FLOW_FREED))?;
                 Ok((*slot, (made, freed)))
             })
             .collect()
     }
 
-    fn flows(&self) -> Result<Vec<(FlowKey, wgfence_common::FlowValue)>> {
-        let value = |v: v2::FlowValue| wgfence_common::FlowValue {
-            last_seen_ns: v.last_seen_ns,
-            owner: v.owner,
-            state: v.state,
-            slot: v.slot,
-        };
+    fn flows(&self) -> Result<Vec<(FlowKey, v3::FlowValue)>> {
         let mut flows = Vec::new();
         for item in self.flows_v4.iter() {
-            let (k, v) = item.map_err(map_err(v2::FLOWS_V4))?;
-            let key = wgfence_common::FlowKeyV4 {
-                peer: k.peer,
-                remote: k.remote,
-                peer_port: k.peer_port,
-                remote_port: k.remote_port,
-                protocol: k.protocol,
-                _pad: [0; 3],
-            };
-            flows.push((FlowKey::V4(key), value(v)));
+            let (k, v) = item.map_err(map_err(v3::FLOWS_V4))?;
+            flows.push((FlowKey::V4(k), v));
         }
         for item in self.flows_v6.iter() {
-            let (k, v) = item.map_err(map_err(v2::FLOWS_V6))?;
-            let key = wgfence_common::FlowKeyV6 {
-                peer: k.peer,
-                remote: k.remote,
-                peer_port: k.peer_port,
-                remote_port: k.remote_port,
-                protocol: k.protocol,
-                _pad: [0; 3],
-            };
-            flows.push((FlowKey::V6(key), value(v)));
+            let (k, v) = item.map_err(map_err(v3::FLOWS_V6))?;
+            flows.push((FlowKey::V6(k), v));
         }
         Ok(flows)
     }
@@ -722,12 +642,12 @@ enum FlowKey {
     V6(wgfence_common::FlowKeyV6),
 }
 
-/// The v3 maps an upgrade writes, opened from their pins (the loader just created them).
-struct V3Maps {
+/// The v4 maps an upgrade writes, opened from their pins (the loader just created them).
+struct NewMaps {
     peers_v4: HashMap<MapData, wgfence_common::PeerKeyV4, wgfence_common::PeerEntry>,
     peers_v6: HashMap<MapData, wgfence_common::PeerKeyV6, wgfence_common::PeerEntry>,
-    policy_v4: LpmTrie<MapData, wgfence_common::PolicyKeyV4, wgfence_common::PolicyValue>,
-    policy_v6: LpmTrie<MapData, wgfence_common::PolicyKeyV6, wgfence_common::PolicyValue>,
+    policy_v4: Tries<V4>,
+    policy_v6: Tries<V6>,
     stats: PerCpuArray<MapData, u64>,
     peer_stats: PerCpuArray<MapData, wgfence_common::PeerCounters>,
     flows_v4: HashMap<MapData, wgfence_common::FlowKeyV4, wgfence_common::FlowValue>,
@@ -735,12 +655,17 @@ struct V3Maps {
     flow_made: Array<MapData, u64>,
     flow_freed: Array<MapData, u64>,
     config: Array<MapData, wgfence_common::Config>,
+    rule_stats: PerCpuArray<MapData, wgfence_common::RuleCounters>,
+    rule_seen: Array<MapData, wgfence_common::RuleSeen>,
 }
 
-impl V3Maps {
+impl NewMaps {
     fn open(pin_dir: &Path) -> Result<Self> {
+        fn data(name: &'static str, dir: &Path) -> Result<MapData> {
+            MapData::from_pin(dir.join(name)).map_err(map_err(name))
+        }
         fn typed<T: TryFrom<Map, Error = MapError>>(name: &'static str, dir: &Path) -> Result<T> {
-            let data = MapData::from_pin(dir.join(name)).map_err(map_err(name))?;
+            let data = data(name, dir)?;
             let info = data.info().map_err(map_err(name))?;
             super::layout::check(name, &info)?;
             let map = Map::from_map_data(data).map_err(map_err(name))?;
@@ -749,8 +674,8 @@ impl V3Maps {
         Ok(Self {
             peers_v4: typed(map_names::PEERS_V4, pin_dir)?,
             peers_v6: typed(map_names::PEERS_V6, pin_dir)?,
-            policy_v4: typed(map_names::POLICY_V4, pin_dir)?,
-            policy_v6: typed(map_names::POLICY_V6, pin_dir)?,
+            policy_v4: Tries::new(data(map_names::POLICY_V4, pin_dir)?, Some(pin_dir))?,
+            policy_v6: Tries::new(data(map_names::POLICY_V6, pin_dir)?, Some(pin_dir))?,
             stats: typed(map_names::STATS, pin_dir)?,
             peer_stats: typed(map_names::PEER_STATS, pin_dir)?,
             flows_v4: typed(map_names::FLOWS_V4, pin_dir)?,
@@ -758,6 +683,8 @@ impl V3Maps {
             flow_made: typed(map_names::FLOW_MADE, pin_dir)?,
             flow_freed: typed(map_names::FLOW_FREED, pin_dir)?,
             config: typed(map_names::CONFIG, pin_dir)?,
+            rule_stats: typed(map_names::RULE_STATS, pin_dir)?,
+            rule_seen: typed(map_names::RULE_SEEN, pin_dir)?,
         })
     }
 
@@ -774,16 +701,17 @@ impl V3Maps {
         }
     }
 
-    /// Every peer entry the v3 maps hold (a resumed upgrade's first fill wrote them).
-    fn peers(&self) -> Result<BTreeMap<IpAddr, wgfence_common::PeerEntry>> {
-        let mut peers = BTreeMap::new();
-        for item in self.peers_v4.iter() {
-            let (key, entry) = item.map_err(map_err(map_names::PEERS_V4))?;
-            peers.insert(IpAddr::from(key.addr), entry);
+    /// The addresses of every peer entry the v4 maps hold (a resumed upgrade's first fill
+    /// wrote them).
+    fn peers(&self) -> Result<BTreeSet<IpAddr>> {
+        let mut peers = BTreeSet::new();
+        for key in self.peers_v4.keys() {
+            let key = key.map_err(map_err(map_names::PEERS_V4))?;
+            peers.insert(IpAddr::from(key.addr));
         }
-        for item in self.peers_v6.iter() {
-            let (key, entry) = item.map_err(map_err(map_names::PEERS_V6))?;
-            peers.insert(IpAddr::from(key.addr), entry);
+        for key in self.peers_v6.keys() {
+            let key = key.map_err(map_err(map_names::PEERS_V6))?;
+            peers.insert(IpAddr::from(key.addr));
         }
         Ok(peers)
     }
@@ -801,14 +729,17 @@ impl V3Maps {
         }
     }
 
-    /// Copies the v2 flows into the v3 tables. `late`: after the switch, only flows the v3
-    /// tables do not have (the v3 programs may have recorded or refreshed them meanwhile); a
-    /// v3 flow older than its v2 copy gets the v2 timestamp. Returns how many were copied.
-    fn copy_flows(
-        &mut self,
-        flows: &[(FlowKey, wgfence_common::FlowValue)],
-        late: bool,
-    ) -> Result<u64> {
+    fn upsert_policy(&mut self, policy: u32, prefix: IpNet, value: &v3::PolicyValue) -> Result<()> {
+        match prefix {
+            IpNet::V4(_) => self.policy_v4.upsert(policy, prefix, value),
+            IpNet::V6(_) => self.policy_v6.upsert(policy, prefix, value),
+        }
+    }
+
+    /// Copies the v3 flows into the v4 tables. `late`: after the switch, only flows the v4
+    /// tables do not have (the v4 programs may have recorded or refreshed them meanwhile); a
+    /// v4 flow older than its v3 copy gets the v3 timestamp. Returns how many were copied.
+    fn copy_flows(&mut self, flows: &[(FlowKey, v3::FlowValue)], late: bool) -> Result<u64> {
         let mut copied = 0;
         for (key, value) in flows {
             let inserted = match key {
@@ -825,23 +756,103 @@ impl V3Maps {
     }
 }
 
-fn policy_value(v: &v2::PolicyValue) -> wgfence_common::PolicyValue {
-    wgfence_common::PolicyValue {
-        count: v.count,
-        allows: v
-            .allows
-            .map(|a| wgfence_common::Allow::new(a.protocol, a.port_lo, a.port_hi)),
+/// A per-CPU counter value: what the old programs counted since the fill is added to it.
+trait Counts: aya::Pod + Default + PartialEq {
+    /// `self` plus (`now` - `before`), field by field.
+    fn plus_since(self, now: &Self, before: &Self) -> Self;
+}
+
+fn plus(c: u64, now: u64, before: u64) -> u64 {
+    c.saturating_add(now.saturating_sub(before))
+}
+
+impl Counts for u64 {
+    fn plus_since(self, now: &Self, before: &Self) -> Self {
+        plus(self, *now, *before)
     }
 }
 
-fn peer_counters(c: &v2::PeerCounters) -> wgfence_common::PeerCounters {
-    wgfence_common::PeerCounters {
-        pass_packets: c.pass_packets,
-        pass_bytes: c.pass_bytes,
-        drop_packets: c.drop_packets,
-        drop_bytes: c.drop_bytes,
-        ..wgfence_common::PeerCounters::default()
+impl Counts for wgfence_common::PeerCounters {
+    fn plus_since(self, n: &Self, b: &Self) -> Self {
+        Self {
+            pass_packets: plus(self.pass_packets, n.pass_packets, b.pass_packets),
+            pass_bytes: plus(self.pass_bytes, n.pass_bytes, b.pass_bytes),
+            drop_packets: plus(self.drop_packets, n.drop_packets, b.drop_packets),
+            drop_bytes: plus(self.drop_bytes, n.drop_bytes, b.drop_bytes),
+            audit_packets: plus(self.audit_packets, n.audit_packets, b.audit_packets),
+            audit_bytes: plus(self.audit_bytes, n.audit_bytes, b.audit_bytes),
+        }
     }
+}
+
+impl Counts for wgfence_common::RuleCounters {
+    fn plus_since(self, n: &Self, b: &Self) -> Self {
+        Self {
+            packets: plus(self.packets, n.packets, b.packets),
+            bytes: plus(self.bytes, n.bytes, b.bytes),
+        }
+    }
+}
+
+/// Per-CPU counters as the fill read them, by index (indexes whose every CPU read zero are
+/// left out).
+type Snapshot<T> = BTreeMap<u32, Vec<T>>;
+
+/// Copies `indexes` of a per-CPU counter array, CPU by CPU (skipping all-zero ones, which
+/// the new array already holds); returns what it read.
+fn copy_counters<T: Counts>(
+    from: &PerCpuArray<MapData, T>,
+    (to, name): (&mut PerCpuArray<MapData, T>, &'static str),
+    indexes: impl IntoIterator<Item = u32>,
+) -> Result<Snapshot<T>> {
+    let zero = T::default();
+    let mut read = BTreeMap::new();
+    for index in indexes {
+        let values = from.get(&index, 0).map_err(map_err(name))?.to_vec();
+        if values.iter().all(|v| *v == zero) {
+            continue;
+        }
+        to.set(index, per_cpu_values(name, values.clone())?, 0)
+            .map_err(map_err(name))?;
+        read.insert(index, values);
+    }
+    Ok(read)
+}
+
+/// Adds to the new array what the old programs counted at `indexes` since `before` was read.
+/// Racing the new programs' own increments between one read and one write per counter: at
+/// worst a handful of packets go uncounted, never miscounted as another verdict.
+fn add_counted_since<T: Counts>(
+    from: &PerCpuArray<MapData, T>,
+    (to, name): (&mut PerCpuArray<MapData, T>, &'static str),
+    before: &Snapshot<T>,
+    indexes: impl IntoIterator<Item = u32>,
+) -> Result<()> {
+    let zero = T::default();
+    for index in indexes {
+        let now = from.get(&index, 0).map_err(map_err(name))?.to_vec();
+        let was = before.get(&index);
+        let unchanged = match was {
+            Some(was) => now == *was,
+            None => now.iter().all(|v| *v == zero),
+        };
+        if unchanged {
+            continue;
+        }
+        let current = to.get(&index, 0).map_err(map_err(name))?;
+        let values: Vec<T> = current
+            .iter()
+            .zip(&now)
+            .enumerate()
+            .map(|(cpu, (c, n))| {
+                let b = was.and_then(|w| w.get(cpu)).unwrap_or(&zero);
+                c.plus_since(n, b)
+            })
+            .collect();
+        to.set(index, per_cpu_values(name, values)?, 0)
+            .map_err(map_err(name))?;
+    }
+    Ok(())
 }
 
 fn per_cpu_values<T: aya::Pod>(map: &'static str, values: Vec<T>) -> Result<PerCpuValues<T>> {
@@ -859,38 +870,46 @@ pub struct UpgradeReport {
     /// Distinct owners of the peer entries carried over.
     pub owners: u64,
     pub policy_entries: usize,
+    /// Policies, each now a trie of its own (per address family it has entries for).
+    pub policies: usize,
     pub flows: u64,
-    /// Flows the v2 programs recorded between the fill and the switch, copied after it.
+    /// Flows the v3 programs recorded between the fill and the switch, copied after it.
     pub flows_late: u64,
     /// From the first program switch to the last.
     pub switch: Duration,
-    /// From the first read of the v2 maps to the removal of their pins.
+    /// From the first read of the v3 maps to the removal of their pins.
     pub total: Duration,
 }
 
-/// An upgrade from layout 2 in progress: found by [`Upgrade::prepare`] before the v3 maps
+/// The counters the fill read, which the finish compares with what the old programs counted
+/// by then.
+#[derive(Default)]
+struct Counted {
+    stats: Snapshot<u64>,
+    peer_stats: Snapshot<wgfence_common::PeerCounters>,
+    rule_stats: Snapshot<wgfence_common::RuleCounters>,
+    /// The slots of the peer entries carried over.
+    slots: BTreeSet<u32>,
+}
+
+/// An upgrade from layout 3 in progress: found by [`Upgrade::prepare`] before the v4 maps
 /// are loaded, [`Upgrade::fill`]ed before the switch, [`Upgrade::finish`]ed after it.
 pub(crate) struct Upgrade {
-    v2: V2Maps,
-    /// The v3 maps were created by this start: counters are carried. `false` after an
+    old: OldMaps,
+    /// The v4 maps were created by this start: counters are carried. `false` after an
     /// upgrade interrupted between its two program switches, whose fill already carried them.
     fresh: bool,
     started: Instant,
-    /// The v2 counters as the fill read them: the switch adds what the v2 programs counted
-    /// after that.
-    stats: Vec<Vec<u64>>,
-    peer_stats: BTreeMap<u32, Vec<v2::PeerCounters>>,
-    /// Each peer entry's owner: (in layout 2, in layout 3).
-    owners: BTreeMap<IpAddr, (u64, u64)>,
+    counted: Counted,
     report: UpgradeReport,
 }
 
 impl Upgrade {
-    /// Looks at what the hooks run (`ingress`, `egress`). Layout 2 on ingress: an upgrade,
-    /// whose v2 maps are opened here; stale v3 pins of an upgrade interrupted before its switch
-    /// are removed (no program uses them), so the loader creates the v3 maps empty. A layout
-    /// newer than this agent's, or layout 1, is refused before anything is touched. Anything
-    /// else: no upgrade.
+    /// Looks at what the hooks run (`ingress`, `egress`). Layout 3 on ingress: an upgrade,
+    /// whose v3 maps are opened here; stale v4 pins of an upgrade interrupted before its switch
+    /// are removed (no program uses them), so the loader creates the v4 maps empty. A layout
+    /// newer than this agent's, or layout 1 or 2, is refused before anything is touched.
+    /// Anything else: no upgrade.
     pub(crate) fn prepare(
         pin_dir: &Path,
         ingress: Option<Running>,
@@ -904,281 +923,222 @@ impl Upgrade {
                         this: LAYOUT_VERSION,
                     })
                 }
-                Some(v1::LAYOUT) => {
-                    return Err(DataplaneError::UpgradeThroughLayout2 {
+                Some(layout) if layout < v3::LAYOUT => {
+                    return Err(DataplaneError::UpgradeThroughOlder {
                         pin_dir: pin_dir.to_owned(),
+                        layout,
                     })
                 }
                 _ => {}
             }
         }
-        let Some(ingress) = ingress.filter(|r| r.layout == Some(v2::LAYOUT)) else {
+        let Some(ingress) = ingress.filter(|r| r.layout == Some(v3::LAYOUT)) else {
             return Ok(None);
         };
-        let egress_v3 = egress
+        let egress_new = egress
             .as_ref()
             .is_some_and(|r| r.layout == Some(LAYOUT_VERSION));
         let mut ids = ingress.maps.clone();
-        if let Some(egress) = egress.filter(|r| r.layout == Some(v2::LAYOUT)) {
+        if let Some(egress) = egress.filter(|r| r.layout == Some(v3::LAYOUT)) {
             for (name, id) in egress.maps {
                 ids.entry(name).or_insert(id);
             }
         }
-        // The layout-2 agent must be stopped first (a DaemonSet rollout with maxSurge 0 does):
+        // The layout-3 agent must be stopped first (a DaemonSet rollout with maxSurge 0 does):
         // running, it would find its programs replaced and attach them again.
         let pids = holders(&ingress);
         if !pids.is_empty() {
             return Err(DataplaneError::OldAgentRunning {
-                layout: v2::LAYOUT,
+                layout: v3::LAYOUT,
                 pids,
             });
         }
         let started = Instant::now();
-        let v2 = V2Maps::open(&ids, pin_dir)?;
-        if !egress_v3 {
+        let old = OldMaps::open(&ids, pin_dir)?;
+        if !egress_new {
             for name in pins_of_layout(pin_dir, LAYOUT_VERSION)? {
                 remove_pin(&pin_dir.join(&name))?;
             }
         }
         tracing::info!(
             pin_dir = %pin_dir.display(),
-            from = v2::LAYOUT,
+            from = v3::LAYOUT,
             to = LAYOUT_VERSION,
             ingress_program = ingress.program_id,
-            resumed = egress_v3,
-            "the datapath runs map layout 2: upgrading it (fill the new maps, then switch the \
+            resumed = egress_new,
+            "the datapath runs map layout 3: upgrading it (fill the new maps, then switch the \
              programs)"
         );
         Ok(Some(Self {
-            v2,
-            fresh: !egress_v3,
+            old,
+            fresh: !egress_new,
             started,
-            stats: Vec::new(),
-            peer_stats: BTreeMap::new(),
-            owners: BTreeMap::new(),
+            counted: Counted::default(),
             report: UpgradeReport {
-                from_layout: v2::LAYOUT,
+                from_layout: v3::LAYOUT,
                 ..UpgradeReport::default()
             },
         }))
     }
 
-    /// Translates the v2 maps into the (loaded, not yet attached) v3 maps pinned in `pin_dir`.
-    /// The v2 programs keep enforcing meanwhile; an error leaves them so.
+    /// Copies the v3 maps into the (loaded, not yet attached) v4 maps pinned in `pin_dir`.
+    /// The v3 programs keep enforcing meanwhile; an error leaves them so.
     pub(crate) fn fill(&mut self, pin_dir: &Path) -> Result<()> {
-        let mut v3 = V3Maps::open(pin_dir)?;
-        let config = self.v2.config()?;
-        let peers = self.v2.peers()?;
-
-        // Owners: one per address, as the planner gives them (a flow counts only for the entry
-        // of its own address). A v2 owner no other address holds is kept; a shared one (a 1 -> 2
-        // upgrade before commit ba35d1d gave a peer's addresses one owner per slot) is replaced
-        // by a new one above the high-water mark, and its flows follow their address. A resumed
-        // upgrade keeps what its first fill wrote for the same slot.
-        let existing = v3.peers()?;
-        let mut high = config.owner_high;
-        if !self.fresh {
-            if let Ok(v3_config) = v3.config.get(&0, 0) {
-                high = high.max(v3_config.owner_high);
-            }
-        }
-        let (owners, high) = owners_per_address(&peers, &existing, high);
-        self.owners = owners;
-        fill_config(&mut v3, &config, high)?;
-        let keep = self.fill_policies(&mut v3)?;
-        self.fill_peers(&mut v3, &peers, &existing, &keep)?;
-        let slots: BTreeSet<u32> = peers.iter().map(|(_, e)| e.slot).collect();
+        let mut new = NewMaps::open(pin_dir)?;
+        // The config first (nothing runs on these maps yet), verbatim.
+        new.config
+            .set(0, self.old.config()?, 0)
+            .map_err(map_err(map_names::CONFIG))?;
+        self.fill_policies(&mut new)?;
+        let peers = self.old.peers()?;
+        self.fill_peers(&mut new, &peers)?;
+        self.counted.slots = peers.iter().map(|(_, e)| e.slot).collect();
         if self.fresh {
-            self.fill_counters(&mut v3, &slots)?;
+            self.fill_counters(&mut new)?;
         }
-
         // Flows last, closest to the switch.
-        let flows = self.reowned(self.v2.flows()?);
-        v3.copy_flows(&flows, false)?;
+        let flows = self.old.flows()?;
+        new.copy_flows(&flows, false)?;
         self.report.flows = flows.len() as u64;
         Ok(())
     }
 
-    /// Policy tries, every allow credited to rule 0; entries of no v2 policy go (a resumed
-    /// upgrade only, after the peers). The IPv4 and IPv6 keys to keep.
-    fn fill_policies(&mut self, v3: &mut V3Maps) -> Result<(TrieKeys, TrieKeys)> {
-        let keep_v4 = copy_trie(
-            (&self.v2.policy_v4, v2::POLICY_V4),
-            (&mut v3.policy_v4, map_names::POLICY_V4),
-            |k| wgfence_common::PolicyKeyV4 {
-                policy: k.policy,
-                addr: k.addr,
-            },
-        )?;
-        let keep_v6 = copy_trie(
-            (&self.v2.policy_v6, v2::POLICY_V6),
-            (&mut v3.policy_v6, map_names::POLICY_V6),
-            |k| wgfence_common::PolicyKeyV6 {
-                policy: k.policy,
-                addr: k.addr,
-            },
-        )?;
-        self.report.policy_entries = keep_v4.len() + keep_v6.len();
-        Ok((keep_v4, keep_v6))
-    }
-
-    /// Peer entries, after the policies they reference; entries of no v2 peer go, then the
-    /// trie entries of no v2 policy.
-    fn fill_peers(
-        &mut self,
-        v3: &mut V3Maps,
-        peers: &[(IpAddr, v2::PeerEntry)],
-        existing: &BTreeMap<IpAddr, wgfence_common::PeerEntry>,
-        (keep_v4, keep_v6): &(TrieKeys, TrieKeys),
-    ) -> Result<()> {
-        for (addr, entry) in peers {
-            let owner = self
-                .owners
-                .get(addr)
-                .map_or(entry.owner, |(_, owner)| *owner);
-            v3.upsert_peer(
-                *addr,
-                wgfence_common::PeerEntry {
-                    policy: entry.policy,
-                    slot: entry.slot,
-                    owner,
-                    ..wgfence_common::PeerEntry::default()
-                },
-            )?;
+    /// Each policy's entries into its own trie, published once complete and before any peer
+    /// entry; entries of no v3 policy go (a resumed upgrade only).
+    fn fill_policies(&mut self, new: &mut NewMaps) -> Result<()> {
+        let entries = self.old.policies()?;
+        for (policy, prefix, value) in &entries {
+            new.upsert_policy(*policy, *prefix, value)?;
         }
-        let wanted: BTreeSet<IpAddr> = peers.iter().map(|(a, _)| *a).collect();
-        for addr in existing.keys() {
-            if !wanted.contains(addr) {
-                v3.remove_peer(*addr)?;
+        new.policy_v4.publish()?;
+        new.policy_v6.publish()?;
+        if !self.fresh {
+            let keep: BTreeSet<(u32, IpNet)> = entries.iter().map(|(p, n, _)| (*p, *n)).collect();
+            let mut other = Vec::new();
+            let mut collect = |policy, prefix, _: &wgfence_common::PolicyValue| {
+                if !keep.contains(&(policy, prefix)) {
+                    other.push((policy, prefix));
+                }
+            };
+            new.policy_v4.each(&mut collect)?;
+            new.policy_v6.each(&mut collect)?;
+            for (policy, prefix) in other {
+                match prefix {
+                    IpNet::V4(_) => new.policy_v4.remove(policy, prefix)?,
+                    IpNet::V6(_) => new.policy_v6.remove(policy, prefix)?,
+                };
             }
         }
-        remove_other_entries(&mut v3.policy_v4, map_names::POLICY_V4, keep_v4)?;
-        remove_other_entries(&mut v3.policy_v6, map_names::POLICY_V6, keep_v6)?;
+        self.report.policy_entries = entries.len();
+        self.report.policies = entries
+            .iter()
+            .map(|(p, _, _)| *p)
+            .collect::<BTreeSet<_>>()
+            .len();
+        Ok(())
+    }
+
+    /// Peer entries as they are, after the policies they reference; entries of no v3 peer go
+    /// (a resumed upgrade's, of a peer since removed: none, the v3 agent is stopped; kept for
+    /// a state the first fill could not see).
+    fn fill_peers(&mut self, new: &mut NewMaps, peers: &[(IpAddr, v3::PeerEntry)]) -> Result<()> {
+        for (addr, entry) in peers {
+            new.upsert_peer(*addr, *entry)?;
+        }
+        if !self.fresh {
+            let wanted: BTreeSet<IpAddr> = peers.iter().map(|(a, _)| *a).collect();
+            for addr in new.peers()? {
+                if !wanted.contains(&addr) {
+                    new.remove_peer(addr)?;
+                }
+            }
+        }
         self.report.peer_entries = peers.len();
-        self.report.owners = self
-            .owners
-            .values()
-            .map(|(_, owner)| *owner)
+        self.report.owners = peers
+            .iter()
+            .map(|(_, e)| e.owner)
             .collect::<BTreeSet<_>>()
             .len() as u64;
         Ok(())
     }
 
-    /// Counters: the v2 values now; what the v2 programs count until the switch is added
+    /// Counters: the v3 values now; what the v3 programs count until the switch is added
     /// after it. Both layouts count per CPU: each CPU's copy goes to the same CPU's.
-    fn fill_counters(&mut self, v3: &mut V3Maps, slots: &BTreeSet<u32>) -> Result<()> {
-        self.stats = self.v2.stats()?;
-        for (index, values) in (0u32..).zip(&self.stats) {
-            let values = per_cpu_values(map_names::STATS, values.clone())?;
-            v3.stats
-                .set(index, values, 0)
-                .map_err(map_err(map_names::STATS))?;
-        }
-        self.peer_stats = self.v2.peer_stats(slots)?;
-        for (slot, per_cpu) in &self.peer_stats {
-            let values = per_cpu_values(
-                map_names::PEER_STATS,
-                per_cpu.iter().map(peer_counters).collect(),
-            )?;
-            v3.peer_stats
-                .set(*slot, values, 0)
-                .map_err(map_err(map_names::PEER_STATS))?;
+    fn fill_counters(&mut self, new: &mut NewMaps) -> Result<()> {
+        let old = &self.old;
+        let c = &mut self.counted;
+        c.stats = copy_counters(
+            &old.stats,
+            (&mut new.stats, map_names::STATS),
+            0..v3::COUNTERS_LEN,
+        )?;
+        c.peer_stats = copy_counters(
+            &old.peer_stats,
+            (&mut new.peer_stats, map_names::PEER_STATS),
+            c.slots.iter().copied(),
+        )?;
+        c.rule_stats = copy_counters(
+            &old.rule_stats,
+            (&mut new.rule_stats, map_names::RULE_STATS),
+            0..v3::MAX_RULES,
+        )?;
+        // Written by the agent only: as it is.
+        for item in old.rule_seen.iter().enumerate() {
+            let (index, seen) = item;
+            let seen = seen.map_err(map_err(v3::RULE_SEEN))?;
+            if seen != v3::RuleSeen::default() {
+                let index = u32::try_from(index).unwrap_or(u32::MAX);
+                new.rule_seen
+                    .set(index, seen, 0)
+                    .map_err(map_err(map_names::RULE_SEEN))?;
+            }
         }
         // The flow quota as it stands (the attach recounts it from the tables anyway).
-        for (slot, (made, freed)) in self.v2.quota(slots)? {
-            v3.flow_made
+        for (slot, (made, freed)) in old.quota(&c.slots)? {
+            new.flow_made
                 .set(slot, made, 0)
                 .map_err(map_err(map_names::FLOW_MADE))?;
-            v3.flow_freed
+            new.flow_freed
                 .set(slot, freed, 0)
                 .map_err(map_err(map_names::FLOW_FREED))?;
         }
         Ok(())
     }
 
-    /// The v2 flows with the layout-3 owner of their address: a flow the v2 tables credit to
-    /// its address's v2 owner goes to that address's v3 owner; any other (a stale flow of an
-    /// address's previous holder) keeps its owner, which no v3 entry holds.
-    fn reowned(
-        &self,
-        mut flows: Vec<(FlowKey, wgfence_common::FlowValue)>,
-    ) -> Vec<(FlowKey, wgfence_common::FlowValue)> {
-        for (key, value) in &mut flows {
-            let peer = match key {
-                FlowKey::V4(k) => IpAddr::from(k.peer),
-                FlowKey::V6(k) => IpAddr::from(k.peer),
-            };
-            if let Some((old, new)) = self.owners.get(&peer) {
-                if value.owner == *old {
-                    value.owner = *new;
-                }
-            }
-        }
-        flows
-    }
-
-    /// Pins the switch marker naming the loaded layout-3 programs: from here on, a hook that
-    /// runs one of them runs layout 3, also for an agent that cannot look programs up.
+    /// Pins the switch marker naming the loaded layout-4 programs: from here on, a hook that
+    /// runs one of them runs layout 4, also for an agent that cannot look programs up.
     pub(crate) fn mark_switch(&self, pin_dir: &Path, program_ids: &[u32]) -> Result<()> {
         mark_switch(pin_dir, program_ids)
     }
 
-    /// After both hooks run the v3 programs: copies what the v2 programs recorded since the
-    /// fill, adds what they counted since, removes the v2 pins and leaves the tombstones.
+    /// After both hooks run the v4 programs: copies what the v3 programs recorded since the
+    /// fill, adds what they counted since, removes the v3 pins and leaves the tombstones.
     /// `switch` is how long the program switches took.
     pub(crate) fn finish(mut self, pin_dir: &Path, switch: Duration) -> Result<UpgradeReport> {
-        let mut v3 = V3Maps::open(pin_dir)?;
-        let flows = self.reowned(self.v2.flows()?);
-        self.report.flows_late = v3.copy_flows(&flows, true)?;
+        let mut new = NewMaps::open(pin_dir)?;
+        self.report.flows_late = new.copy_flows(&self.old.flows()?, true)?;
         if self.fresh {
-            // Racing the v3 programs' own increments between one read and one write per
-            // counter: at worst a handful of packets go uncounted, never miscounted as
-            // another verdict.
-            let stats = self.v2.stats()?;
-            for ((index, now), before) in (0u32..).zip(&stats).zip(&self.stats) {
-                if now == before {
-                    continue;
-                }
-                let current = v3.stats.get(&index, 0).map_err(map_err(map_names::STATS))?;
-                let values: Vec<u64> = current
-                    .iter()
-                    .zip(now.iter().zip(before))
-                    .map(|(c, (n, b))| c.saturating_add(n.saturating_sub(*b)))
-                    .collect();
-                v3.stats
-                    .set(index, per_cpu_values(map_names::STATS, values)?, 0)
-                    .map_err(map_err(map_names::STATS))?;
-            }
-            let slots: BTreeSet<u32> = self.peer_stats.keys().copied().collect();
-            for (slot, now) in self.v2.peer_stats(&slots)? {
-                let Some(before) = self.peer_stats.get(&slot) else {
-                    continue;
-                };
-                if now == *before {
-                    continue;
-                }
-                let current = v3
-                    .peer_stats
-                    .get(&slot, 0)
-                    .map_err(map_err(map_names::PEER_STATS))?;
-                let add = |c: u64, n: u64, b: u64| c.saturating_add(n.saturating_sub(b));
-                let values: Vec<wgfence_common::PeerCounters> = current
-                    .iter()
-                    .zip(now.iter().zip(before))
-                    .map(|(c, (n, b))| wgfence_common::PeerCounters {
-                        pass_packets: add(c.pass_packets, n.pass_packets, b.pass_packets),
-                        pass_bytes: add(c.pass_bytes, n.pass_bytes, b.pass_bytes),
-                        drop_packets: add(c.drop_packets, n.drop_packets, b.drop_packets),
-                        drop_bytes: add(c.drop_bytes, n.drop_bytes, b.drop_bytes),
-                        ..*c
-                    })
-                    .collect();
-                v3.peer_stats
-                    .set(slot, per_cpu_values(map_names::PEER_STATS, values)?, 0)
-                    .map_err(map_err(map_names::PEER_STATS))?;
-            }
+            let (old, c) = (&self.old, &self.counted);
+            add_counted_since(
+                &old.stats,
+                (&mut new.stats, map_names::STATS),
+                &c.stats,
+                0..v3::COUNTERS_LEN,
+            )?;
+            add_counted_since(
+                &old.peer_stats,
+                (&mut new.peer_stats, map_names::PEER_STATS),
+                &c.peer_stats,
+                c.slots.iter().copied(),
+            )?;
+            add_counted_since(
+                &old.rule_stats,
+                (&mut new.rule_stats, map_names::RULE_STATS),
+                &c.rule_stats,
+                0..v3::MAX_RULES,
+            )?;
         }
-        // The v2 maps go with their pins (and this agent's fds, dropped with `self`), the
+        // The v3 maps go with their pins (and this agent's fds, dropped with `self`), the
         // tombstones first.
         retire_old_layouts(pin_dir)?;
         self.report.switch = switch;
@@ -1191,103 +1151,15 @@ impl Upgrade {
             peer_entries = r.peer_entries,
             owners = r.owners,
             policy_entries = r.policy_entries,
+            policies = r.policies,
             flows = r.flows,
             flows_late = r.flows_late,
             switch_us = r.switch.as_micros() as u64,
             total_ms = r.total.as_millis() as u64,
-            "upgraded the datapath from map layout 2 to 3; the layout-2 maps are removed"
+            "upgraded the datapath from map layout 3 to 4; the layout-3 maps are removed"
         );
         Ok(self.report)
     }
-}
-
-/// The trie entries to keep, by policy id and key bytes.
-type TrieKeys = BTreeSet<(u32, Vec<u8>)>;
-
-/// The config first (nothing runs on these maps yet), verbatim but for the high-water mark
-/// (`high`), which covers every owner written after it.
-fn fill_config(v3: &mut V3Maps, config: &v2::Config, high: u64) -> Result<()> {
-    let v3_config = wgfence_common::Config {
-        flags: config.flags,
-        flows_per_peer: config.flows_per_peer,
-        tcp_timeout_ns: config.tcp_timeout_ns,
-        tcp_closing_timeout_ns: config.tcp_closing_timeout_ns,
-        udp_timeout_ns: config.udp_timeout_ns,
-        icmp_timeout_ns: config.icmp_timeout_ns,
-        unanswered_timeout_ns: config.unanswered_timeout_ns,
-        event_interval_ns: config.event_interval_ns,
-        event_burst_ns: config.event_burst_ns,
-        owner_high: high,
-    };
-    v3.config
-        .set(0, v3_config, 0)
-        .map_err(map_err(map_names::CONFIG))
-}
-
-/// Each v2 peer entry's owner in layout 3, one per address: kept if the v3 maps already hold
-/// the address with the same slot (`existing`, a resumed upgrade), else the v2 owner if no
-/// other address holds it, else a new one above `high`. Returns (address -> (v2 owner, v3
-/// owner), the new high-water mark).
-fn owners_per_address(
-    peers: &[(IpAddr, v2::PeerEntry)],
-    existing: &BTreeMap<IpAddr, wgfence_common::PeerEntry>,
-    mut high: u64,
-) -> (BTreeMap<IpAddr, (u64, u64)>, u64) {
-    let mut holders: BTreeMap<u64, usize> = BTreeMap::new();
-    for (_, entry) in peers {
-        *holders.entry(entry.owner).or_default() += 1;
-    }
-    let mut owners = BTreeMap::new();
-    for (addr, entry) in peers {
-        let owner = match existing.get(addr) {
-            Some(have) if have.owner != 0 && have.slot == entry.slot => have.owner,
-            _ if entry.owner != 0 && holders.get(&entry.owner) == Some(&1) => entry.owner,
-            _ => {
-                high += 1;
-                high
-            }
-        };
-        owners.insert(*addr, (entry.owner, owner));
-    }
-    (owners, high)
-}
-
-/// Copies a layout-2 policy trie into its layout-3 twin, entry for entry; returns the keys
-/// written (prefix length and key bytes).
-fn copy_trie<A: aya::Pod, B: aya::Pod + bytemuck::Pod>(
-    (from, from_name): (&LpmTrie<MapData, A, v2::PolicyValue>, &'static str),
-    (to, to_name): (
-        &mut LpmTrie<MapData, B, wgfence_common::PolicyValue>,
-        &'static str,
-    ),
-    convert: impl Fn(&A) -> B,
-) -> Result<BTreeSet<(u32, Vec<u8>)>> {
-    let mut written = BTreeSet::new();
-    for item in from.iter() {
-        let (key, value) = item.map_err(map_err(from_name))?;
-        let data = convert(&key.data());
-        to.insert(&Key::new(key.prefix_len(), data), policy_value(&value), 0)
-            .map_err(map_err(to_name))?;
-        written.insert((key.prefix_len(), bytemuck::bytes_of(&data).to_vec()));
-    }
-    Ok(written)
-}
-
-/// Removes the entries of a layout-3 trie that are not in `keep`.
-fn remove_other_entries<B: aya::Pod + bytemuck::Pod>(
-    trie: &mut LpmTrie<MapData, B, wgfence_common::PolicyValue>,
-    name: &'static str,
-    keep: &BTreeSet<(u32, Vec<u8>)>,
-) -> Result<()> {
-    let other: Vec<Key<B>> = trie
-        .keys()
-        .filter_map(|k| k.ok())
-        .filter(|k| !keep.contains(&(k.prefix_len(), bytemuck::bytes_of(&k.data()).to_vec())))
-        .collect();
-    for key in other {
-        trie.remove(&key).map_err(map_err(name))?;
-    }
-    Ok(())
 }
 
 fn insert_flow<K: aya::Pod>(
@@ -1310,7 +1182,7 @@ fn insert_flow<K: aya::Pod>(
     }
     match map.get(&key, 0) {
         Ok(have) => {
-            // The v2 programs have it: the v1 programs' view wins if they saw it later.
+            // The v4 programs have it: the v3 programs' view wins if they saw it later.
             if have.owner == value.owner && have.last_seen_ns < value.last_seen_ns {
                 let newer = wgfence_common::FlowValue {
                     last_seen_ns: value.last_seen_ns,
@@ -1323,7 +1195,7 @@ fn insert_flow<K: aya::Pod>(
         }
         Err(MapError::KeyNotFound) => match map.insert(key, value, NOEXIST) {
             Ok(()) => Ok(true),
-            // Recorded by the v2 programs meanwhile: theirs stands.
+            // Recorded by the v4 programs meanwhile: theirs stands.
             Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {
                 Ok(false)
             }
@@ -1358,8 +1230,8 @@ pub(crate) fn restore_tombstones(pin_dir: &Path) -> Result<Vec<&'static str>> {
     Ok(placed)
 }
 
-/// Whether the pin at `path` is a tombstone (this agent's, or the one a layout-2 agent placed
-/// at layout 1's peer map: an array either way, which no older agent accepts).
+/// Whether the pin at `path` is a tombstone (this agent's, or one an older agent placed at an
+/// older layout's peer map: an array either way, which no older agent accepts).
 fn is_tombstone(path: &Path) -> bool {
     MapInfo::from_pin(path).is_ok_and(|info| {
         info.name_as_str()
@@ -1371,7 +1243,7 @@ fn is_tombstone(path: &Path) -> bool {
 }
 
 /// After the programs are attached (they run this agent's layout): removes the pins of
-/// layouts 1 and 2 that remain (maps a refused older agent created, or an upgrade interrupted
+/// layouts 1 to 3 that remain (maps a refused older agent created, or an upgrade interrupted
 /// after its switch left) and makes sure the tombstones are in place. Returns the names of the
 /// pins removed.
 pub(crate) fn tidy(pin_dir: &Path) -> Result<Vec<String>> {
@@ -1387,8 +1259,8 @@ pub(crate) fn tidy(pin_dir: &Path) -> Result<Vec<String>> {
     Ok(removed)
 }
 
-/// Once layout 3 runs: the tombstones first (from then on the pins say layout 3 even without
-/// the switch marker), then every other pin of layouts 1 and 2, then the switch markers. Each
+/// Once layout 4 runs: the tombstones first (from then on the pins say layout 4 even without
+/// the switch marker), then every other pin of layouts 1 to 3, then the switch markers. Each
 /// step is idempotent, so an interrupted run is finished by the next one (at the next start's
 /// [`tidy`]). Returns the names of the old pins removed.
 fn retire_old_layouts(pin_dir: &Path) -> Result<Vec<String>> {
@@ -1398,7 +1270,7 @@ fn retire_old_layouts(pin_dir: &Path) -> Result<Vec<String>> {
         }
     }
     let mut removed = Vec::new();
-    for layout in [v2::LAYOUT, v1::LAYOUT] {
+    for layout in [v3::LAYOUT, v2::LAYOUT, v1::LAYOUT] {
         for name in pins_of_layout(pin_dir, layout)? {
             if !TOMBSTONE_PINS.contains(&name.as_str())
                 && !OLD_LEFTOVERS.contains(&name.as_str())
@@ -1431,102 +1303,66 @@ mod tests {
         assert_eq!(name_layout("wgfx_x"), None);
         assert_eq!(name_layout("link_ingress"), None);
         assert_eq!(name_layout(".rodata"), None);
-        for name in v2::ALL {
-            assert_eq!(name_layout(name), Some(2), "{name}");
+        for name in v3::ALL {
+            assert_eq!(name_layout(name), Some(3), "{name}");
         }
-        for name in map_names::ALL {
+        for name in map_names::ALL
+            .into_iter()
+            .chain([map_names::TRIE_V4, map_names::TRIE_V6])
+            .chain([map_names::TRIES_V4, map_names::TRIES_V6])
+        {
             assert_eq!(name_layout(name), Some(LAYOUT_VERSION), "{name}");
         }
         assert_eq!(name_layout(TOMBSTONE_NAME), Some(LAYOUT_VERSION));
         assert_eq!(name_layout(SWITCH_PIN), Some(LAYOUT_VERSION));
+        assert_eq!(name_layout(v2::PEERS_V4), Some(v2::LAYOUT));
         assert_eq!(name_layout(v1::PEERS_V4), Some(v1::LAYOUT));
     }
 
+    /// Layout 3's sizes, as commit f530f25 has them: the types this module shares with
+    /// layout 4 must keep them.
     #[test]
-    fn v2_types_keep_their_v2_sizes() {
+    fn v3_types_keep_their_v3_sizes() {
         use core::mem::size_of;
-        assert_eq!(size_of::<v2::PeerKeyV4>(), 4);
-        assert_eq!(size_of::<v2::PeerKeyV6>(), 16);
-        assert_eq!(size_of::<v2::PeerEntry>(), 16);
-        assert_eq!(size_of::<v2::PolicyKeyV4>(), 8);
-        assert_eq!(size_of::<v2::PolicyKeyV6>(), 20);
-        assert_eq!(size_of::<v2::PolicyValue>(), 4 + 6 * v2::MAX_ALLOWS);
-        assert_eq!(size_of::<v2::PeerCounters>(), 32);
-        assert_eq!(size_of::<v2::FlowKeyV4>(), 16);
-        assert_eq!(size_of::<v2::FlowKeyV6>(), 40);
-        assert_eq!(size_of::<v2::FlowValue>(), 24);
-        assert_eq!(size_of::<v2::Config>(), 72);
+        assert_eq!(size_of::<v3::PeerKeyV4>(), 4);
+        assert_eq!(size_of::<v3::PeerKeyV6>(), 16);
+        assert_eq!(size_of::<v3::PeerEntry>(), 40);
+        assert_eq!(size_of::<v3::PolicyKeyV4>(), 8);
+        assert_eq!(size_of::<v3::PolicyKeyV6>(), 20);
+        assert_eq!(size_of::<v3::PolicyValue>(), 4 + 8 * 32);
+        assert_eq!(size_of::<v3::PeerCounters>(), 48);
+        assert_eq!(size_of::<v3::RuleCounters>(), 16);
+        assert_eq!(size_of::<v3::RuleSeen>(), 16);
+        assert_eq!(size_of::<v3::FlowKeyV4>(), 16);
+        assert_eq!(size_of::<v3::FlowKeyV6>(), 40);
+        assert_eq!(size_of::<v3::FlowValue>(), 24);
+        assert_eq!(size_of::<v3::Config>(), 72);
+        assert_eq!(v3::COUNTERS_LEN, 32);
+        assert_eq!(v3::MAX_RULES, 65_536);
     }
 
     #[test]
-    fn policy_values_keep_their_allows_credited_to_rule_0() {
-        let mut v = v2::PolicyValue {
-            count: 2,
-            allows: [v2::Allow::default(); v2::MAX_ALLOWS],
+    fn counters_add_what_was_counted_since() {
+        let before = wgfence_common::PeerCounters {
+            pass_packets: 5,
+            drop_bytes: 100,
+            ..Default::default()
         };
-        v.allows[0] = v2::Allow {
-            protocol: 6,
-            _pad: 0,
-            port_lo: 443,
-            port_hi: 443,
+        let now = wgfence_common::PeerCounters {
+            pass_packets: 7,
+            drop_bytes: 160,
+            audit_packets: 1,
+            ..Default::default()
         };
-        v.allows[1] = v2::Allow {
-            protocol: 0,
-            _pad: 0,
-            port_lo: 0,
-            port_hi: u16::MAX,
+        let current = wgfence_common::PeerCounters {
+            pass_packets: 3,
+            ..Default::default()
         };
-        let w = policy_value(&v);
-        assert_eq!(w.count, 2);
-        assert_eq!(w.allows[0], wgfence_common::Allow::new(6, 443, 443));
-        assert_eq!(w.allows[1], wgfence_common::Allow::new(0, 0, u16::MAX));
-        assert!(w.allows.iter().all(|a| a.rule == 0));
-    }
-
-    #[test]
-    fn owners_become_one_per_address() {
-        let a = |s: &str| s.parse::<IpAddr>().unwrap_or(IpAddr::from([0, 0, 0, 0]));
-        let entry = |slot, owner| v2::PeerEntry {
-            policy: 1,
-            slot,
-            owner,
-        };
-        // alice's two addresses share owner 7 (a 1 -> 2 upgrade before ba35d1d); bob's is his.
-        let peers = [
-            (a("10.8.0.2"), entry(0, 7)),
-            (a("fd00:8::2"), entry(0, 7)),
-            (a("10.8.0.3"), entry(1, 9)),
-        ];
-        let (owners, high) = owners_per_address(&peers, &BTreeMap::new(), 9);
-        assert_eq!(owners[&a("10.8.0.3")], (9, 9), "a sole owner is kept");
-        assert_eq!(owners[&a("10.8.0.2")], (7, 10));
-        assert_eq!(owners[&a("fd00:8::2")], (7, 11));
-        assert_eq!(high, 11);
-
-        // Resumed: what the first fill wrote for the same slot stays; another slot's does not.
-        let existing = BTreeMap::from([
-            (
-                a("10.8.0.2"),
-                wgfence_common::PeerEntry {
-                    slot: 0,
-                    owner: 10,
-                    ..wgfence_common::PeerEntry::default()
-                },
-            ),
-            (
-                a("fd00:8::2"),
-                wgfence_common::PeerEntry {
-                    slot: 5,
-                    owner: 11,
-                    ..wgfence_common::PeerEntry::default()
-                },
-            ),
-        ]);
-        let (owners, high) = owners_per_address(&peers, &existing, 11);
-        assert_eq!(owners[&a("10.8.0.2")], (7, 10));
-        assert_eq!(owners[&a("fd00:8::2")], (7, 12));
-        assert_eq!(high, 12);
-        let distinct: BTreeSet<u64> = owners.values().map(|(_, o)| *o).collect();
-        assert_eq!(distinct.len(), owners.len());
+        let sum = current.plus_since(&now, &before);
+        assert_eq!(sum.pass_packets, 5);
+        assert_eq!(sum.drop_bytes, 60);
+        assert_eq!(sum.audit_packets, 1);
+        // A counter that went backwards (a reset) adds nothing.
+        assert_eq!(4u64.plus_since(&1, &3), 4);
     }
 }

@@ -1,8 +1,8 @@
 //! The per-packet scenario of `cargo xtask bench`: wgfence's per-packet paths beside floor programs the bench
 //! loads itself (`ebpf/src/floor.rs`: an empty classifier, one hash lookup with the key and
-//! value sizes of `wgf3_peers_v4`, that lookup plus one LPM lookup with the key and value sizes
-//! of `wgf3_policy_v4`, and that lookup plus a trie of the peer's policy alone behind a hash of
-//! maps), with the same entries in their maps, on the same raw IPv4 packets,
+//! value sizes of `wgf4_peers_v4`, that lookup plus a trie of the peer's policy alone behind a
+//! hash of maps, as map layout 4 has them, and that lookup plus one LPM trie all policies share,
+//! as layout 3 had it), with the same entries in their maps, on the same raw IPv4 packets,
 //! under `BPF_PROG_TEST_RUN`, in one run: reported as ratios. Then one peer's packets on two
 //! CPUs at once against two peers' packets.
 
@@ -27,8 +27,8 @@ use wgfence::{
     state::DesiredState,
 };
 use wgfence_common::{
-    PeerEntry, PeerKeyV4, PolicyKeyV4, PolicyValue, MAX_POLICY_ENTRIES, POLICY_ID_BITS, PROTO_ICMP,
-    PROTO_TCP, PROTO_UDP, VARIANT_L3,
+    PeerEntry, PeerKeyV4, PolicyKeyV4, PolicyValue, SharedPolicyKeyV4, MAX_POLICY_ENTRIES,
+    PROTO_ICMP, PROTO_TCP, PROTO_UDP, VARIANT_L3,
 };
 
 use super::{
@@ -78,13 +78,13 @@ impl Floor {
         }
         {
             let map = ebpf.map_mut("floor_policy").expect("no floor_policy");
-            let mut policy: LpmTrie<_, PolicyKeyV4, PolicyValue> =
+            let mut policy: LpmTrie<_, SharedPolicyKeyV4, PolicyValue> =
                 LpmTrie::try_from(map).expect("floor_policy");
             for e in maps.policies().unwrap() {
                 if let IpNet::V4(n) = e.prefix {
                     let key = Key::new(
-                        POLICY_ID_BITS + u32::from(n.prefix_len()),
-                        PolicyKeyV4 {
+                        32 + u32::from(n.prefix_len()),
+                        SharedPolicyKeyV4 {
                             policy: e.policy,
                             addr: n.network().octets(),
                         },
@@ -125,17 +125,22 @@ const BPF_F_NO_PREALLOC: u32 = 1;
 /// The floor of a layout with one trie per distinct policy: each policy's IPv4 entries in a
 /// trie of its own (keyed by destination alone), published in `floor_pol_of` under its id.
 fn fill_per_policy_tries(ebpf: &mut Ebpf, entries: &[PolicyEntry]) {
-    let mut tries: BTreeMap<u32, LpmTrie<MapData, [u8; 4], PolicyValue>> = BTreeMap::new();
+    let mut tries: BTreeMap<u32, LpmTrie<MapData, PolicyKeyV4, PolicyValue>> = BTreeMap::new();
     for e in entries {
         let IpNet::V4(n) = e.prefix else { continue };
         let trie = tries.entry(e.policy).or_insert_with(|| {
             LpmTrie::create(MAX_POLICY_ENTRIES, BPF_F_NO_PREALLOC).expect("creating a policy trie")
         });
-        let key = Key::new(u32::from(n.prefix_len()), n.network().octets());
+        let key = Key::new(
+            u32::from(n.prefix_len()),
+            PolicyKeyV4 {
+                addr: n.network().octets(),
+            },
+        );
         trie.insert(&key, e.value, 0).expect("a policy trie");
     }
     let map = ebpf.map_mut("floor_pol_of").expect("no floor_pol_of");
-    let mut outer: HashOfMaps<_, u32, LpmTrie<MapData, [u8; 4], PolicyValue>> =
+    let mut outer: HashOfMaps<_, u32, LpmTrie<MapData, PolicyKeyV4, PolicyValue>> =
         HashOfMaps::try_from(map).expect("floor_pol_of");
     for (policy, trie) in tries {
         // The outer map holds the trie from here on; this process's descriptor closes.
@@ -250,6 +255,12 @@ fn cases(p: &Packets) -> Vec<Case> {
             MIM,
             &p.denied,
         ),
+        floor(
+            "floor: lookup + the policy's own trie (map in map), the flow holder's denied UDP",
+            "floor_mim_denied_udp_flow",
+            MIM,
+            &p.denied_udp_flow,
+        ),
         wg(
             "unrestricted peer (pass)",
             "unrestricted",
@@ -266,7 +277,7 @@ fn cases(p: &Packets) -> Vec<Case> {
             1000,
             &p.allowed,
             true,
-            (3, 1.25),
+            (6, 1.25),
         ),
         wg(
             "restricted, denied TCP SYN (replies and events off)",
@@ -275,7 +286,7 @@ fn cases(p: &Packets) -> Vec<Case> {
             0,
             &p.denied,
             false,
-            (4, 1.25),
+            (7, 1.25),
         ),
         wg(
             "restricted, denied TCP SYN (replies and events on)",
@@ -284,7 +295,7 @@ fn cases(p: &Packets) -> Vec<Case> {
             1000,
             &p.denied,
             false,
-            (4, 1.5),
+            (7, 1.5),
         ),
         wg(
             "restricted, denied UDP, its peer holding no flow (replies and events on)",
@@ -293,7 +304,7 @@ fn cases(p: &Packets) -> Vec<Case> {
             1000,
             &p.denied_udp,
             false,
-            (4, 1.5),
+            (7, 1.5),
         ),
         wg(
             "restricted, denied UDP, its peer holding a flow (replies and events on)",
@@ -302,7 +313,7 @@ fn cases(p: &Packets) -> Vec<Case> {
             1000,
             &p.denied_udp_flow,
             false,
-            (5, 1.5),
+            (8, 1.5),
         ),
         wg(
             "unknown source (events off)",
@@ -422,13 +433,12 @@ fn compare(report: &mut Report, command: &str, states: &[(usize, DesiredState, P
              Beside it, in the same run, on the same packets, the floor programs this bench \
              loads itself (`ebpf/src/floor.rs`, never loaded by the agent): an empty \
              classifier; one hash lookup with the key and value sizes and the entries of \
-             `wgf3_peers_v4`; that lookup plus one LPM lookup with the key and value sizes and \
-             the entries of `wgf3_policy_v4`; that lookup plus one lookup in a trie that holds \
-             only the peer's own policy's IPv4 entries, found by policy id in a hash of maps \
-             (the floor of a layout with one trie per distinct policy, which the datapath does \
-             not have yet: measured to see whether it is flat in N). Each wgfence path is \
-             divided by the floor that does its essential work on the same packet (a hit or a \
-             miss) in today's layout. A denied TCP SYN answers no flow, so it skips the reply \
+             `wgf4_peers_v4`; that lookup plus one lookup in a trie that holds only the \
+             peer's own policy's IPv4 entries, found by policy id in a hash of maps (map \
+             layout 4, what the datapath has); that lookup plus one LPM lookup in a trie that \
+             all policies share, keyed by (policy id, destination) (layout 3, for comparison). \
+             Each wgfence path is divided by the floor that does its essential work on the \
+             same packet (a hit or a miss) in the datapath's layout. A denied TCP SYN answers no flow, so it skips the reply \
              lookup; so does a denied UDP datagram of a peer that holds no reply flow (its \
              slot's flow quota is empty). A denied UDP datagram of a peer holding a flow (the \
              bench records one, toward another remote, for another restricted peer, the last \

@@ -35,45 +35,64 @@ fn show(cmd: &[&str]) {
 
 /// `bpftool -j map dump` of a policy trie, one line per entry (each value holds 32 allow
 /// slots, mostly empty; the full dump is `cargo xtask dump`).
-fn policy_entries(path: &str) {
-    println!("$ bpftool -j map dump pinned {path}   (condensed: one line per entry)");
-    let out = Command::new("bpftool")
-        .args(["-j", "map", "dump", "pinned", path])
-        .output();
-    let entries: Vec<Value> = out
-        .ok()
-        .and_then(|o| serde_json::from_slice(&o.stdout).ok())
+/// Every policy's IPv4 trie pinned under `dir` (`<policy id>` each), dumped with bpftool and
+/// condensed to one line per entry (from the key and value bytes, which bpftool prints with or
+/// without BTF).
+fn policy_entries(dir: &str) {
+    let mut ids: Vec<u32> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect()
+        })
         .unwrap_or_default();
-    for e in entries {
-        let key = &e["formatted"]["key"];
-        let value = &e["formatted"]["value"];
-        let addr: Vec<String> = key["data"]["addr"]
-            .as_array()
-            .map(|a| a.iter().map(|b| b.to_string()).collect())
+    ids.sort_unstable();
+    for id in ids {
+        let path = format!("{dir}/{id}");
+        println!("$ bpftool -j map dump pinned {path}   (condensed: one line per entry)");
+        let out = Command::new("bpftool")
+            .args(["-j", "map", "dump", "pinned", &path])
+            .output();
+        let entries: Vec<Value> = out
+            .ok()
+            .and_then(|o| serde_json::from_slice(&o.stdout).ok())
             .unwrap_or_default();
-        let count = value["count"].as_u64().unwrap_or(0) as usize;
-        let allows: Vec<String> = value["allows"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .take(count)
-                    .map(|x| {
-                        format!(
-                            "proto {} ports {}-{}",
-                            x["protocol"], x["port_lo"], x["port_hi"]
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        println!(
-            "  prefix_len {:>3}  policy {}  addr {:<12} count {}  [{}]",
-            key["prefix_len"],
-            key["data"]["policy"],
-            addr.join("."),
-            count,
-            allows.join(", ")
-        );
+        let bytes = |v: &Value| -> Vec<u8> {
+            v.as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|b| u8::from_str_radix(b.as_str()?.trim_start_matches("0x"), 16).ok())
+                .collect()
+        };
+        let u16_at = |b: &[u8], i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        for e in entries {
+            let (key, value) = (bytes(&e["key"]), bytes(&e["value"]));
+            if key.len() < 8 || value.len() < 4 {
+                continue;
+            }
+            let prefix_len = u32::from_le_bytes([key[0], key[1], key[2], key[3]]);
+            let count = u32::from_le_bytes([value[0], value[1], value[2], value[3]]) as usize;
+            let allows: Vec<String> = value[4..]
+                .chunks_exact(8)
+                .take(count)
+                .map(|a| {
+                    format!(
+                        "proto {} ports {}-{} rule {}",
+                        a[0],
+                        u16_at(a, 2),
+                        u16_at(a, 4),
+                        u16_at(a, 6)
+                    )
+                })
+                .collect();
+            println!(
+                "  {}.{}.{}.{}/{prefix_len}  [{}]",
+                key[4],
+                key[5],
+                key[6],
+                key[7],
+                allows.join(", ")
+            );
+        }
     }
 }
 
@@ -133,7 +152,7 @@ fn main() {
         "map",
         "dump",
         "pinned",
-        &format!("{}/wgf3_flows_v4", dir.display()),
+        &format!("{}/wgf4_flows_v4", dir.display()),
     ]);
 
     section("why was it dropped: wgfence monitor");
@@ -169,14 +188,22 @@ fn main() {
     section("the maps, as bpftool shows them");
     let dir = gw.bpffs.join("wgfence").join(gw.interface());
     let dir = dir.to_string_lossy().into_owned();
+    show(&["ls", "-l", &dir]);
     show(&[
         "bpftool",
         "map",
         "dump",
         "pinned",
-        &format!("{dir}/wgf3_peers_v4"),
+        &format!("{dir}/wgf4_peers_v4"),
     ]);
-    policy_entries(&format!("{dir}/wgf3_policy_v4"));
+    show(&[
+        "bpftool",
+        "map",
+        "dump",
+        "pinned",
+        &format!("{dir}/wgf4_tries_v4/1"),
+    ]);
+    policy_entries(&format!("{dir}/wgf4_tries_v4"));
     show(&[
         "bpftool",
         "link",
@@ -195,7 +222,7 @@ fn main() {
     agent.write_state(&state(&gw, alice_more.clone(), true));
     agent.wait_reconciles(&gw, before, 1.0);
     println!(
-        "applied with {} map writes (the new policy's entries, one switch per address, the old entries' deletion)",
+        "applied with {} map writes (the new policy's entries and its trie's publication, one switch per address, the old trie's entries and the trie)",
         agent.metric(&gw, "wgfence_bpf_map_writes_total") - writes
     );
     table(&gw, &CHANGED_PROBES);
