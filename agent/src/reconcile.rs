@@ -586,10 +586,10 @@ impl Reconciler {
             }
             i += run;
         }
-        // A policy trie the plan created is published before the first peer entry that uses
-        // it; one no entry uses yet (its peer's write failed) is published here, so the kernel
-        // holds what `actual` says.
-        self.dataplane.maps_mut().publish_policies()?;
+        // New policy tries go into their arrays before the first peer entry that names them;
+        // any left (a plan that ends with policy writes) go now, so the kernel holds what
+        // `actual` says.
+        self.dataplane.maps_mut().flush_policies()?;
         Ok(())
     }
 }

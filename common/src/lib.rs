@@ -22,9 +22,9 @@ pub mod map_names {
     pub const PEERS_V4: &str = "wgf4_peers_v4";
     /// IPv6 peer address -> [`super::PeerEntry`].
     pub const PEERS_V6: &str = "wgf4_peers_v6";
-    /// Hash of maps: policy id -> that policy's IPv4 trie ([`TRIE_V4`]).
+    /// Array of maps: policy id -> that policy's IPv4 trie ([`TRIE_V4`]).
     pub const POLICY_V4: &str = "wgf4_policy_v4";
-    /// Hash of maps: policy id -> that policy's IPv6 trie ([`TRIE_V6`]).
+    /// Array of maps: policy id -> that policy's IPv6 trie ([`TRIE_V6`]).
     pub const POLICY_V6: &str = "wgf4_policy_v6";
     /// The name of every policy's IPv4 trie, an LPM trie: destination prefix
     /// ([`super::PolicyKeyV4`]) -> [`super::PolicyValue`]. Not a map of the programs: the agent
@@ -268,9 +268,9 @@ pub struct SharedPolicyKeyV4 {
     pub addr: [u8; 4],
 }
 
-/// Policy ids each [`map_names::POLICY_V4`] and [`map_names::POLICY_V6`] holds at most: a
-/// policy per peer, twice, for a push that gives every peer a new policy (the new ones are
-/// written before the old ones go).
+/// Slots of [`map_names::POLICY_V4`] and [`map_names::POLICY_V6`], indexed by policy id: the
+/// agent hands out ids below it (a policy per peer, twice, for a push that gives every peer a
+/// new policy: the new ones are written before the old ones go).
 pub const MAX_POLICIES: u32 = 2 * MAX_PEERS;
 
 /// One allowed (protocol, destination port range). `protocol` is an IP protocol number or

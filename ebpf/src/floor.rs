@@ -8,7 +8,7 @@
 //! - [`floor_lpm`]: that lookup, then the destination in one LPM trie that all policies share,
 //!   keyed by (policy id, destination): the floor of map layout 3, measured beside layout 4's;
 //! - [`floor_mim`]: that lookup, then the destination in a trie of the peer's policy alone,
-//!   found by policy id in a hash of maps: the floor of map layout 4 (`wgf4_policy_v4`).
+//!   found by policy id in an array of maps: the floor of map layout 4 (`wgf4_policy_v4`).
 //!
 //! Packets are read directly (no helper); a short packet is dropped.
 #![no_std]
@@ -17,7 +17,7 @@
 use core::mem::size_of;
 
 use aya_ebpf::{
-    btf_maps::{lpm_trie::Key, HashMap, HashOfMaps, LpmTrie},
+    btf_maps::{lpm_trie::Key, ArrayOfMaps, HashMap, LpmTrie},
     macros::{btf_map, classifier},
     programs::TcContext,
 };
@@ -41,7 +41,7 @@ pub type PolicyTrieV4 = LpmTrie<PolicyKeyV4, PolicyValue, { MAX_POLICY_ENTRIES a
 
 /// Policy id -> that policy's trie.
 #[btf_map(name = "floor_pol_of")]
-static POLICY_OF: HashOfMaps<u32, PolicyTrieV4, { MAX_POLICIES as usize }, 1> = HashOfMaps::new();
+static POLICY_OF: ArrayOfMaps<PolicyTrieV4, { MAX_POLICIES as usize }> = ArrayOfMaps::new();
 
 /// The first 20 bytes of the packet (an IPv4 header without options).
 #[inline(always)]
@@ -116,8 +116,7 @@ pub fn floor_mim(ctx: TcContext) -> i32 {
             addr: addr(&ip, 16),
         },
     );
-    // SAFETY: the value is not kept past the lookup.
-    match unsafe { POLICY_OF.get_value(&peer.policy, &key) } {
+    match POLICY_OF.get_value_ptr_mut(peer.policy, &key) {
         Some(_) => TCX_NEXT,
         None => TCX_DROP,
     }

@@ -4,7 +4,7 @@
 //!
 //! It only looks things up. The agent compiles every policy into maps per address family: a
 //! hash map from peer address to policy id, and per policy an LPM trie keyed by destination
-//! (found by policy id in a hash of maps) whose value already holds every (protocol, port
+//! (found by policy id in an array of maps) whose value already holds every (protocol, port
 //! range) allowed for the longest matching prefix. A lookup walks the peer's own policy alone,
 //! so its cost does not grow with the number of policies.
 //! A packet passes if its source is an unrestricted peer, or a restricted peer's trie entry for
@@ -36,7 +36,7 @@ use core::{
 };
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, HashOfMaps, LpmTrie, PerCpuArray, RingBuf},
+    btf_maps::{Array, ArrayOfMaps, HashMap, LpmTrie, PerCpuArray, RingBuf},
     macros::{btf_map, classifier},
     programs::TcContext,
 };
@@ -60,22 +60,20 @@ static PEERS_V4: HashMap<PeerKeyV4, PeerEntry, { MAX_PEERS as usize }> = HashMap
 #[btf_map(name = "wgf4_peers_v6")]
 static PEERS_V6: HashMap<PeerKeyV6, PeerEntry, { MAX_PEERS as usize }> = HashMap::new();
 
-/// `BPF_F_NO_PREALLOC`: elements of the policy maps are allocated per insert and freed after
-/// an RCU grace period, so a lookup never sees a removed policy's slot reused by another.
-const NO_PREALLOC: usize = 1;
-
 /// One policy's IPv4 trie (the agent creates one per policy).
 type TrieV4 = LpmTrie<PolicyKeyV4, PolicyValue, { MAX_POLICY_ENTRIES as usize }>;
 /// One policy's IPv6 trie.
 type TrieV6 = LpmTrie<PolicyKeyV6, PolicyValue, { MAX_POLICY_ENTRIES as usize }>;
 
+/// Policy id -> that policy's IPv4 trie. An array, so the lookup is an index the verifier
+/// inlines; the agent hands out the lowest free ids, and an id past the end (the empty policy's)
+/// finds nothing, which denies.
 #[btf_map(name = "wgf4_policy_v4")]
-static POLICY_V4: HashOfMaps<u32, TrieV4, { MAX_POLICIES as usize }, NO_PREALLOC> =
-    HashOfMaps::new();
+static POLICY_V4: ArrayOfMaps<TrieV4, { MAX_POLICIES as usize }> = ArrayOfMaps::new();
 
+/// Policy id -> that policy's IPv6 trie.
 #[btf_map(name = "wgf4_policy_v6")]
-static POLICY_V6: HashOfMaps<u32, TrieV6, { MAX_POLICIES as usize }, NO_PREALLOC> =
-    HashOfMaps::new();
+static POLICY_V6: ArrayOfMaps<TrieV6, { MAX_POLICIES as usize }> = ArrayOfMaps::new();
 
 #[btf_map(name = "wgf4_stats")]
 static STATS: PerCpuArray<u64, { COUNTERS_LEN as usize }> = PerCpuArray::new();

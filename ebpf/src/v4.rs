@@ -88,9 +88,10 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, ip: &[u8; HEAD_LEN]) -> Resul
 /// The entry of `policy`'s trie for destination `addr`, if the policy has one that covers it.
 #[inline(always)]
 fn policy_entry(policy: u32, addr: [u8; 4]) -> Option<&'static PolicyValue> {
-    // SAFETY: the outer map is BPF_F_NO_PREALLOC (see `POLICY_V4`), and the value is read
-    // through the reference only while this packet runs.
-    unsafe { POLICY_V4.get_value(&policy, &Key::new(32, PolicyKeyV4 { addr })) }
+    let value = POLICY_V4.get_value_ptr_mut(policy, &Key::new(32, PolicyKeyV4 { addr }))?;
+    // SAFETY: a trie's values live until an RCU grace period after their removal, which this
+    // program's run is inside of; the value is only read.
+    Some(unsafe { &*value })
 }
 
 /// A denied packet of a restricted peer: does it answer a flow the network started?

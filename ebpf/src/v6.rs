@@ -119,9 +119,10 @@ pub(crate) fn classify(ctx: &TcContext, l3: usize, head: &[u8; HEAD_LEN]) -> Res
 /// The entry of `policy`'s trie for destination `addr`, if the policy has one that covers it.
 #[inline(always)]
 fn policy_entry(policy: u32, addr: [u8; 16]) -> Option<&'static PolicyValue> {
-    // SAFETY: the outer map is BPF_F_NO_PREALLOC (see `POLICY_V6`), and the value is read
-    // through the reference only while this packet runs.
-    unsafe { POLICY_V6.get_value(&policy, &Key::new(128, PolicyKeyV6 { addr })) }
+    let value = POLICY_V6.get_value_ptr_mut(policy, &Key::new(128, PolicyKeyV6 { addr }))?;
+    // SAFETY: a trie's values live until an RCU grace period after their removal, which this
+    // program's run is inside of; the value is only read.
+    Some(unsafe { &*value })
 }
 
 /// A denied packet of a restricted peer: does it answer a flow the network started?

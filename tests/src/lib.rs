@@ -113,7 +113,7 @@ pub fn install_policy(maps: &mut Maps, policy: u32, rules: &[Rule]) -> CompiledP
         maps.upsert_policy(policy, prefix, &CompiledPolicy::value(allows))
             .unwrap_or_else(|e| panic!("writing policy entry {prefix}: {e}"));
     }
-    maps.publish_policies()
+    maps.flush_policies()
         .unwrap_or_else(|e| panic!("publishing policy {policy}: {e}"));
     compiled
 }

@@ -548,10 +548,11 @@ fn attached_to_a_veth(
 }
 
 /// Map layout 4: each policy's entries are a trie of its own, pinned by its id and found by the
-/// datapath through the hash of maps. A trie whose pin is removed by hand keeps enforcing and
+/// datapath through the array of maps. A trie whose pin is removed by hand keeps enforcing and
 /// reads as empty until the policy is written again, which replaces it for the next packet; a
-/// pin swapped for another map is never taken for the policy; a policy's last entry takes its
-/// trie and pin with it. bpftool prints a trie's fields (its BTF).
+/// pin swapped for another map is never taken for the policy; a policy's last entry leaves an
+/// empty trie that the next policy of that id fills in place. bpftool prints a trie's fields
+/// (its BTF).
 #[test]
 fn each_policy_is_a_trie_of_its_own_found_through_its_pin() {
     let gw = Gateway::new(1);
@@ -662,11 +663,24 @@ fn each_policy_is_a_trie_of_its_own_found_through_its_pin() {
     }
     assert_eq!(probe(ns, Kind::Tcp(80), dst), Reach::Reached);
 
-    // Policy 1's last entry goes: its trie leaves the hash of maps, its pin goes too.
+    // Policy 1's last entry goes: its trie stays, empty and pinned, for the next policy of
+    // that id (an empty trie matches nothing); writing one fills it in place, without an
+    // update of the array of maps.
     let writes = dp.maps().writes();
     assert!(dp.maps_mut().remove_policy(1, net("10.0.0.0/8")).unwrap());
-    assert_eq!(dp.maps().writes(), writes + 2, "the entry, then the trie");
-    assert!(!tries.join("1").exists(), "an empty policy's pin stayed");
+    assert_eq!(dp.maps().writes(), writes + 1, "the entry alone");
+    assert!(
+        tries.join("1").exists(),
+        "an empty policy's trie was unpinned"
+    );
     // Deleting what is already gone is not an error.
     assert!(!dp.maps_mut().remove_policy(1, net("10.0.0.0/8")).unwrap());
+    let writes = dp.maps().writes();
+    install_policy(dp.maps_mut(), 1, &web(443));
+    assert_eq!(dp.maps().writes(), writes + 1, "the entry alone");
+    for addr in gw.peers[0].addrs() {
+        dp.maps_mut().upsert_peer(addr, entry(1, 0)).unwrap();
+    }
+    assert_eq!(probe(ns, Kind::Tcp(443), dst), Reach::Reached);
+    assert_eq!(probe(ns, Kind::Tcp(80), dst), Reach::Blocked);
 }

@@ -366,7 +366,12 @@ fn verify_and_explain_see_drift_until_the_resync_repairs_it() {
         "the gauge never showed the drift; log:\n{}",
         agent.log_text()
     );
+    // The gauge is set as the resync finds the drift; the repair is applied right after.
+    let clean = wgfence_tests::net::wait_for(std::time::Duration::from_secs(5), || {
+        verify(&gw, &agent).0 == 0
+    });
     let (code, out) = verify(&gw, &agent);
+    assert!(clean.is_some(), "verify after the resync: {out}");
     assert_eq!(code, 0, "verify after the resync: {out}");
     let after = explain(&gw, &agent, &ssh);
     assert_eq!(after["verdict"], "DROP", "{after:#}");

@@ -13,7 +13,7 @@ use wgfence_common::{
 
 use super::error::{DataplaneError, Result};
 
-/// `BPF_F_NO_PREALLOC`: required by LPM tries, chosen for the policy maps.
+/// `BPF_F_NO_PREALLOC`: required by LPM tries.
 const NO_PREALLOC: u32 = 1;
 /// Size of the prefix length that heads every LPM trie key.
 const LPM_PREFIX_LEN: usize = size_of::<u32>();
@@ -41,14 +41,10 @@ pub(crate) fn expected(name: &str) -> Option<Layout> {
     Some(match name {
         map_names::PEERS_V4 => Layout::of::<PeerKeyV4, PeerEntry>(MapType::Hash, MAX_PEERS),
         map_names::PEERS_V6 => Layout::of::<PeerKeyV6, PeerEntry>(MapType::Hash, MAX_PEERS),
-        map_names::POLICY_V4 | map_names::POLICY_V6 => Layout {
-            map_type: MapType::HashOfMaps,
-            key_size: size_of::<u32>(),
-            // User space sees an inner map's id (writes its descriptor).
-            value_size: size_of::<u32>(),
-            max_entries: MAX_POLICIES,
-            flags: NO_PREALLOC,
-        },
+        // User space sees an inner map's id (and writes its descriptor).
+        map_names::POLICY_V4 | map_names::POLICY_V6 => {
+            Layout::of::<u32, u32>(MapType::ArrayOfMaps, MAX_POLICIES)
+        }
         map_names::STATS => Layout::of::<u32, u64>(MapType::PerCpuArray, COUNTERS_LEN),
         map_names::PEER_STATS => Layout::of::<u32, PeerCounters>(MapType::PerCpuArray, MAX_PEERS),
         map_names::FLOWS_V4 => Layout::of::<FlowKeyV4, FlowValue>(MapType::Hash, MAX_FLOWS),

@@ -46,15 +46,9 @@ pub(super) fn load_object(
     // Before anything is attached: an adopted map of another layout is an error.
     let mut maps = Maps::from_ebpf(&mut ebpf, Some(pin_dir))?;
     // The tries' directories are part of what an attach pins, policies or not. Tries an
-    // adopted hash of maps holds without their pins are written again by the first plan.
-    let lost = maps.restore_tries_dirs()?;
-    if !lost.is_empty() {
-        tracing::warn!(
-            pin_dir = %pin_dir.display(),
-            ?lost,
-            "the policy tries' pin directories were gone: their policies are written again"
-        );
-    }
+    // adopted array of maps holds without their pins read as empty, and the first plan writes
+    // them again.
+    maps.restore_tries_dirs()?;
     let map_pins = pins
         .iter()
         .map(|(name, path)| {

@@ -156,7 +156,7 @@ impl Maps {
             ebpf.take_map(name)
                 .map(|map| match map {
                     Map::HashMap(d)
-                    | Map::HashOfMaps(d)
+                    | Map::ArrayOfMaps(d)
                     | Map::PerCpuArray(d)
                     | Map::Array(d)
                     | Map::RingBuf(d) => Ok(d),
@@ -209,10 +209,11 @@ impl Maps {
     }
 
     /// Inserts or replaces the entry of one peer address. Switching a peer to another policy is
-    /// this one update: the next packet sees the new policy. Staged policy tries are published
-    /// first, so the entry never names a policy the datapath cannot find.
+    /// this one update: the next packet sees the new policy. New policy tries go into their
+    /// arrays first ([`Self::flush_policies`]), so the entry never names a policy the datapath
+    /// cannot find.
     pub fn upsert_peer(&mut self, addr: IpAddr, entry: PeerEntry) -> Result<()> {
-        self.publish_policies()?;
+        self.flush_policies()?;
         self.writes += 1;
         match addr {
             IpAddr::V4(a) => self
@@ -286,33 +287,30 @@ impl Maps {
 
     /// Inserts or replaces the entry of (policy, prefix) in the policy's trie. Host bits of
     /// `prefix` are cleared: the kernel would keep them in the key and `policies()` would not
-    /// round-trip. A policy without a trie gets a new one, which no packet finds until
-    /// [`Self::publish_policies`] (which every peer write does first).
+    /// round-trip. A policy whose slot holds no trie gets a new one (with spares for the next
+    /// ids), which goes into the array of maps at the next [`Self::flush_policies`].
     pub fn upsert_policy(&mut self, policy: u32, prefix: IpNet, value: &PolicyValue) -> Result<()> {
         self.writes += 1;
         match prefix {
-            IpNet::V4(_) => self.policy_v4.upsert(policy, prefix, value),
-            IpNet::V6(_) => self.policy_v6.upsert(policy, prefix, value),
-        }
+            IpNet::V4(_) => self.policy_v4.upsert(policy, prefix, value)?,
+            IpNet::V6(_) => self.policy_v6.upsert(policy, prefix, value)?,
+        };
+        Ok(())
     }
 
     /// Deletes the entry of (policy, prefix); `false` if there was none. A trie left without
-    /// entries goes.
+    /// entries stays, empty, for the next policy of that id.
     pub fn remove_policy(&mut self, policy: u32, prefix: IpNet) -> Result<bool> {
         self.writes += 1;
-        let (removed, dropped) = match prefix {
-            IpNet::V4(_) => self.policy_v4.remove(policy, prefix)?,
-            IpNet::V6(_) => self.policy_v6.remove(policy, prefix)?,
-        };
-        if dropped {
-            self.writes += 1;
+        match prefix {
+            IpNet::V4(_) => self.policy_v4.remove(policy, prefix),
+            IpNet::V6(_) => self.policy_v6.remove(policy, prefix),
         }
-        Ok(removed)
     }
 
-    /// Makes the policy tries' pin directories where they are missing; the hash of maps of
-    /// each family whose directory was missing while it held tries (their pins are gone: the
-    /// agent reads them again once it has written them again).
+    /// Makes the policy tries' pin directories where they are missing; the directories that
+    /// were (the pins of the tries the datapath holds went with them: the agent reads those
+    /// again once it has written them again).
     pub(crate) fn restore_tries_dirs(&mut self) -> Result<Vec<&'static str>> {
         let mut lost = Vec::new();
         if self.policy_v4.restore_dir()? {
@@ -324,10 +322,12 @@ impl Maps {
         Ok(lost)
     }
 
-    /// Makes the policy tries created since the last call findable by the datapath. Every
-    /// write of a peer entry does this first; an apply does it at its end as well.
-    pub fn publish_policies(&mut self) -> Result<()> {
-        self.writes += self.policy_v4.publish()? + self.policy_v6.publish()?;
+    /// Puts the new policy tries into their arrays of maps: one batch per family, since each
+    /// update of an array of maps waits for an RCU grace period (see [`super::tries`]); one
+    /// write per slot. Every peer write does this first; an apply does it at its end.
+    pub fn flush_policies(&mut self) -> Result<()> {
+        self.writes += self.policy_v4.flush()?;
+        self.writes += self.policy_v6.flush()?;
         Ok(())
     }
 

@@ -42,6 +42,8 @@ const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_PROG_QUERY: libc::c_long = 16;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
 /// `enum bpf_attach_type`.
 pub(crate) const BPF_TCX_INGRESS: u32 = 46;
@@ -160,7 +162,7 @@ struct ElemAttr {
 }
 
 /// The id of the inner map that a map of maps (behind `fd`, keyed by u32) holds at `key`;
-/// `None` if it holds none. aya's lookup opens the inner map by that id, which needs
+/// `None` if it holds none (or `key` is past its end). aya's lookup opens the inner map by that id, which needs
 /// CAP_SYS_ADMIN; the id alone does not.
 pub(crate) fn inner_map_id(fd: BorrowedFd<'_>, key: u32) -> io::Result<Option<u32>> {
     let mut id = 0u32;
@@ -176,6 +178,7 @@ pub(crate) fn inner_map_id(fd: BorrowedFd<'_>, key: u32) -> io::Result<Option<u3
     match unsafe { bpf(BPF_MAP_LOOKUP_ELEM, &mut attr) } {
         Ok(_) => Ok(Some(id)),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(None),
         Err(e) => Err(e),
     }
 }
@@ -248,6 +251,50 @@ struct BatchAttr {
 /// `ENOTSUPP`: what the kernel returns (its own code, not in libc) for a map type without
 /// batch operations.
 const ENOTSUPP: i32 = 524;
+
+/// Sets `keys[i]` to `values[i]` in the map behind `fd` (u32 keys and values: an array of maps
+/// takes inner map descriptors), in one `BPF_MAP_UPDATE_BATCH` where the kernel has it for the
+/// map, else one update each.
+pub(crate) fn update_batch(fd: BorrowedFd<'_>, keys: &[u32], values: &[u32]) -> io::Result<()> {
+    let count = keys.len().min(values.len());
+    if count == 0 {
+        return Ok(());
+    }
+    let mut attr = BatchAttr {
+        in_batch: 0,
+        out_batch: 0,
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count: u32::try_from(count).map_err(|_| io::Error::from_raw_os_error(libc::E2BIG))?,
+        map_fd: fd.as_raw_fd() as u32,
+        elem_flags: 0,
+        flags: 0,
+    };
+    // SAFETY: `attr` is the BPF_MAP_*_BATCH member; `keys` and `values` hold `count` u32s (the
+    // map's key and value sizes) and outlive the call.
+    match unsafe { bpf(BPF_MAP_UPDATE_BATCH, &mut attr) } {
+        Ok(_) => return Ok(()),
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP)
+            ) => {}
+        Err(e) => return Err(e),
+    }
+    for (key, value) in keys.iter().zip(values) {
+        let mut attr = ElemAttr {
+            map_fd: fd.as_raw_fd() as u32,
+            pad: 0,
+            key: key as *const u32 as u64,
+            value: value as *const u32 as u64,
+            flags: 0,
+        };
+        // SAFETY: `attr` is the BPF_MAP_UPDATE_ELEM member; `key` and `value` are u32s that
+        // outlive the call.
+        unsafe { bpf(BPF_MAP_UPDATE_ELEM, &mut attr) }?;
+    }
+    Ok(())
+}
 
 /// Entries asked for per batch call: 4096 peer entries are 80 KiB of keys and values.
 const BATCH: usize = 4096;

@@ -1,24 +1,37 @@
 //! The policy tries of map layout 4. Each policy has an LPM trie per address family it has
 //! entries for, keyed by destination alone; the datapath finds it by policy id in the family's
-//! hash of maps (`wgf4_policy_v4`, `wgf4_policy_v6`), so a packet walks its peer's policy
+//! array of maps (`wgf4_policy_v4`, `wgf4_policy_v6`), so a packet walks its peer's policy
 //! alone, however many other policies there are.
 //!
-//! User space reaches a trie only through a descriptor: the hash of maps gives its id, and
+//! User space reaches a trie only through a descriptor: the array of maps gives its id, and
 //! opening a map by id needs CAP_SYS_ADMIN, which the DaemonSet does not grant. So the agent
 //! pins each trie at `<pin dir>/wgf4_tries_v4/<policy id>` (`wgf4_tries_v6` for IPv6) and
-//! opens it by its pin to read or edit it. The hash of maps decides what is live: a pin
-//! counts only while it is the very trie the hash of maps holds under its id (the ids are
+//! opens it by its pin to read or edit it. The array of maps decides what is live: a pin
+//! counts only while it is the very trie the array of maps holds under its id (the ids are
 //! compared), so a pin left behind by an agent killed between two steps is never taken for a
 //! live policy, and a live trie whose pin is gone is one the agent cannot read: it reads as no
-//! entries, and the next write of that policy replaces it.
+//! entries (the planner then writes the policy again under a new id and switches its peers),
+//! and stays in its slot until that id is handed out again.
 //!
-//! A policy's new trie is complete before anything can find it: [`Tries::upsert`] of a policy
-//! without a live trie creates one and stages it, and [`Tries::publish`] inserts it in the hash
-//! of maps, one atomic update that also replaces a trie the agent could not read, then pins
-//! it. A pin that fails (bpffs unmounted) holds nothing back: the trie enforces, and is held
-//! by descriptor until the datapath check pins it. The maps publish every staged trie before
-//! they write a peer entry, which is the only way a peer comes to use a policy. A trie whose
-//! last entry is removed leaves the hash of maps, then its pin goes.
+//! A policy's new trie is filled by descriptor, then put into the array of maps with the other
+//! new ones in one batch ([`Tries::flush`]), then pinned. The batch matters: each update of a
+//! map of maps waits for an RCU grace period in the kernel (so that no program still runs
+//! with the inner map it replaced), about 10 ms, and a batch waits once, where a cold load of
+//! 40,000 policies updated one by one would wait 40,000 times. The maps flush before every
+//! peer entry they write, which is the only way a peer comes to use a policy, and at the end of
+//! an apply; and when 512 new tries wait, to bound the descriptors held. A trie a peer already
+//! uses that misses some of its entries for a moment (drift being repaired, say) only denies
+//! more than the policy: an entry's allows include those of every broader entry of its policy
+//! (the compiler folds them in), so a packet's longest match among fewer entries allows at most
+//! what its longest match among all would. A pin that fails (bpffs unmounted) holds nothing
+//! back: the trie enforces, and is held by descriptor until the datapath check pins it.
+//!
+//! A slot, once it holds a trie, keeps it: a policy's last entry going leaves an empty trie
+//! (which matches nothing, as no trie does) for the next policy the planner gives that id, and
+//! each new trie comes with empty spares for the ids after it. The planner hands out the
+//! lowest free ids, so a policy change or a new policy fills a trie already in place: no
+//! update of the array, no wait. The tries stay until `wgfence detach`: as many per family as
+//! the most policies (with entries of that family) at once, plus up to 64 spares.
 //!
 //! Without a pin directory (the private object of `wgfence test-run`) the tries are held by
 //! descriptor instead of pinned.
@@ -28,14 +41,14 @@ use std::{
     fs,
     io::ErrorKind,
     net::{Ipv4Addr, Ipv6Addr},
-    os::fd::{AsFd as _, BorrowedFd, OwnedFd},
+    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, OwnedFd},
     os::unix::fs::DirBuilderExt as _,
     path::{Path, PathBuf},
 };
 
-use aya::maps::{lpm_trie::Key, HashOfMaps, IterableMap, LpmTrie, Map, MapData, MapError};
+use aya::maps::{lpm_trie::Key, IterableMap, LpmTrie, Map, MapData, MapError};
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
-use wgfence_common::{map_names, PolicyKeyV4, PolicyKeyV6, PolicyValue};
+use wgfence_common::{map_names, PolicyKeyV4, PolicyKeyV6, PolicyValue, MAX_POLICIES};
 
 use super::{
     error::{DataplaneError, Result},
@@ -46,7 +59,7 @@ use super::{
 pub(crate) trait Family {
     /// The key's data: the destination.
     type Data: aya::Pod;
-    /// The hash of maps (policy id -> trie).
+    /// The array of maps (policy id -> trie).
     const OUTER: &'static str;
     /// Every trie's name.
     const TRIE: &'static str;
@@ -126,18 +139,24 @@ enum Store<F: Family> {
     Held(BTreeMap<u32, Trie<F>>),
 }
 
+/// New tries are put into the array of maps at the latest when this many wait (each holds a
+/// descriptor until then).
+const FLUSH_AT: usize = 512;
+/// Empty tries made with each new one, for the ids after it (see [`Tries::upsert`]).
+const SPARE: u32 = 64;
+
 /// One address family's policy tries.
 pub(crate) struct Tries<F: Family> {
-    outer: HashOfMaps<MapData, u32, Trie<F>>,
-    /// A second descriptor of the hash of maps, for reading inner map ids.
-    outer_fd: OwnedFd,
+    /// The array of maps (aya 0.14 has no batch update and no id-only lookup for it: the
+    /// agent makes those calls itself, [`sys`]).
+    outer: MapData,
     store: Store<F>,
-    /// New tries, complete only once the plan's entries for them are written: not yet
-    /// findable.
-    staged: BTreeMap<u32, Trie<F>>,
-    /// The live pinned trie edited last, kept open while the same policy is edited.
-    last: Option<(u32, Trie<F>)>,
-    /// Published tries whose pin failed (no bpffs): held by descriptor until one works.
+    /// The live pinned trie edited last (policy id, map id, trie), kept open while the same
+    /// policy is edited.
+    last: Option<(u32, u32, Trie<F>)>,
+    /// New tries, by policy id: in the array of maps from the next [`Tries::flush`].
+    new: BTreeMap<u32, Trie<F>>,
+    /// Tries in the array whose pin failed (no bpffs): held by descriptor until one works.
     unpinned: BTreeMap<u32, Trie<F>>,
     /// The tries' BTF ([`super::trie_btf`]), loaded with the first new trie; `Some(None)` if
     /// the kernel refused it (the tries go without).
@@ -161,34 +180,24 @@ fn no_pin(e: &MapError) -> bool {
 }
 
 impl<F: Family> Tries<F> {
-    /// The tries of the hash of maps `outer` (layout checked), pinned under `pin_dir` if given.
+    /// The tries of the array of maps `outer` (layout checked), pinned under `pin_dir` if given.
     pub(crate) fn new(outer: MapData, pin_dir: Option<&Path>) -> Result<Self> {
         layout::check(F::OUTER, &outer.info().map_err(map_err(F::OUTER))?)?;
-        let outer_fd = outer
-            .fd()
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(|e| DataplaneError::Io {
-                path: PathBuf::from(F::OUTER),
-                source: e,
-            })?;
-        let outer = HashOfMaps::try_from(Map::HashOfMaps(outer)).map_err(map_err(F::OUTER))?;
         let store = match pin_dir {
             Some(dir) => Store::Pinned(dir.join(F::DIR)),
             None => Store::Held(BTreeMap::new()),
         };
         Ok(Self {
             outer,
-            outer_fd,
             store,
-            staged: BTreeMap::new(),
             last: None,
+            new: BTreeMap::new(),
             unpinned: BTreeMap::new(),
             btf: None,
         })
     }
 
-    /// `policy`'s pinned trie, if it is the one the hash of maps holds (`live`: its id there).
+    /// `policy`'s pinned trie, if it is the one the array of maps holds (`live`: its id there).
     fn open_pinned(dir: &Path, policy: u32, live: u32) -> Result<Option<Trie<F>>> {
         let path = dir.join(policy.to_string());
         let data = match MapData::from_pin(&path) {
@@ -209,14 +218,14 @@ impl<F: Family> Tries<F> {
             .map_err(map_err(F::TRIE))
     }
 
-    /// Runs `f` on `policy`'s live trie (staged or published); `None` if it has none this
-    /// agent can reach.
+    /// Runs `f` on `policy`'s trie: a new one not yet in the array, else the live one; `None`
+    /// if it has none this agent can reach.
     fn with_trie<R>(
         &mut self,
         policy: u32,
         f: impl FnOnce(&mut Trie<F>) -> Result<R>,
     ) -> Result<Option<R>> {
-        if let Some(trie) = self.staged.get_mut(&policy) {
+        if let Some(trie) = self.new.get_mut(&policy) {
             return f(trie).map(Some);
         }
         if let Some(trie) = self.unpinned.get_mut(&policy) {
@@ -225,37 +234,74 @@ impl<F: Family> Tries<F> {
         match &mut self.store {
             Store::Held(held) => held.get_mut(&policy).map(f).transpose(),
             Store::Pinned(dir) => {
-                if self.last.as_ref().is_none_or(|(id, _)| *id != policy) {
+                // What the array of maps holds decides, also for the trie opened last (which a
+                // hand edit of the array may have replaced): one lookup per write.
+                let Some(live) = sys_live_id::<F>(self.outer.fd().as_fd(), policy)? else {
                     self.last = None;
-                    let Some(live) = sys_live_id::<F>(&self.outer_fd, policy)? else {
-                        return Ok(None);
-                    };
+                    return Ok(None);
+                };
+                if self
+                    .last
+                    .as_ref()
+                    .is_none_or(|(id, map, _)| (*id, *map) != (policy, live))
+                {
+                    self.last = None;
                     let Some(trie) = Self::open_pinned(dir, policy, live)? else {
                         return Ok(None);
                     };
-                    self.last = Some((policy, trie));
+                    self.last = Some((policy, live, trie));
                 }
                 match &mut self.last {
-                    Some((_, trie)) => f(trie).map(Some),
+                    Some((_, _, trie)) => f(trie).map(Some),
                     None => Ok(None),
                 }
             }
         }
     }
 
-    /// Inserts or replaces `policy`'s entry for `prefix` (a prefix of this family). A policy
-    /// without a live trie gets a new one, staged until [`Self::publish`].
-    pub(crate) fn upsert(&mut self, policy: u32, prefix: IpNet, value: &PolicyValue) -> Result<()> {
+    /// Inserts or replaces `policy`'s entry for `prefix` (a prefix of this family), in the
+    /// trie its slot holds (an empty one left by an earlier policy of that id, or a spare,
+    /// included). A policy whose slot holds none it can reach gets a new trie, with empty
+    /// spares for the next ids, which go into the array of maps at the next [`Self::flush`]
+    /// (`Ok(true)`).
+    pub(crate) fn upsert(
+        &mut self,
+        policy: u32,
+        prefix: IpNet,
+        value: &PolicyValue,
+    ) -> Result<bool> {
         let key = F::key(prefix).ok_or(DataplaneError::OutOfRange {
             field: "policy trie address family",
             value: u64::from(prefix.prefix_len()),
         })?;
         let insert = |trie: &mut Trie<F>| trie.insert(&key, value, 0).map_err(map_err(F::TRIE));
         if self.with_trie(policy, insert)?.is_some() {
-            return Ok(());
+            return Ok(false);
         }
-        let btf = self
-            .btf
+        if self.new.len() + SPARE as usize >= FLUSH_AT {
+            self.flush()?;
+        }
+        let mut trie = create::<F>(self.btf())?;
+        trie.insert(&key, value, 0).map_err(map_err(F::TRIE))?;
+        self.new.insert(policy, trie);
+        // Empty tries for the ids after it whose slots hold none, in the same batch: the
+        // planner hands out the lowest free ids, so the next new policies fill these in place
+        // without an update of the array (and its wait).
+        for spare in policy.saturating_add(1)..policy.saturating_add(SPARE).min(MAX_POLICIES) {
+            if self.new.contains_key(&spare)
+                || sys_live_id::<F>(self.outer.fd().as_fd(), spare)?.is_some()
+            {
+                continue;
+            }
+            let trie = create::<F>(self.btf())?;
+            self.new.insert(spare, trie);
+        }
+        Ok(true)
+    }
+
+    /// The tries' BTF, loaded with the first new trie; `None` if the kernel refused it.
+    fn btf(&mut self) -> Option<BorrowedFd<'_>> {
+        self.btf
             .get_or_insert_with(|| match sys::load_btf(&trie_btf::build()) {
                 Ok(fd) => Some(fd),
                 Err(error) => {
@@ -266,62 +312,80 @@ impl<F: Family> Tries<F> {
                     );
                     None
                 }
-            });
-        let mut trie = create::<F>(btf.as_ref().map(|fd| fd.as_fd()))?;
-        trie.insert(&key, value, 0).map_err(map_err(F::TRIE))?;
-        self.staged.insert(policy, trie);
-        Ok(())
+            })
+            .as_ref()
+            .map(|fd| fd.as_fd())
     }
 
-    /// Deletes `policy`'s entry for `prefix`; `false` if there was none. The trie of a policy
-    /// left without entries is taken out of the hash of maps and unpinned (`true` in the
-    /// second place: two more writes).
-    pub(crate) fn remove(&mut self, policy: u32, prefix: IpNet) -> Result<(bool, bool)> {
+    /// Deletes `policy`'s entry for `prefix`; `false` if there was none. A trie left without
+    /// entries stays in its slot, pinned, for the next policy the planner gives that id: an
+    /// empty trie matches nothing, as no trie does.
+    pub(crate) fn remove(&mut self, policy: u32, prefix: IpNet) -> Result<bool> {
         let Some(key) = F::key(prefix) else {
-            return Ok((false, false));
+            return Ok(false);
         };
         let removed = self.with_trie(policy, |trie| {
-            let removed = super::maps::removed(F::TRIE, trie.remove(&key))?;
-            let empty = trie.keys().next().is_none();
-            Ok((removed, empty))
+            super::maps::removed(F::TRIE, trie.remove(&key))
         })?;
-        let Some((removed, empty)) = removed else {
-            return Ok((false, false));
-        };
-        if !empty {
-            return Ok((removed, false));
-        }
-        if self.staged.remove(&policy).is_some() {
-            return Ok((removed, false));
-        }
-        self.drop_trie(policy)?;
-        Ok((removed, true))
+        Ok(removed.unwrap_or(false))
     }
 
-    /// Takes `policy`'s trie out of the hash of maps, then removes its pin.
-    fn drop_trie(&mut self, policy: u32) -> Result<()> {
-        super::maps::removed(F::OUTER, self.outer.remove(&policy))?;
-        self.last = None;
-        self.unpinned.remove(&policy);
-        match &mut self.store {
-            Store::Held(held) => {
-                held.remove(&policy);
+    /// Puts the new tries into the array of maps in one `BPF_MAP_UPDATE_BATCH`: an update of a
+    /// map of maps waits for an RCU grace period (the kernel makes sure no program still runs
+    /// with the old inner map), about 10 ms, once per call, so a batch of 512 costs what one
+    /// does. Then pins them (a pin that fails leaves a trie held by descriptor until
+    /// [`Self::restore_dir`] pins it). Every write of a peer entry flushes first, so no peer
+    /// names a trie the array does not hold. The number of slots written.
+    pub(crate) fn flush(&mut self) -> Result<u64> {
+        if self.new.is_empty() {
+            return Ok(0);
+        }
+        let mut keys = Vec::with_capacity(self.new.len());
+        let mut fds = Vec::with_capacity(self.new.len());
+        for (policy, trie) in &self.new {
+            keys.push(*policy);
+            fds.push(trie.map().fd().as_fd().as_raw_fd() as u32);
+        }
+        let updated = sys::update_batch(self.outer.fd().as_fd(), &keys, &fds).map_err(|io_error| {
+            DataplaneError::Map {
+                map: F::OUTER,
+                source: MapError::SyscallError(aya::sys::SyscallError {
+                    call: "bpf_map_update_batch",
+                    io_error,
+                }),
             }
-            Store::Pinned(dir) => {
-                let path = dir.join(policy.to_string());
-                match fs::remove_file(&path) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == ErrorKind::NotFound => {}
-                    Err(e) => return Err(io_err(&path)(e)),
+        });
+        // On an error every new trie stays for the next flush (an update done twice is one).
+        updated?;
+        let mut failed = None;
+        for (policy, trie) in std::mem::take(&mut self.new) {
+            match &mut self.store {
+                Store::Held(held) => {
+                    held.insert(policy, trie);
+                }
+                Store::Pinned(dir) => {
+                    if let Err(e) = pin::<F>(dir, policy, &trie) {
+                        failed.get_or_insert(e);
+                        self.unpinned.insert(policy, trie);
+                    }
                 }
             }
         }
-        Ok(())
+        if let Some(e) = failed {
+            tracing::warn!(
+                error = %crate::error_chain(&e),
+                unpinned = self.unpinned.len(),
+                "could not pin policy tries: they enforce, and are held until they can be \
+                 pinned"
+            );
+        }
+        Ok(keys.len() as u64)
     }
 
-    /// Makes the tries' pin directory if it is missing (a fresh attach, or removed by hand).
-    /// `Ok(true)` if it was missing while the hash of maps held a trie: those tries' pins are
-    /// gone, so the agent cannot read them until it writes them again.
+    /// Makes the tries' pin directory if it is missing (a fresh attach, or removed by hand),
+    /// and pins the tries published while nothing could be pinned. `Ok(true)` if it was
+    /// missing: the pins of any tries the datapath holds went with it, so the agent cannot
+    /// read them until it writes them again.
     pub(crate) fn restore_dir(&mut self) -> Result<bool> {
         let Store::Pinned(dir) = &self.store else {
             return Ok(false);
@@ -343,53 +407,15 @@ impl<F: Family> Tries<F> {
         if let Some(e) = failed {
             return Err(e);
         }
-        if !missing {
-            return Ok(false);
-        }
-        self.last = None;
-        // Tries this agent holds no descriptor of lost their pins with the directory.
-        let live = self.live()?;
-        Ok(live.len() > self.unpinned.len())
-    }
-
-    /// Makes every staged trie findable: inserted in the hash of maps (replacing whatever it
-    /// held under the id), then pinned (a stale pin of the same id replaced). A pin that
-    /// fails (bpffs unmounted) does not hold the policy back: the trie is held by descriptor
-    /// until [`Self::restore_dir`] pins it. The number of tries published.
-    pub(crate) fn publish(&mut self) -> Result<u64> {
-        let mut published = 0;
-        let mut unpinned = None;
-        while let Some((policy, trie)) = self.staged.pop_first() {
+        if missing {
             self.last = None;
-            self.outer
-                .insert(policy, &trie, 0)
-                .map_err(map_err(F::OUTER))?;
-            published += 1;
-            match &mut self.store {
-                Store::Held(held) => {
-                    held.insert(policy, trie);
-                }
-                Store::Pinned(dir) => {
-                    if let Err(e) = pin::<F>(dir, policy, &trie) {
-                        unpinned.get_or_insert(e);
-                        self.unpinned.insert(policy, trie);
-                    }
-                }
-            }
         }
-        if let Some(e) = unpinned {
-            tracing::warn!(
-                error = %crate::error_chain(&e),
-                unpinned = self.unpinned.len(),
-                "could not pin policy tries: they enforce, and are held until they can be \
-                 pinned"
-            );
-        }
-        Ok(published)
+        Ok(missing)
     }
 
     /// Every entry of every live trie this agent can reach, handed to `each` as it is read:
-    /// policy by policy, each in its trie's own order.
+    /// policy by policy, each in its trie's own order. New tries not yet flushed are not
+    /// live: the maps flush before they are read for a plan.
     pub(crate) fn each(&self, each: &mut impl FnMut(u32, IpNet, &PolicyValue)) -> Result<()> {
         let mut read = |policy: u32, trie: &Trie<F>| -> Result<()> {
             for item in trie.iter() {
@@ -417,24 +443,25 @@ impl<F: Family> Tries<F> {
         Ok(())
     }
 
-    /// (policy id, inner map id) of every trie in the hash of maps.
+    /// (policy id, inner map id) of every trie the array of maps holds that has a pin (or is
+    /// held by this agent): the pins name the candidates, the array says which are live.
     fn live(&self) -> Result<Vec<(u32, u32)>> {
-        let syscall_err = |io_error| DataplaneError::Map {
-            map: F::OUTER,
-            source: MapError::SyscallError(aya::sys::SyscallError {
-                call: "bpf_map_lookup_batch",
-                io_error,
-            }),
+        let Store::Pinned(dir) = &self.store else {
+            return Ok(Vec::new());
         };
-        if let Some(all) =
-            sys::lookup_batch::<u32, u32>(self.outer_fd.as_fd()).map_err(syscall_err)?
-        {
-            return Ok(all);
-        }
-        let mut all = Vec::new();
-        for policy in self.outer.keys() {
-            let policy = policy.map_err(map_err(F::OUTER))?;
-            if let Some(id) = sys_live_id::<F>(&self.outer_fd, policy)? {
+        let mut ids: Vec<u32> = match fs::read_dir(dir) {
+            Ok(entries) => entries
+                .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect(),
+            Err(e) if e.kind() == ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(io_err(dir)(e)),
+        };
+        ids.extend(self.unpinned.keys());
+        ids.sort_unstable();
+        ids.dedup();
+        let mut all = Vec::with_capacity(ids.len());
+        for policy in ids {
+            if let Some(id) = sys_live_id::<F>(self.outer.fd().as_fd(), policy)? {
                 all.push((policy, id));
             }
         }
@@ -465,8 +492,8 @@ fn pin<F: Family>(dir: &Path, policy: u32, trie: &Trie<F>) -> Result<()> {
     })
 }
 
-fn sys_live_id<F: Family>(outer: &OwnedFd, policy: u32) -> Result<Option<u32>> {
-    sys::inner_map_id(outer.as_fd(), policy).map_err(|io_error| DataplaneError::Map {
+fn sys_live_id<F: Family>(outer: BorrowedFd<'_>, policy: u32) -> Result<Option<u32>> {
+    sys::inner_map_id(outer, policy).map_err(|io_error| DataplaneError::Map {
         map: F::OUTER,
         source: MapError::SyscallError(aya::sys::SyscallError {
             call: "bpf_map_lookup_elem",
@@ -475,7 +502,7 @@ fn sys_live_id<F: Family>(outer: &OwnedFd, policy: u32) -> Result<Option<u32>> {
     })
 }
 
-/// A new, empty trie of the inner layout the hash of maps wants, described by `btf` if given.
+/// A new, empty trie of the inner layout the array of maps wants, described by `btf` if given.
 fn create<F: Family>(btf: Option<BorrowedFd<'_>>) -> Result<Trie<F>> {
     let layout = layout::inner_trie::<F::Data>();
     let btf = btf.map(|fd| (fd, F::BTF_KEY, trie_btf::VALUE));

@@ -10,7 +10,7 @@
 //!
 //! 1. the v4 maps are created and pinned (by the loader) and both v4 programs loaded;
 //! 2. [`Upgrade::fill`] copies the v3 maps into them: each policy's entries of the shared v3
-//!    trie into that policy's own trie, complete before the hash of maps holds it; peer
+//!    trie into that policy's own trie, every one before any peer entry; peer
 //!    entries, packet, per-peer and rule counters, the flow quota, live flows and the config as
 //!    they are (layout 4 changed the policy maps alone);
 //! 3. the switch marker (`wgf4_switch`, the ids of the v4 programs) is pinned, then each hook
@@ -731,8 +731,8 @@ impl NewMaps {
 
     fn upsert_policy(&mut self, policy: u32, prefix: IpNet, value: &v3::PolicyValue) -> Result<()> {
         match prefix {
-            IpNet::V4(_) => self.policy_v4.upsert(policy, prefix, value),
-            IpNet::V6(_) => self.policy_v6.upsert(policy, prefix, value),
+            IpNet::V4(_) => self.policy_v4.upsert(policy, prefix, value).map(drop),
+            IpNet::V6(_) => self.policy_v6.upsert(policy, prefix, value).map(drop),
         }
     }
 
@@ -1003,15 +1003,15 @@ impl Upgrade {
         Ok(())
     }
 
-    /// Each policy's entries into its own trie, published once complete and before any peer
-    /// entry; entries of no v3 policy go (a resumed upgrade only).
+    /// Each policy's entries into its own trie, before any peer entry; entries of no v3
+    /// policy go (a resumed upgrade only).
     fn fill_policies(&mut self, new: &mut NewMaps) -> Result<()> {
         let entries = self.old.policies()?;
         for (policy, prefix, value) in &entries {
             new.upsert_policy(*policy, *prefix, value)?;
         }
-        new.policy_v4.publish()?;
-        new.policy_v6.publish()?;
+        new.policy_v4.flush()?;
+        new.policy_v6.flush()?;
         if !self.fresh {
             let keep: BTreeSet<(u32, IpNet)> = entries.iter().map(|(p, n, _)| (*p, *n)).collect();
             let mut other = Vec::new();

@@ -4,6 +4,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use wgfence_common::MAX_POLICIES;
+
 use super::{op::Op, planner::Planner, unplanned::PlanError, EMPTY_POLICY};
 use crate::policy::CompiledPolicy;
 
@@ -62,7 +64,8 @@ impl<'a> Planner<'a> {
         // The ids this plan hands out, lowest free first: a cursor, so that a plan writing P
         // new policies (a cold load) costs O(P).
         let mut free_ids = index.free_ids.iter();
-        let mut new_id = || free_ids.next().filter(|id| *id < EMPTY_POLICY);
+        // Below MAX_POLICIES: an id indexes the datapath's array of policy tries.
+        let mut new_id = || free_ids.next().filter(|id| *id < MAX_POLICIES);
         let mut ids = PolicyIds::default();
         for policy in self.touched.iter().filter_map(|p| p.policy.as_deref()) {
             if ids.known(policy) {

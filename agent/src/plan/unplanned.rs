@@ -2,13 +2,13 @@
 //! lead, steps 1–3 ([`Unplanned`], made by `Planner::failure_lead`): revocations never wait
 //! for room.
 
-use wgfence_common::MAX_PEERS;
+use wgfence_common::{MAX_PEERS, MAX_POLICIES};
 
 use super::op::Plan;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlanError {
-    #[error("no free policy id is left")]
+    #[error("no free policy id is left (at most {MAX_POLICIES} distinct policies at once)")]
     PolicyIdsExhausted,
     #[error("no free per-peer counter slot is left (at most {MAX_PEERS})")]
     SlotsExhausted,

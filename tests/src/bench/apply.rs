@@ -36,6 +36,10 @@ fn map_memory(interface: &str) -> Vec<(String, u64)> {
                 .unwrap_or(0);
             ((*name).to_owned(), bytes)
         })
+        .chain(std::iter::once({
+            let (_, bytes) = super::policy_tries_memory(&dir);
+            ("policy tries".to_owned(), bytes)
+        }))
         .collect()
 }
 
@@ -448,10 +452,14 @@ pub fn run(report: &mut Report, config: &Config) {
         "Memory (kernel side)",
         "`bytes_memlock` of each pinned map (bpftool), MiB, after the cold load. Hash and array \
          maps are preallocated to their capacity (131,072 peers per family), so they do not \
-         grow with N; the LPM tries are allocated per entry. Agent RSS is in the restart section.",
+         grow with N; the hashes of maps and the LPM tries are allocated per entry. \
+         \"policy tries\": every policy's trie together (`wgf4_tries_v4/*`, `wgf4_tries_v6/*`; \
+         restricted peers share a pool of N/100 policies here). Agent RSS is in the restart \
+         section.",
     );
     let mut headers = vec!["peers"];
     headers.extend(wgfence_common::map_names::ALL);
+    headers.push("policy tries");
     headers.push("total");
     report.table(&headers, &memory_rows);
     report.record("apply", json!(records));

@@ -146,6 +146,41 @@ pub fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
+/// The policy tries pinned in `pin_dir` (map layout 4: one per policy and address family) and
+/// the memory the kernel charges for them together, in bytes (each trie's `memlock`, read from
+/// its descriptor's fdinfo as bpftool does, without starting bpftool once per trie).
+pub fn policy_tries_memory(pin_dir: &std::path::Path) -> (usize, u64) {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    let mut tries = 0;
+    let mut bytes = 0;
+    for dir in [
+        wgfence_common::map_names::TRIES_V4,
+        wgfence_common::map_names::TRIES_V6,
+    ] {
+        let Ok(entries) = std::fs::read_dir(pin_dir.join(dir)) else {
+            continue;
+        };
+        for entry in entries.filter_map(|e| e.ok()) {
+            let Ok(map) = aya::maps::MapData::from_pin(entry.path()) else {
+                continue;
+            };
+            let fd = map.fd().as_fd().as_raw_fd();
+            let memlock = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))
+                .ok()
+                .and_then(|info| {
+                    info.lines()
+                        .find_map(|l| l.strip_prefix("memlock:"))
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                });
+            if let Some(memlock) = memlock {
+                tries += 1;
+                bytes += memlock;
+            }
+        }
+    }
+    (tries, bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,7 +1,7 @@
 //! The per-packet scenario of `cargo xtask bench`: wgfence's per-packet paths beside floor programs the bench
 //! loads itself (`ebpf/src/floor.rs`: an empty classifier, one hash lookup with the key and
-//! value sizes of `wgf4_peers_v4`, that lookup plus a trie of the peer's policy alone behind a
-//! hash of maps, as map layout 4 has them, and that lookup plus one LPM trie all policies share,
+//! value sizes of `wgf4_peers_v4`, that lookup plus a trie of the peer's policy alone behind an
+//! array of maps, as map layout 4 has them, and that lookup plus one LPM trie all policies share,
 //! as layout 3 had it), with the same entries in their maps, on the same raw IPv4 packets,
 //! under `BPF_PROG_TEST_RUN`, in one run: reported as ratios. Then one peer's packets on two
 //! CPUs at once against two peers' packets.
@@ -14,7 +14,7 @@ use std::{
 };
 
 use aya::{
-    maps::{lpm_trie::Key, HashMap, HashOfMaps, LpmTrie, MapData},
+    maps::{lpm_trie::Key, ArrayOfMaps, HashMap, LpmTrie, MapData},
     programs::SchedClassifier,
     Ebpf, EbpfLoader,
 };
@@ -140,11 +140,11 @@ fn fill_per_policy_tries(ebpf: &mut Ebpf, entries: &[PolicyEntry]) {
         trie.insert(&key, e.value, 0).expect("a policy trie");
     }
     let map = ebpf.map_mut("floor_pol_of").expect("no floor_pol_of");
-    let mut outer: HashOfMaps<_, u32, LpmTrie<MapData, PolicyKeyV4, PolicyValue>> =
-        HashOfMaps::try_from(map).expect("floor_pol_of");
+    let mut outer: ArrayOfMaps<_, LpmTrie<MapData, PolicyKeyV4, PolicyValue>> =
+        ArrayOfMaps::try_from(map).expect("floor_pol_of");
     for (policy, trie) in tries {
         // The outer map holds the trie from here on; this process's descriptor closes.
-        outer.insert(policy, &trie, 0).expect("floor_pol_of");
+        outer.set(policy, &trie, 0).expect("floor_pol_of");
     }
 }
 
@@ -434,7 +434,7 @@ fn compare(report: &mut Report, command: &str, states: &[(usize, DesiredState, P
              loads itself (`ebpf/src/floor.rs`, never loaded by the agent): an empty \
              classifier; one hash lookup with the key and value sizes and the entries of \
              `wgf4_peers_v4`; that lookup plus one lookup in a trie that holds only the \
-             peer's own policy's IPv4 entries, found by policy id in a hash of maps (map \
+             peer's own policy's IPv4 entries, found by policy id in an array of maps (map \
              layout 4, what the datapath has); that lookup plus one LPM lookup in a trie that \
              all policies share, keyed by (policy id, destination) (layout 3, for comparison). \
              Each wgfence path is divided by the floor that does its essential work on the \

@@ -151,6 +151,8 @@ pub fn run(report: &mut Report, config: &Config) {
         let (tx, rx) = ping_totals(vec![ping]);
         let (steady, peak) = rss_over_pushes(&agent, &gw, &mut state, pushes);
         let anon = agent.pid().map_or(0, |pid| status_kib(pid, "RssAnon:"));
+        let (tries, tries_bytes) =
+            super::policy_tries_memory(&wgfence::dataplane::pin_dir(&gw.bpffs, gw.interface()));
         let file_kib = text.len() as u64 / 1024;
         rows.push(vec![
             n.to_string(),
@@ -166,13 +168,16 @@ pub fn run(report: &mut Report, config: &Config) {
             f(anon as f64 / 1024.0, 0),
             f(peak as f64 / 1024.0, 0),
             f(file_kib as f64 / 1024.0, 1),
+            tries.to_string(),
+            f(tries_bytes as f64 / 1048576.0, 1),
         ]);
         records.push(json!({ "peers": n, "own_policies": mix == Mix::OwnPolicy, "first_ready_s": first_ready.as_secs_f64(), "restart_ready_s": ready_after.as_secs_f64(),
             "restart_map_writes": writes, "transmitted": tx, "lost": tx - rx, "rss_mib": rss_first as f64 / 1024.0,
             "rss_after_restart_mib": rss_restart as f64 / 1024.0,
               "rss_steady_mib": steady as f64 / 1024.0, "rss_steady_anon_mib": anon as f64 / 1024.0, "rss_peak_mib": peak as f64 / 1024.0,
             "state_file_mib": file_kib as f64 / 1024.0, "attach_s": attach_s,
-            "after_attach_s": load_s }));
+            "after_attach_s": load_s, "policy_tries": tries,
+            "policy_tries_mib": tries_bytes as f64 / 1048576.0 }));
         drop(agent);
         drop(gw);
     }
@@ -190,7 +195,9 @@ pub fn run(report: &mut Report, config: &Config) {
              \"first start\" includes adding every peer to wireguard-go; \"ready after restart\" \
              is from the restart to `/readyz` answering 200 (adopting the pins, reading maps and \
              device, parsing, planning: nothing to write). RSS is the agent's resident memory \
-             once ready. Command: `{}`.",
+             once ready. \"policy tries\": the tries pinned once the pushes are applied (one \
+             per policy and address family it has entries for) and the memory the kernel \
+             charges for them together (each trie's `memlock`). Command: `{}`.",
             config.command
         ),
     );
@@ -209,6 +216,8 @@ pub fn run(report: &mut Report, config: &Config) {
             "of it anonymous (MiB)",
             "peak RSS over pushes (MiB)",
             "state file (MiB)",
+            "policy tries",
+            "their kernel memory (MiB)",
         ],
         &rows,
     );

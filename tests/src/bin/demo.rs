@@ -222,7 +222,7 @@ fn main() {
     agent.write_state(&state(&gw, alice_more.clone(), true));
     agent.wait_reconciles(&gw, before, 1.0);
     println!(
-        "applied with {} map writes (the new policy's entries and its trie's publication, one switch per address, the old trie's entries and the trie)",
+        "applied with {} map writes (the new policy's entries, into a trie already in place; one switch per address; the old entries' deletion)",
         agent.metric(&gw, "wgfence_bpf_map_writes_total") - writes
     );
     table(&gw, &CHANGED_PROBES);
