@@ -140,23 +140,30 @@ fn enforces_unknown_unrestricted_and_restricted_peers() {
     );
 }
 
-#[test]
-fn a_policy_switch_applies_to_the_next_packet() {
-    let gw = Gateway::new(1);
-    let mut dp = gw.attach();
+/// tcp/`port` to 10.0.0.0/8.
+fn web(port: u16) -> Vec<Rule> {
+    vec![Rule::new(
+        net("10.0.0.0/8"),
+        Protocol::Tcp,
+        vec![PortRange::single(port)],
+    )]
+}
+
+/// Policy 1: tcp/443 to 10.0.0.0/8; policy 2: tcp/80 there; peer 0 (slot 0) on policy 1.
+fn two_web_policies_peer_0_on_the_first(gw: &Gateway, dp: &mut wgfence::dataplane::Dataplane) {
     let maps = dp.maps_mut();
-    let web = |port| {
-        vec![Rule::new(
-            net("10.0.0.0/8"),
-            Protocol::Tcp,
-            vec![PortRange::single(port)],
-        )]
-    };
     install_policy(maps, 1, &web(443));
     install_policy(maps, 2, &web(80));
     for addr in gw.peers[0].addrs() {
         maps.upsert_peer(addr, entry(1, 0)).unwrap();
     }
+}
+
+#[test]
+fn a_policy_switch_applies_to_the_next_packet() {
+    let gw = Gateway::new(1);
+    let mut dp = gw.attach();
+    two_web_policies_peer_0_on_the_first(&gw, &mut dp);
     let ns = &gw.peers[0].ns;
     let dst = ip("10.2.3.4");
     assert_eq!(probe(ns, Kind::Tcp(443), dst), Reach::Reached);
@@ -558,19 +565,7 @@ fn each_policy_is_a_trie_of_its_own_found_through_its_pin() {
     let gw = Gateway::new(1);
     let mut dp = gw.attach();
     let tries = dp.pin_dir().join(wgfence_common::map_names::TRIES_V4);
-    let web = |port| {
-        vec![Rule::new(
-            net("10.0.0.0/8"),
-            Protocol::Tcp,
-            vec![PortRange::single(port)],
-        )]
-    };
-    let maps = dp.maps_mut();
-    install_policy(maps, 1, &web(443));
-    install_policy(maps, 2, &web(80));
-    for addr in gw.peers[0].addrs() {
-        maps.upsert_peer(addr, entry(1, 0)).unwrap();
-    }
+    two_web_policies_peer_0_on_the_first(&gw, &mut dp);
     let ns = &gw.peers[0].ns;
     let dst = ip("10.2.3.4");
     assert_eq!(probe(ns, Kind::Tcp(443), dst), Reach::Reached);

@@ -1,4 +1,9 @@
-use std::{io, path::PathBuf};
+use std::{
+    io,
+    path::{Path, PathBuf},
+};
+
+use aya::maps::MapError;
 
 /// Errors of the dataplane: loading, attaching, pinning and map access.
 #[derive(Debug, thiserror::Error)]
@@ -166,3 +171,27 @@ pub enum DataplaneError {
 }
 
 pub type Result<T, E = DataplaneError> = std::result::Result<T, E>;
+
+/// For `map_err`: an error of the map `map`.
+pub(crate) fn map_err(map: &'static str) -> impl Fn(MapError) -> DataplaneError {
+    move |source| DataplaneError::Map { map, source }
+}
+
+/// For `map_err`: a failed `bpf(2)` call `call` on the map `map` that the agent made itself.
+pub(crate) fn syscall_err(
+    map: &'static str,
+    call: &'static str,
+) -> impl Fn(io::Error) -> DataplaneError {
+    move |io_error| DataplaneError::Map {
+        map,
+        source: MapError::SyscallError(aya::sys::SyscallError { call, io_error }),
+    }
+}
+
+/// For `map_err`: an I/O error at `path`.
+pub(crate) fn io_err(path: &Path) -> impl Fn(io::Error) -> DataplaneError + '_ {
+    move |source| DataplaneError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}

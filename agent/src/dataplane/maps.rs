@@ -20,7 +20,7 @@ use wgfence_common::{
 };
 
 use super::{
-    error::{DataplaneError, Result},
+    error::{map_err, syscall_err, DataplaneError, Result},
     layout, sys,
     tries::{Tries, V4, V6},
 };
@@ -105,23 +105,14 @@ where
     M: IterableMap<K, V>,
     I: Iterator<Item = std::result::Result<(K, V), MapError>>,
 {
-    let syscall_err = |io_error| DataplaneError::Map {
-        map: name,
-        source: MapError::SyscallError(aya::sys::SyscallError {
-            call: "bpf_map_lookup_batch",
-            io_error,
-        }),
-    };
-    match sys::lookup_batch::<K, V>(map.map().fd().as_fd()).map_err(syscall_err)? {
+    match sys::lookup_batch::<K, V>(map.map().fd().as_fd())
+        .map_err(syscall_err(name, "bpf_map_lookup_batch"))?
+    {
         Some(all) => Ok(all),
         None => iter()
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(map_err(name)),
     }
-}
-
-fn map_err(map: &'static str) -> impl Fn(MapError) -> DataplaneError {
-    move |source| DataplaneError::Map { map, source }
 }
 
 /// `Ok(false)` for a delete of a key that is not there: deleting what is already gone is not

@@ -51,7 +51,7 @@ use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use wgfence_common::{map_names, PolicyKeyV4, PolicyKeyV6, PolicyValue, MAX_POLICIES};
 
 use super::{
-    error::{DataplaneError, Result},
+    error::{io_err, map_err, syscall_err, DataplaneError, Result},
     layout, sys, trie_btf,
 };
 
@@ -161,17 +161,6 @@ pub(crate) struct Tries<F: Family> {
     /// The tries' BTF ([`super::trie_btf`]), loaded with the first new trie; `Some(None)` if
     /// the kernel refused it (the tries go without).
     btf: Option<Option<OwnedFd>>,
-}
-
-fn map_err(map: &'static str) -> impl Fn(MapError) -> DataplaneError {
-    move |source| DataplaneError::Map { map, source }
-}
-
-fn io_err(path: &Path) -> impl Fn(std::io::Error) -> DataplaneError + '_ {
-    move |source| DataplaneError::Io {
-        path: path.to_owned(),
-        source,
-    }
 }
 
 /// Whether a failed `BPF_OBJ_GET` says there is no pin.
@@ -346,15 +335,8 @@ impl<F: Family> Tries<F> {
             keys.push(*policy);
             fds.push(trie.map().fd().as_fd().as_raw_fd() as u32);
         }
-        let updated = sys::update_batch(self.outer.fd().as_fd(), &keys, &fds).map_err(|io_error| {
-            DataplaneError::Map {
-                map: F::OUTER,
-                source: MapError::SyscallError(aya::sys::SyscallError {
-                    call: "bpf_map_update_batch",
-                    io_error,
-                }),
-            }
-        });
+        let updated = sys::update_batch(self.outer.fd().as_fd(), &keys, &fds)
+            .map_err(syscall_err(F::OUTER, "bpf_map_update_batch"));
         // On an error every new trie stays for the next flush (an update done twice is one).
         updated?;
         let mut failed = None;
@@ -493,13 +475,7 @@ fn pin<F: Family>(dir: &Path, policy: u32, trie: &Trie<F>) -> Result<()> {
 }
 
 fn sys_live_id<F: Family>(outer: BorrowedFd<'_>, policy: u32) -> Result<Option<u32>> {
-    sys::inner_map_id(outer, policy).map_err(|io_error| DataplaneError::Map {
-        map: F::OUTER,
-        source: MapError::SyscallError(aya::sys::SyscallError {
-            call: "bpf_map_lookup_elem",
-            io_error,
-        }),
-    })
+    sys::inner_map_id(outer, policy).map_err(syscall_err(F::OUTER, "bpf_map_lookup_elem"))
 }
 
 /// A new, empty trie of the inner layout the array of maps wants, described by `btf` if given.

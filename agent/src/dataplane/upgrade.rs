@@ -62,7 +62,7 @@ use wgfence_common::{map_names, LAYOUT_VERSION};
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use super::{
-    error::{DataplaneError, Result},
+    error::{io_err, map_err, DataplaneError, Result},
     tc,
     tries::{Tries, V4, V6},
 };
@@ -187,17 +187,6 @@ const NOEXIST: u64 = 1;
 pub(crate) fn failpoint(name: &str) {
     if cfg!(debug_assertions) && std::env::var("WGFENCE_FAILPOINT").is_ok_and(|v| v == name) {
         std::process::abort();
-    }
-}
-
-fn map_err(map: &'static str) -> impl Fn(MapError) -> DataplaneError {
-    move |source| DataplaneError::Map { map, source }
-}
-
-fn io_err(path: &Path) -> impl Fn(std::io::Error) -> DataplaneError + '_ {
-    move |source| DataplaneError::Io {
-        path: path.to_owned(),
-        source,
     }
 }
 
