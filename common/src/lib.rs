@@ -695,14 +695,20 @@ mod tests {
 
     #[test]
     fn map_names_fit_the_kernel_limit_and_carry_the_layout_version() {
-        for name in map_names::ALL {
+        let tries = [
+            map_names::TRIE_V4,
+            map_names::TRIE_V6,
+            map_names::TRIES_V4,
+            map_names::TRIES_V6,
+        ];
+        for name in map_names::ALL.into_iter().chain(tries) {
             assert!(name.len() <= 15, "{name} is longer than 15 characters");
             assert!(
                 name.starts_with("wgf4_"),
-                "{name} does not carry layout version 3"
+                "{name} does not carry layout version 4"
             );
         }
-        assert_eq!(LAYOUT_VERSION, 3);
+        assert_eq!(LAYOUT_VERSION, 4);
     }
 
     #[test]
