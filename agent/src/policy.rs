@@ -1120,6 +1120,38 @@ mod properties {
             }
         }
 
+        /// An entry allows at least what every broader entry of its policy allows. The
+        /// datapath's trie per policy relies on it: while a trie misses some of its entries
+        /// (drift being repaired), a packet's longest match among the rest allows no more than
+        /// its longest match among all would.
+        #[test]
+        fn an_entry_allows_what_every_broader_one_allows(
+            rules in prop::collection::vec(rule(), 1..8),
+        ) {
+            let Ok(compiled) = compile(&rules) else { return Ok(()) };
+            let entries: Vec<_> = compiled.entries().collect();
+            for (broad, broad_allows) in &entries {
+                for (narrow, narrow_allows) in &entries {
+                    if broad == narrow || !broad.contains(narrow) {
+                        continue;
+                    }
+                    for a in broad_allows.iter() {
+                        for protocol in [a.protocol, PROTO_TCP, PROTO_UDP, PROTO_ICMP, 47] {
+                            for port in [None, Some(a.port_lo), Some(a.port_hi)] {
+                                if a.matches(protocol, port) {
+                                    prop_assert!(
+                                        narrow_allows.iter().any(|n| n.matches(protocol, port)),
+                                        "{} allows protocol {} port {:?}, {} within it not",
+                                        broad, protocol, port, narrow
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
         #[test]
         fn compiled_policy_does_not_depend_on_rule_order(
             rules in prop::collection::vec(rule(), 1..8),

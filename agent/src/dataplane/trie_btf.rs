@@ -26,7 +26,6 @@ pub(crate) const KEY_V6: u32 = 9;
 pub(crate) const VALUE: u32 = 12;
 
 /// Types and strings, written in BTF's encoding (native endian, as the kernel reads it).
-#[derive(Default)]
 struct Blob {
     types: Vec<u8>,
     strings: Vec<u8>,

@@ -321,8 +321,8 @@ impl<F: Family> Tries<F> {
 
     /// Puts the new tries into the array of maps in one `BPF_MAP_UPDATE_BATCH`: an update of a
     /// map of maps waits for an RCU grace period (the kernel makes sure no program still runs
-    /// with the old inner map), about 10 ms, once per call, so a batch of 512 costs what one
-    /// does. Then pins them (a pin that fails leaves a trie held by descriptor until
+    /// with the old inner map), about 10 ms, once per call: 50 updates one by one took 9 ms
+    /// each on Linux 6.18, in one batch 7 ms together. Then pins them (a pin that fails leaves a trie held by descriptor until
     /// [`Self::restore_dir`] pins it). Every write of a peer entry flushes first, so no peer
     /// names a trie the array does not hold. The number of slots written.
     pub(crate) fn flush(&mut self) -> Result<u64> {
