@@ -159,6 +159,73 @@ fn two_web_policies_peer_0_on_the_first(gw: &Gateway, dp: &mut wgfence::dataplan
     }
 }
 
+/// More new policies than one batch of the array of maps takes (512 tries waiting, spares
+/// included), written in one go as a cold load with a policy per peer writes them: the first
+/// batch is published and pinned mid-way, before anything is flushed by hand; the rest with the
+/// peer write that follows; every policy reads back from its pin and holds the peer it governs.
+#[test]
+fn more_new_policies_than_one_batch_are_each_published_and_enforced() {
+    const POLICIES: u16 = 700;
+    let gw = Gateway::new(1);
+    let mut dp = gw.attach();
+    let tries = dp.pin_dir().join(wgfence_common::map_names::TRIES_V4);
+    let maps = dp.maps_mut();
+    for id in 1..=POLICIES {
+        let compiled = wgfence::policy::compile(&web(1000 + id)).expect("compiles");
+        for (prefix, allows) in compiled.entries() {
+            maps.upsert_policy(
+                u32::from(id),
+                prefix,
+                &wgfence::policy::CompiledPolicy::value(allows),
+            )
+            .unwrap_or_else(|e| panic!("policy {id}: {e}"));
+        }
+    }
+    assert!(
+        tries.join("1").exists(),
+        "the first batch was not published before the last policy was written"
+    );
+    assert!(
+        !tries.join(POLICIES.to_string()).exists(),
+        "the last batch was published before a flush"
+    );
+
+    // A peer write flushes first: the last policies are live before a peer can name them.
+    let ns = &gw.peers[0].ns;
+    let dst = ip("10.2.3.4");
+    for (policy, allowed, denied) in [
+        (1, 1001, 1000 + POLICIES),
+        (POLICIES, 1000 + POLICIES, 1001),
+    ] {
+        for addr in gw.peers[0].addrs() {
+            dp.maps_mut()
+                .upsert_peer(addr, entry(u32::from(policy), 0))
+                .unwrap();
+        }
+        assert_eq!(
+            probe(ns, Kind::Tcp(allowed), dst),
+            Reach::Reached,
+            "policy {policy}"
+        );
+        assert_eq!(
+            probe(ns, Kind::Tcp(denied), dst),
+            Reach::Blocked,
+            "policy {policy}"
+        );
+    }
+    let read: Vec<(u32, u16)> = dp
+        .maps()
+        .policies()
+        .unwrap()
+        .iter()
+        .map(|e| (e.policy, e.value.allows()[0].port_lo))
+        .collect();
+    let want: Vec<(u32, u16)> = (1..=POLICIES)
+        .map(|id| (u32::from(id), 1000 + id))
+        .collect();
+    assert_eq!(read, want, "policies read back from their pins");
+}
+
 #[test]
 fn a_policy_switch_applies_to_the_next_packet() {
     let gw = Gateway::new(1);
