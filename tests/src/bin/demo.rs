@@ -33,11 +33,10 @@ fn show(cmd: &[&str]) {
     }
 }
 
-/// `bpftool -j map dump` of a policy trie, one line per entry (each value holds 32 allow
-/// slots, mostly empty; the full dump is `cargo xtask dump`).
 /// Every policy's IPv4 trie pinned under `dir` (`<policy id>` each), dumped with bpftool and
-/// condensed to one line per entry (from the key and value bytes, which bpftool prints with or
-/// without BTF).
+/// condensed to one line per entry (each value holds 32 allow slots, mostly empty; the full
+/// dump is `cargo xtask dump`), from the key and value bytes, which bpftool prints with or
+/// without BTF. The empty tries (spares for the next policy ids) are counted, not dumped.
 fn policy_entries(dir: &str) {
     let mut ids: Vec<u32> = std::fs::read_dir(dir)
         .map(|d| {
@@ -46,9 +45,9 @@ fn policy_entries(dir: &str) {
         })
         .unwrap_or_default();
     ids.sort_unstable();
+    let mut empty = Vec::new();
     for id in ids {
         let path = format!("{dir}/{id}");
-        println!("$ bpftool -j map dump pinned {path}   (condensed: one line per entry)");
         let out = Command::new("bpftool")
             .args(["-j", "map", "dump", "pinned", &path])
             .output();
@@ -56,6 +55,11 @@ fn policy_entries(dir: &str) {
             .ok()
             .and_then(|o| serde_json::from_slice(&o.stdout).ok())
             .unwrap_or_default();
+        if entries.is_empty() {
+            empty.push(id);
+            continue;
+        }
+        println!("$ bpftool -j map dump pinned {path}   (condensed: one line per entry)");
         let bytes = |v: &Value| -> Vec<u8> {
             v.as_array()
                 .into_iter()
@@ -93,6 +97,39 @@ fn policy_entries(dir: &str) {
                 allows.join(", ")
             );
         }
+    }
+    if !empty.is_empty() {
+        println!(
+            "({} empty tries not shown, ids {}: spares that the next policies fill in place)",
+            empty.len(),
+            id_ranges(&empty)
+        );
+    }
+}
+
+/// Sorted ids as ranges: `1, 3-64`.
+fn id_ranges(ids: &[u32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut run: Option<(u32, u32)> = None;
+    for &id in ids {
+        run = match run {
+            Some((lo, hi)) if hi + 1 == id => Some((lo, id)),
+            Some(done) => {
+                out.push(range(done));
+                Some((id, id))
+            }
+            None => Some((id, id)),
+        };
+    }
+    out.extend(run.map(range));
+    out.join(", ")
+}
+
+fn range((lo, hi): (u32, u32)) -> String {
+    if lo == hi {
+        lo.to_string()
+    } else {
+        format!("{lo}-{hi}")
     }
 }
 
