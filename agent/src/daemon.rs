@@ -674,7 +674,31 @@ impl Core {
             }
             self.metrics.drift_entries.set(drift.len() as i64);
         }
-        self.load(true)
+        let next = self.load(true);
+        if matches!(next, Next::Idle) && !self.dataplane_fault {
+            self.reclaim_policy_tries();
+        }
+        next
+    }
+
+    /// After a resync that left the kernel as the state wants it: frees the empty policy
+    /// tries that a state with fewer policies than before left past its ids. A failure
+    /// changes nothing that enforces: the next resync tries again.
+    fn reclaim_policy_tries(&mut self) {
+        let start = std::time::Instant::now();
+        match self.reconciler.reclaim_policy_tries() {
+            Ok(0) | Err(ReconcileError::Closed) => {}
+            Ok(tries) => tracing::info!(
+                tries,
+                duration_ms = start.elapsed().as_secs_f64() * 1e3,
+                "freed empty policy tries of ids no policy uses"
+            ),
+            Err(e) => tracing::warn!(
+                error = %crate::error_chain(&e),
+                "freeing empty policy tries failed; the next resync tries again"
+            ),
+        }
+        self.account(None);
     }
 }
 

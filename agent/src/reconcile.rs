@@ -35,7 +35,7 @@ use crate::{
     dataplane::{Dataplane, DataplaneError, Flow, Maps},
     plan::{
         plan, plan_changes, plan_settings, plan_update, Actual, ActualMaps, ActualWg, Op, Plan,
-        PlanError, Unplanned, WgPeerChange,
+        PlanError, Unplanned, WgPeerChange, EMPTY_POLICY,
     },
     policy::CompiledPolicy,
     settings::{online_cpus, DatapathSettings},
@@ -44,7 +44,7 @@ use crate::{
     wg::{WgError, WireGuard},
 };
 pub use preview::{preview, read_pinned, Preview};
-use wgfence_common::Config;
+use wgfence_common::{Config, UNRESTRICTED};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
@@ -82,6 +82,12 @@ fn settings_ops(
 ) -> Vec<Op> {
     plan_settings(&settings.config(replies, cpus), kernel)
 }
+
+/// Empty policy tries freed per address family and call of
+/// [`Reconciler::reclaim_policy_tries`] (each resync): one batch of the array of maps, so one
+/// RCU grace period, and a pin to open and check and one to remove each; 4096 take the agent
+/// tens of milliseconds.
+pub const RECLAIM_BUDGET: usize = 4096;
 
 /// Reads the maps into the planner's form (O(entries)). The trie entries are read into one
 /// array of allows and one of (policy, prefix, where its allows are), which each policy's
@@ -266,6 +272,29 @@ impl Reconciler {
             "read the kernel's state"
         );
         Ok(())
+    }
+
+    /// Frees the empty policy tries of the ids no peer and no trie entry uses, beyond the
+    /// spares the planner fills next: what a state with many policies leaves behind when one
+    /// with fewer replaces it ([`Maps::reclaim_policy_tries`]), at most [`RECLAIM_BUDGET`] per
+    /// address family a call. Only when the view of the kernel is current. The number freed.
+    pub fn reclaim_policy_tries(&mut self) -> Result<u64, ReconcileError> {
+        self.check_open()?;
+        if self.stale {
+            return Ok(0);
+        }
+        let maps = self.actual.maps();
+        let in_use: BTreeSet<u32> = maps
+            .peers
+            .values()
+            .map(|entry| entry.policy)
+            .chain(maps.policies.keys().copied())
+            .filter(|id| *id != UNRESTRICTED && *id != EMPTY_POLICY)
+            .collect();
+        Ok(self
+            .dataplane
+            .maps_mut()
+            .reclaim_policy_tries(&in_use, RECLAIM_BUDGET)?)
     }
 
     /// Deletes the reply flows that can no longer pass a reply: expired ones, and those whose

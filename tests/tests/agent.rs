@@ -535,6 +535,103 @@ fn resync_repairs_drift() {
     );
 }
 
+/// A state with a policy per peer replaced by one with a single policy: the resync after it
+/// frees the empty tries of every id but the one in use and the 64 lowest free ids (the
+/// spares the planner fills next), then writes nothing more; the remaining peer's policy
+/// holds throughout.
+#[test]
+fn the_tries_a_smaller_state_left_empty_are_freed_at_the_next_resync() {
+    const OWN: usize = 199;
+    let gw = Gateway::new(1);
+    let ping_only = json!([{ "cidr": "10.1.2.3/32", "protocol": "icmp" }]);
+    let synthetic = |i: usize, egress: Option<Value>| -> Value {
+        let mut p = json!({
+            "name": format!("own-{i:03}"),
+            "publicKey": wgfence_tests::bench::gen::peer_key(i).to_base64(),
+            "address": wgfence_tests::bench::gen::peer_v4(i).to_string(),
+        });
+        if let Some(egress) = egress {
+            p["egress"] = egress;
+        }
+        p
+    };
+    let own = |i: usize| json!([{ "cidr": format!("10.{}.{}.0/24", 100 + i / 200, i % 200), "protocol": "tcp", "ports": [443] }]);
+    let mut peers = vec![gw.peer_json(0, Some(ping_only.clone()))];
+    peers.extend((0..OWN).map(|i| synthetic(i, Some(own(i)))));
+    let agent = Agent::start(&gw, Layout::Plain, &state(peers), &["--resync", "1"]);
+    agent.wait_readyz_for(&gw, 200, Duration::from_secs(60));
+    let pin_dir = wgfence::dataplane::pin_dir(&gw.bpffs, gw.interface());
+    let tries = pin_dir.join(wgfence_common::map_names::TRIES_V4);
+    let pinned = || -> Vec<u32> {
+        let mut ids: Vec<u32> = std::fs::read_dir(&tries)
+            .map(|d| {
+                d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        ids.sort_unstable();
+        ids
+    };
+    assert!(pinned().len() > OWN, "{:?}", pinned());
+
+    // Every other peer unrestricted: one policy left.
+    let mut peers = vec![gw.peer_json(0, Some(ping_only))];
+    peers.extend((0..OWN).map(|i| synthetic(i, None)));
+    agent.write_state(&state(peers));
+    let freed = wait_for(Duration::from_secs(15), || {
+        agent.log_text().contains("freed empty policy tries")
+    });
+    assert!(
+        freed.is_some(),
+        "no tries freed; log:\n{}",
+        agent.log_text()
+    );
+    // The policy id peer 0 uses, from its map entry.
+    let out = run(&[
+        "bpftool",
+        "-j",
+        "map",
+        "lookup",
+        "pinned",
+        &pin_dir
+            .join(wgfence_common::map_names::PEERS_V4)
+            .to_string_lossy(),
+        "key",
+        "10",
+        "8",
+        "0",
+        "2",
+    ]);
+    let entry: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let policy = entry["formatted"]["value"]["policy"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no policy in {entry}")) as u32;
+    let mut want: Vec<u32> = (1..).filter(|id| *id != policy).take(64).collect();
+    want.push(policy);
+    want.sort_unstable();
+    assert_eq!(pinned(), want, "policy {policy} in use");
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Ping, ip("10.1.2.3")),
+        Reach::Reached
+    );
+    assert_eq!(
+        probe(&gw.peers[0].ns, Kind::Ping, ip("10.2.3.4")),
+        Reach::Blocked
+    );
+
+    // Nothing more to free: the next resyncs write nothing.
+    let writes = agent.metric(&gw, "wgfence_bpf_map_writes_total");
+    let resyncs = agent.reconciles(&gw);
+    thread::sleep(Duration::from_millis(2500));
+    assert!(agent.reconciles(&gw) >= resyncs + 1.0, "no resync ran");
+    assert_eq!(
+        agent.metric(&gw, "wgfence_bpf_map_writes_total"),
+        writes,
+        "an unchanged state was written again; log:\n{}",
+        agent.log_text()
+    );
+}
+
 #[test]
 fn churn_of_other_peers_does_not_interrupt_an_unchanged_peer() {
     let gw = Gateway::new(1);

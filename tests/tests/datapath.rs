@@ -226,6 +226,146 @@ fn more_new_policies_than_one_batch_are_each_published_and_enforced() {
     assert_eq!(read, want, "policies read back from their pins");
 }
 
+/// The empty tries of the policy ids nothing uses, beyond the 64 lowest free ids (the spares
+/// the planner fills next), are freed: their slots handed to one shared empty trie, their pins
+/// removed, the kernel frees them; every packet's verdict stays. A policy later written at
+/// such an id gets a trie of its own.
+#[test]
+fn empty_tries_beyond_the_spares_are_freed() {
+    let gw = Gateway::new(1);
+    let mut dp = gw.attach();
+    let tries = dp.pin_dir().join(wgfence_common::map_names::TRIES_V4);
+    let pinned = || -> Vec<u32> {
+        let mut ids: Vec<u32> = std::fs::read_dir(&tries)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect();
+        ids.sort_unstable();
+        ids
+    };
+    let map_id = |id: u32| -> u64 {
+        let out = wgfence_tests::net::run(&[
+            "bpftool",
+            "-j",
+            "map",
+            "show",
+            "pinned",
+            &tries.join(id.to_string()).to_string_lossy(),
+        ]);
+        let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        info["id"].as_u64().unwrap()
+    };
+    // Policies 1 and 200, the peer on 200: tries 1..=64 and 200..=263, the others spares.
+    install_policy(dp.maps_mut(), 1, &web(443));
+    install_policy(dp.maps_mut(), 200, &web(80));
+    for addr in gw.peers[0].addrs() {
+        dp.maps_mut().upsert_peer(addr, entry(200, 0)).unwrap();
+    }
+    assert_eq!(pinned().len(), 128);
+    let ns = &gw.peers[0].ns;
+    let dst = ip("10.2.3.4");
+    assert_eq!(probe(ns, Kind::Tcp(80), dst), Reach::Reached);
+    let freed: Vec<u64> = (200..=263).map(map_id).collect();
+    // Pin 230 swapped for a trie of its own with an entry: not the trie its slot holds.
+    let stranger = tries.join("stranger");
+    wgfence_tests::net::run(&[
+        "bpftool",
+        "map",
+        "create",
+        &stranger.to_string_lossy(),
+        "type",
+        "lpm_trie",
+        "key",
+        "8",
+        "value",
+        "260",
+        "entries",
+        "16",
+        "name",
+        "stranger",
+        "flags",
+        "1",
+    ]);
+    let mut args: Vec<String> = ["bpftool", "map", "update", "pinned"]
+        .map(str::to_owned)
+        .to_vec();
+    args.push(stranger.to_string_lossy().into_owned());
+    args.extend(["key", "hex", "08", "00", "00", "00", "0a", "00", "00", "00"].map(str::to_owned));
+    args.extend(["value".to_owned(), "hex".to_owned()]);
+    args.extend(std::iter::repeat_n("00".to_owned(), 260));
+    wgfence_tests::net::run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    std::fs::rename(&stranger, tries.join("230")).unwrap();
+    let freed: Vec<u64> = freed.into_iter().chain([map_id(230)]).collect();
+
+    // 2..=65 are the spares the planner fills next: 201..=263 go, the highest first, as
+    // many as the budget allows a call; 230's slot too, its stale pin with it.
+    let in_use = std::collections::BTreeSet::from([1, 200]);
+    let writes = dp.maps().writes();
+    assert_eq!(dp.maps_mut().reclaim_policy_tries(&in_use, 10).unwrap(), 10);
+    assert_eq!(dp.maps().writes(), writes + 10, "a write a slot");
+    assert_eq!(pinned().len(), 118);
+    assert!(tries.join("201").exists() && !tries.join("263").exists());
+    assert_eq!(
+        dp.maps_mut().reclaim_policy_tries(&in_use, 1000).unwrap(),
+        53
+    );
+    let mut want: Vec<u32> = (1..=64).collect();
+    want.push(200);
+    assert_eq!(pinned(), want);
+    assert_eq!(probe(ns, Kind::Tcp(80), dst), Reach::Reached);
+
+    // Policy 200 gone, its peer on policy 1: its emptied trie goes too.
+    for addr in gw.peers[0].addrs() {
+        dp.maps_mut().upsert_peer(addr, entry(1, 0)).unwrap();
+    }
+    assert!(dp.maps_mut().remove_policy(200, net("10.0.0.0/8")).unwrap());
+    let in_use = std::collections::BTreeSet::from([1]);
+    assert_eq!(
+        dp.maps_mut().reclaim_policy_tries(&in_use, 1000).unwrap(),
+        1
+    );
+    assert_eq!(pinned(), (1..=64).collect::<Vec<_>>());
+    assert_eq!(
+        dp.maps_mut().reclaim_policy_tries(&in_use, 1000).unwrap(),
+        0
+    );
+
+    // The kernel frees a map after a grace period, off the call that dropped it.
+    let alive = |id: &u64| {
+        std::process::Command::new("bpftool")
+            .args(["map", "show", "id", &id.to_string()])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while freed.iter().any(alive) && std::time::Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    let kept: Vec<&u64> = freed.iter().filter(|id| alive(id)).collect();
+    assert!(
+        kept.is_empty(),
+        "tries freed but still in the kernel: {kept:?}"
+    );
+    assert_eq!(probe(ns, Kind::Tcp(443), dst), Reach::Reached);
+    assert_eq!(probe(ns, Kind::Tcp(80), dst), Reach::Blocked);
+    let read: Vec<(u32, u16)> = dp
+        .maps()
+        .policies()
+        .unwrap()
+        .iter()
+        .map(|e| (e.policy, e.value.allows()[0].port_lo))
+        .collect();
+    assert_eq!(read, vec![(1, 443)]);
+
+    // A policy written at an id given back gets a trie of its own, as in a fresh slot.
+    install_policy(dp.maps_mut(), 200, &web(22));
+    for addr in gw.peers[0].addrs() {
+        dp.maps_mut().upsert_peer(addr, entry(200, 0)).unwrap();
+    }
+    assert_eq!(probe(ns, Kind::Tcp(22), dst), Reach::Reached);
+    assert!(tries.join("200").exists());
+}
+
 #[test]
 fn a_policy_switch_applies_to_the_next_packet() {
     let gw = Gateway::new(1);

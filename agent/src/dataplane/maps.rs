@@ -3,7 +3,7 @@
 //! many kernel writes a reconcile cost.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     os::fd::AsFd as _,
     path::Path,
@@ -342,6 +342,16 @@ impl Maps {
     pub fn each_policy_entry(&self, mut each: impl FnMut(u32, IpNet, &PolicyValue)) -> Result<()> {
         self.policy_v4.each(&mut each)?;
         self.policy_v6.each(&mut each)
+    }
+
+    /// Frees the empty policy tries of the ids neither in `in_use` (every policy id a peer
+    /// entry or a trie entry uses) nor among the spares the planner fills next, at most
+    /// `budget` per address family ([`Tries::reclaim`]); each slot given back counts as a map
+    /// write. The number freed.
+    pub fn reclaim_policy_tries(&mut self, in_use: &BTreeSet<u32>, budget: usize) -> Result<u64> {
+        let n = self.policy_v4.reclaim(in_use, budget)? + self.policy_v6.reclaim(in_use, budget)?;
+        self.writes += n;
+        Ok(n)
     }
 
     /// Packet counters summed over all CPUs.

@@ -30,14 +30,16 @@
 //! (which matches nothing, as no trie does) for the next policy the planner gives that id, and
 //! each new trie comes with empty spares for the ids after it. The planner hands out the
 //! lowest free ids, so a policy change or a new policy fills a trie already in place: no
-//! update of the array, no wait. The tries stay until `wgfence detach`: as many per family as
-//! the most policies (with entries of that family) at once, plus up to 64 spares.
+//! update of the array, no wait. A state with fewer policies than an earlier one would leave
+//! the rest empty for good, so each resync frees the empty tries of the ids nothing uses
+//! beyond the 64 lowest free ones ([`Tries::reclaim`]): one shared empty trie, never pinned,
+//! takes their slots, in one batch.
 //!
 //! Without a pin directory (the private object of `wgfence test-run`) the tries are held by
 //! descriptor instead of pinned.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fs,
     io::ErrorKind,
     net::{Ipv4Addr, Ipv6Addr},
@@ -395,6 +397,95 @@ impl<F: Family> Tries<F> {
         Ok(missing)
     }
 
+    /// Frees the empty tries of the policy ids that neither `in_use` (every id a peer entry
+    /// or a trie entry uses) nor the [`SPARE`] lowest ids after it hold: the planner hands
+    /// out the lowest free ids, so those are the spares it fills next, and a state with
+    /// fewer policies than an earlier one leaves the rest empty for good. At most `budget` a
+    /// call, the highest ids first. One new empty trie, unpinned, takes all their slots in
+    /// one batch (the kernel has no batch delete for an array of maps, and each call that
+    /// changes a map of maps waits for an RCU grace period), and their pins go: the kernel
+    /// frees each with its last reference, so the slots given back cost one trie among them.
+    /// An empty trie matches nothing, as the shared one does, so no packet's verdict changes;
+    /// a policy later given such an id gets a trie of its own, as in a fresh slot (the shared
+    /// one has no pin, so it is never taken for the policy's). A slot whose pin names another
+    /// trie (a pin swapped by hand, or left by an interrupted agent) is given back too, and
+    /// the pin removed: no peer uses the id, and this agent could not read what the slot
+    /// holds. The number of slots given back.
+    pub(crate) fn reclaim(&mut self, in_use: &BTreeSet<u32>, budget: usize) -> Result<u64> {
+        self.flush()?;
+        let spares: Vec<u32> = (1..MAX_POLICIES)
+            .filter(|id| !in_use.contains(id))
+            .take(SPARE as usize)
+            .collect();
+        let free = |id: &u32| !in_use.contains(id) && spares.binary_search(id).is_err();
+        let mut empty = Vec::new();
+        match &self.store {
+            Store::Held(held) => {
+                for (policy, trie) in held.iter().rev().filter(|(id, _)| free(id)) {
+                    if empty.len() >= budget {
+                        break;
+                    }
+                    if trie_is_empty::<F>(trie)? {
+                        empty.push(*policy);
+                    }
+                }
+            }
+            Store::Pinned(dir) => {
+                for (policy, live) in self.live_where(free)?.into_iter().rev() {
+                    if empty.len() >= budget {
+                        break;
+                    }
+                    let give_back = match self.unpinned.get(&policy) {
+                        Some(trie) => trie_is_empty::<F>(trie)?,
+                        None => match Self::open_pinned(dir, policy, live)? {
+                            Some(trie) => trie_is_empty::<F>(&trie)?,
+                            // The pin names another trie than the slot's (swapped, or left by
+                            // an interrupted agent): what the slot holds, no peer uses and this
+                            // agent cannot read; the pin goes with it.
+                            None => true,
+                        },
+                    };
+                    if give_back {
+                        empty.push(policy);
+                    }
+                }
+            }
+        }
+        if empty.is_empty() {
+            return Ok(0);
+        }
+        // One new empty trie takes all their slots, in one batch: the kernel has no batch
+        // delete for an array of maps, and a delete waits for a grace period each.
+        let shared = create::<F>(self.btf())?;
+        let fds = vec![shared.map().fd().as_fd().as_raw_fd() as u32; empty.len()];
+        sys::update_batch(self.outer.fd().as_fd(), &empty, &fds)
+            .map_err(syscall_err(F::OUTER, "bpf_map_update_batch"))?;
+        if self
+            .last
+            .as_ref()
+            .is_some_and(|(id, _, _)| empty.contains(id))
+        {
+            self.last = None;
+        }
+        for policy in &empty {
+            match &mut self.store {
+                Store::Held(held) => {
+                    held.remove(policy);
+                }
+                Store::Pinned(dir) => {
+                    self.unpinned.remove(policy);
+                    let path = dir.join(policy.to_string());
+                    match fs::remove_file(&path) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == ErrorKind::NotFound => {}
+                        Err(e) => return Err(io_err(&path)(e)),
+                    }
+                }
+            }
+        }
+        Ok(empty.len() as u64)
+    }
+
     /// Every entry of every live trie this agent can reach, handed to `each` as it is read:
     /// policy by policy, each in its trie's own order. New tries not yet flushed are not
     /// live: the maps flush before they are read for a plan.
@@ -428,6 +519,11 @@ impl<F: Family> Tries<F> {
     /// (policy id, inner map id) of every trie the array of maps holds that has a pin (or is
     /// held by this agent): the pins name the candidates, the array says which are live.
     fn live(&self) -> Result<Vec<(u32, u32)>> {
+        self.live_where(|_| true)
+    }
+
+    /// [`Self::live`] of the policy ids `wanted` takes (the array is asked about those alone).
+    fn live_where(&self, wanted: impl Fn(&u32) -> bool) -> Result<Vec<(u32, u32)>> {
         let Store::Pinned(dir) = &self.store else {
             return Ok(Vec::new());
         };
@@ -439,6 +535,7 @@ impl<F: Family> Tries<F> {
             Err(e) => return Err(io_err(dir)(e)),
         };
         ids.extend(self.unpinned.keys());
+        ids.retain(|id| wanted(id));
         ids.sort_unstable();
         ids.dedup();
         let mut all = Vec::with_capacity(ids.len());
@@ -448,6 +545,15 @@ impl<F: Family> Tries<F> {
             }
         }
         Ok(all)
+    }
+}
+
+/// Whether `trie` holds no entry.
+fn trie_is_empty<F: Family>(trie: &Trie<F>) -> Result<bool> {
+    match trie.keys().next() {
+        None => Ok(true),
+        Some(Ok(_)) => Ok(false),
+        Some(Err(e)) => Err(map_err(F::TRIE)(e)),
     }
 }
 
