@@ -86,6 +86,7 @@ pub fn run(report: &mut Report, config: &Config) {
     let pushes = if config.quick { 5 } else { 20 };
     let mut rows = Vec::new();
     let mut records = Vec::new();
+    let mut reclaimed = None;
     // Every size with shared policies, and the largest again with a policy per peer.
     let mut runs: Vec<(usize, Mix)> = sizes.iter().map(|&n| (n, Mix::Shared)).collect();
     if let Some(&largest) = sizes.last() {
@@ -178,6 +179,9 @@ pub fn run(report: &mut Report, config: &Config) {
             "state_file_mib": file_kib as f64 / 1024.0, "attach_s": attach_s,
             "after_attach_s": load_s, "policy_tries": tries,
             "policy_tries_mib": tries_bytes as f64 / 1048576.0 }));
+        if mix == Mix::OwnPolicy {
+            reclaimed = Some(reclaim_after_shrink(&mut agent, &gw, n, tries, tries_bytes));
+        }
         drop(agent);
         drop(gw);
     }
@@ -283,10 +287,123 @@ pub fn run(report: &mut Report, config: &Config) {
         report.paragraph(&format!("Goal {line}"));
         goal(&line);
     }
+    if let Some(r) = &reclaimed {
+        report.paragraph(&r.text());
+    }
     let lost: u64 = records
         .iter()
         .map(|r| r["lost"].as_u64().unwrap_or(0))
         .sum();
     report.paragraph(&format!("Goal 0 lost: {}.", verdict(lost == 0)));
     report.record("restart", json!(records));
+    if let Some(r) = reclaimed {
+        report.record("reclaim", r.record());
+    }
+}
+
+/// What freeing the tries a smaller state left empty took ([`reclaim_after_shrink`]).
+struct Reclaimed {
+    peers: usize,
+    resync_s: u64,
+    tries_before: usize,
+    mib_before: f64,
+    tries_after: usize,
+    mib_after: f64,
+    /// From the push to the last trie freed.
+    seconds: f64,
+    /// Each resync's reclaim, from the agent's log: (tries, ms).
+    calls: Vec<(u64, f64)>,
+}
+
+impl Reclaimed {
+    fn text(&self) -> String {
+        let longest = self.calls.iter().map(|c| c.1).fold(0.0, f64::max);
+        format!(
+            "Freeing what a smaller state leaves empty: at {} peers with a policy per \
+             restricted peer, the state of the shared pool pushed (the agent restarted with \
+             `--resync {}`): the policy tries went from {} ({:.1} MiB) to {} ({:.1} MiB) in \
+             {:.0} s, over {} resyncs that freed {} tries, each reclaim at most {:.0} ms (the \
+             agent's log, `freed empty policy tries`; at most 4,096 per address family a \
+             resync: one batch of the array of maps, one grace period).",
+            self.peers,
+            self.resync_s,
+            self.tries_before,
+            self.mib_before,
+            self.tries_after,
+            self.mib_after,
+            self.seconds,
+            self.calls.len(),
+            self.calls.iter().map(|c| c.0).sum::<u64>(),
+            longest,
+        )
+    }
+
+    fn record(&self) -> Value {
+        json!({ "peers": self.peers, "resync_s": self.resync_s,
+            "tries_before": self.tries_before, "tries_mib_before": self.mib_before,
+            "tries_after": self.tries_after, "tries_mib_after": self.mib_after,
+            "seconds": self.seconds, "calls": self.calls })
+    }
+}
+
+/// The agent, restarted with a short resync, is pushed the state of the shared pool in place
+/// of a policy per peer; waits until the resyncs have freed the empty tries (or 10 minutes).
+fn reclaim_after_shrink(
+    agent: &mut Agent,
+    gw: &Gateway,
+    n: usize,
+    tries_before: usize,
+    bytes_before: u64,
+) -> Reclaimed {
+    const RESYNC_S: u64 = 5;
+    progress(&format!("freeing the tries a smaller state left, N={n}"));
+    agent.kill();
+    agent.restart(gw, &["--resync", &RESYNC_S.to_string()]);
+    agent.wait_readyz_for(gw, 200, Duration::from_secs(300));
+    let mut state = Mix::Shared.state(n);
+    if let Some(peers) = state["peers"].as_array_mut() {
+        peers.push(gw.peer_json(0, None));
+    }
+    let pin_dir = wgfence::dataplane::pin_dir(&gw.bpffs, gw.interface());
+    let count = || super::policy_tries_memory(&pin_dir);
+    let start = Instant::now();
+    agent.write_state(&state.to_string());
+    // Done when two resyncs in a row free nothing more.
+    let mut last = count();
+    let mut done_at = start.elapsed();
+    while start.elapsed() < Duration::from_secs(600) {
+        thread::sleep(Duration::from_secs(1));
+        let now = count();
+        if now.0 != last.0 {
+            done_at = start.elapsed();
+            last = now;
+        } else if now.0 < tries_before
+            && start.elapsed() - done_at > Duration::from_secs(2 * RESYNC_S + 1)
+        {
+            break;
+        }
+    }
+    let calls = agent
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("freed empty policy tries"))
+        .filter_map(|l| {
+            let field = |name: &str| -> Option<f64> {
+                l.split_whitespace()
+                    .find_map(|w| w.strip_prefix(name))
+                    .and_then(|v| v.parse().ok())
+            };
+            Some((field("tries=")? as u64, field("duration_ms=")?))
+        })
+        .collect();
+    Reclaimed {
+        peers: n,
+        resync_s: RESYNC_S,
+        tries_before,
+        mib_before: bytes_before as f64 / 1048576.0,
+        tries_after: last.0,
+        mib_after: last.1 as f64 / 1048576.0,
+        seconds: done_at.as_secs_f64(),
+        calls,
+    }
 }
