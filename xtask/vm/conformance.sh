@@ -193,7 +193,10 @@ case "$hook" in
     tc) hook="tc (clsact)" ;;
     "") hook=unknown ;;
 esac
-echo "VMTEST info kernel=$(uname -r) backend=${backend:-unknown} attach=${ATTACH:-auto} hook=$hook"
+# Whether this kernel put the policy tries into their array of maps in one batch.
+tries_batch=yes
+grep -q 'no batch update for an array of maps' "$AGENT_LOG" && tries_batch=no
+echo "VMTEST info kernel=$(uname -r) backend=${backend:-unknown} attach=${ATTACH:-auto} tries_batch=$tries_batch hook=$hook"
 
 # The agent added both peers to wg0 through netlink, with their addresses as allowed IPs.
 peers=$(in_ns gw wg show wg0 allowed-ips)

@@ -252,13 +252,31 @@ struct BatchAttr {
 /// batch operations.
 const ENOTSUPP: i32 = 524;
 
+/// What [`update_batch`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Updated {
+    /// The keys set, from the first: all of them unless one by one was cut short.
+    pub(crate) count: usize,
+    /// In one `BPF_MAP_UPDATE_BATCH`; else one update each.
+    pub(crate) batched: bool,
+}
+
 /// Sets `keys[i]` to `values[i]` in the map behind `fd` (u32 keys and values: an array of maps
 /// takes inner map descriptors), in one `BPF_MAP_UPDATE_BATCH` where the kernel has it for the
-/// map, else one update each.
-pub(crate) fn update_batch(fd: BorrowedFd<'_>, keys: &[u32], values: &[u32]) -> io::Result<()> {
+/// map, else one update each, the first `one_by_one` keys at most (on a map of maps each update
+/// waits for an RCU grace period, about 10 ms).
+pub(crate) fn update_batch(
+    fd: BorrowedFd<'_>,
+    keys: &[u32],
+    values: &[u32],
+    one_by_one: usize,
+) -> io::Result<Updated> {
     let count = keys.len().min(values.len());
     if count == 0 {
-        return Ok(());
+        return Ok(Updated {
+            count,
+            batched: true,
+        });
     }
     let mut attr = BatchAttr {
         in_batch: 0,
@@ -273,7 +291,12 @@ pub(crate) fn update_batch(fd: BorrowedFd<'_>, keys: &[u32], values: &[u32]) -> 
     // SAFETY: `attr` is the BPF_MAP_*_BATCH member; `keys` and `values` hold `count` u32s (the
     // map's key and value sizes) and outlive the call.
     match unsafe { bpf(BPF_MAP_UPDATE_BATCH, &mut attr) } {
-        Ok(_) => return Ok(()),
+        Ok(_) => {
+            return Ok(Updated {
+                count,
+                batched: true,
+            })
+        }
         Err(e)
             if matches!(
                 e.raw_os_error(),
@@ -281,7 +304,8 @@ pub(crate) fn update_batch(fd: BorrowedFd<'_>, keys: &[u32], values: &[u32]) -> 
             ) => {}
         Err(e) => return Err(e),
     }
-    for (key, value) in keys.iter().zip(values) {
+    let count = count.min(one_by_one);
+    for (key, value) in keys.iter().zip(values).take(count) {
         let mut attr = ElemAttr {
             map_fd: fd.as_raw_fd() as u32,
             pad: 0,
@@ -293,7 +317,10 @@ pub(crate) fn update_batch(fd: BorrowedFd<'_>, keys: &[u32], values: &[u32]) -> 
         // outlive the call.
         unsafe { bpf(BPF_MAP_UPDATE_ELEM, &mut attr) }?;
     }
-    Ok(())
+    Ok(Updated {
+        count,
+        batched: false,
+    })
 }
 
 /// Entries asked for per batch call: 4096 peer entries are 80 KiB of keys and values.

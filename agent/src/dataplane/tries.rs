@@ -146,6 +146,9 @@ enum Store<F: Family> {
 const FLUSH_AT: usize = 512;
 /// Empty tries made with each new one, for the ids after it (see [`Tries::upsert`]).
 const SPARE: u32 = 64;
+/// Slots [`Tries::reclaim`] gives back a call where the kernel has no batch update for an
+/// array of maps: each update then waits for a grace period, and the agent's loop with it.
+const ONE_BY_ONE: usize = 16;
 
 /// One address family's policy tries.
 pub(crate) struct Tries<F: Family> {
@@ -337,10 +340,17 @@ impl<F: Family> Tries<F> {
             keys.push(*policy);
             fds.push(trie.map().fd().as_fd().as_raw_fd() as u32);
         }
-        let updated = sys::update_batch(self.outer.fd().as_fd(), &keys, &fds)
+        let updated = sys::update_batch(self.outer.fd().as_fd(), &keys, &fds, usize::MAX)
             .map_err(syscall_err(F::OUTER, "bpf_map_update_batch"));
         // On an error every new trie stays for the next flush (an update done twice is one).
-        updated?;
+        if !updated?.batched {
+            tracing::debug!(
+                tries = keys.len(),
+                map = F::OUTER,
+                "this kernel has no batch update for an array of maps: the new tries went in \
+                 one by one, a grace period each"
+            );
+        }
         let mut failed = None;
         for (policy, trie) in std::mem::take(&mut self.new) {
             match &mut self.store {
@@ -403,8 +413,9 @@ impl<F: Family> Tries<F> {
     /// fewer policies than an earlier one leaves the rest empty for good. At most `budget` a
     /// call, the highest ids first. One new empty trie, unpinned, takes all their slots in
     /// one batch (the kernel has no batch delete for an array of maps, and each call that
-    /// changes a map of maps waits for an RCU grace period), and their pins go: the kernel
-    /// frees each with its last reference, so the slots given back cost one trie among them.
+    /// changes a map of maps waits for an RCU grace period; without a batch update either,
+    /// [`ONE_BY_ONE`] a call), and their pins go: the kernel frees each with its last
+    /// reference, so the slots given back cost one trie among them.
     /// An empty trie matches nothing, as the shared one does, so no packet's verdict changes;
     /// a policy later given such an id gets a trie of its own, as in a fresh slot (the shared
     /// one has no pin, so it is never taken for the policy's). A slot whose pin names another
@@ -458,8 +469,9 @@ impl<F: Family> Tries<F> {
         // delete for an array of maps, and a delete waits for a grace period each.
         let shared = create::<F>(self.btf())?;
         let fds = vec![shared.map().fd().as_fd().as_raw_fd() as u32; empty.len()];
-        sys::update_batch(self.outer.fd().as_fd(), &empty, &fds)
+        let updated = sys::update_batch(self.outer.fd().as_fd(), &empty, &fds, ONE_BY_ONE)
             .map_err(syscall_err(F::OUTER, "bpf_map_update_batch"))?;
+        empty.truncate(updated.count);
         if self
             .last
             .as_ref()
