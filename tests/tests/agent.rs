@@ -610,14 +610,11 @@ fn the_tries_a_smaller_state_left_empty_are_freed_at_the_next_resync() {
     want.push(policy);
     want.sort_unstable();
     assert_eq!(pinned(), want, "policy {policy} in use");
-    assert_eq!(
-        probe(&gw.peers[0].ns, Kind::Ping, ip("10.1.2.3")),
-        Reach::Reached
-    );
-    assert_eq!(
-        probe(&gw.peers[0].ns, Kind::Ping, ip("10.2.3.4")),
-        Reach::Blocked
-    );
+    let ns = &gw.peers[0].ns;
+    check_all(&[
+        Expect::new("peer0", ns, Kind::Ping, "10.1.2.3", Reach::Reached),
+        Expect::new("peer0", ns, Kind::Ping, "10.2.3.4", Reach::Blocked),
+    ]);
 
     // Nothing more to free: the next resyncs write nothing.
     let writes = agent.metric(&gw, "wgfence_bpf_map_writes_total");

@@ -149,6 +149,51 @@ fn web(port: u16) -> Vec<Rule> {
     )]
 }
 
+/// Each policy entry as (policy id, its first allow's lowest port), read back from the tries.
+fn policy_ports(dp: &wgfence::dataplane::Dataplane) -> Vec<(u32, u16)> {
+    dp.maps()
+        .policies()
+        .unwrap()
+        .iter()
+        .map(|e| (e.policy, e.value.allows()[0].port_lo))
+        .collect()
+}
+
+/// A trie made and pinned at `path` with bpftool, of the policy tries' IPv4 layout but no
+/// agent's: one entry, 10.0.0.0/8 -> tcp `port`.
+fn stranger_trie(path: &std::path::Path, port: u16) {
+    wgfence_tests::net::run(&[
+        "bpftool",
+        "map",
+        "create",
+        &path.to_string_lossy(),
+        "type",
+        "lpm_trie",
+        "key",
+        "8",
+        "value",
+        "260",
+        "entries",
+        "16",
+        "name",
+        "stranger",
+        "flags",
+        "1",
+    ]);
+    let mut args: Vec<String> = ["bpftool", "map", "update", "pinned"]
+        .map(str::to_owned)
+        .to_vec();
+    args.push(path.to_string_lossy().into_owned());
+    args.extend(["key", "hex", "08", "00", "00", "00", "0a", "00", "00", "00"].map(str::to_owned));
+    let mut value = vec![1u8, 0, 0, 0, 6, 0];
+    value.extend(port.to_le_bytes());
+    value.extend(port.to_le_bytes());
+    value.resize(260, 0);
+    args.extend(["value".to_owned(), "hex".to_owned()]);
+    args.extend(value.iter().map(|b| format!("{b:02x}")));
+    wgfence_tests::net::run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+}
+
 /// Policy 1: tcp/443 to 10.0.0.0/8; policy 2: tcp/80 there; peer 0 (slot 0) on policy 1.
 fn two_web_policies_peer_0_on_the_first(gw: &Gateway, dp: &mut wgfence::dataplane::Dataplane) {
     let maps = dp.maps_mut();
@@ -213,13 +258,7 @@ fn more_new_policies_than_one_batch_are_each_published_and_enforced() {
             "policy {policy}"
         );
     }
-    let read: Vec<(u32, u16)> = dp
-        .maps()
-        .policies()
-        .unwrap()
-        .iter()
-        .map(|e| (e.policy, e.value.allows()[0].port_lo))
-        .collect();
+    let read = policy_ports(&dp);
     let want: Vec<(u32, u16)> = (1..=POLICIES)
         .map(|id| (u32::from(id), 1000 + id))
         .collect();
@@ -268,32 +307,7 @@ fn empty_tries_beyond_the_spares_are_freed() {
     let freed: Vec<u64> = (200..=263).map(map_id).collect();
     // Pin 230 swapped for a trie of its own with an entry: not the trie its slot holds.
     let stranger = tries.join("stranger");
-    wgfence_tests::net::run(&[
-        "bpftool",
-        "map",
-        "create",
-        &stranger.to_string_lossy(),
-        "type",
-        "lpm_trie",
-        "key",
-        "8",
-        "value",
-        "260",
-        "entries",
-        "16",
-        "name",
-        "stranger",
-        "flags",
-        "1",
-    ]);
-    let mut args: Vec<String> = ["bpftool", "map", "update", "pinned"]
-        .map(str::to_owned)
-        .to_vec();
-    args.push(stranger.to_string_lossy().into_owned());
-    args.extend(["key", "hex", "08", "00", "00", "00", "0a", "00", "00", "00"].map(str::to_owned));
-    args.extend(["value".to_owned(), "hex".to_owned()]);
-    args.extend(std::iter::repeat_n("00".to_owned(), 260));
-    wgfence_tests::net::run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    stranger_trie(&stranger, 9999);
     std::fs::rename(&stranger, tries.join("230")).unwrap();
     let freed: Vec<u64> = freed.into_iter().chain([map_id(230)]).collect();
 
@@ -348,13 +362,7 @@ fn empty_tries_beyond_the_spares_are_freed() {
     );
     assert_eq!(probe(ns, Kind::Tcp(443), dst), Reach::Reached);
     assert_eq!(probe(ns, Kind::Tcp(80), dst), Reach::Blocked);
-    let read: Vec<(u32, u16)> = dp
-        .maps()
-        .policies()
-        .unwrap()
-        .iter()
-        .map(|e| (e.policy, e.value.allows()[0].port_lo))
-        .collect();
+    let read = policy_ports(&dp);
     assert_eq!(read, vec![(1, 443)]);
 
     // A policy written at an id given back gets a trie of its own, as in a fresh slot.
@@ -801,14 +809,7 @@ fn each_policy_is_a_trie_of_its_own_found_through_its_pin() {
     // A trie's pin removed by hand: the datapath keeps the trie; the agent cannot read it.
     std::fs::remove_file(tries.join("1")).unwrap();
     assert_eq!(probe(ns, Kind::Tcp(443), dst), Reach::Reached);
-    let read = |dp: &wgfence::dataplane::Dataplane| -> Vec<(u32, u16)> {
-        dp.maps()
-            .policies()
-            .unwrap()
-            .iter()
-            .map(|e| (e.policy, e.value.allows()[0].port_lo))
-            .collect()
-    };
+    let read = policy_ports;
     assert_eq!(
         read(&dp),
         vec![(2, 80)],
@@ -823,37 +824,8 @@ fn each_policy_is_a_trie_of_its_own_found_through_its_pin() {
 
     // A pin swapped for another map of the same layout is not policy 2's trie.
     let other = tries.join("other");
-    wgfence_tests::net::run(&[
-        "bpftool",
-        "map",
-        "create",
-        &other.to_string_lossy(),
-        "type",
-        "lpm_trie",
-        "key",
-        "8",
-        "value",
-        "260",
-        "entries",
-        "16",
-        "name",
-        "stranger",
-        "flags",
-        "1",
-    ]);
     // It holds an entry: 10.0.0.0/8 -> tcp 9999.
-    let mut args: Vec<String> = ["bpftool", "map", "update", "pinned"]
-        .map(str::to_owned)
-        .to_vec();
-    args.push(other.to_string_lossy().into_owned());
-    args.extend(["key", "hex", "08", "00", "00", "00", "0a", "00", "00", "00"].map(str::to_owned));
-    let mut value = vec![1u8, 0, 0, 0, 6, 0];
-    value.extend(9999u16.to_le_bytes());
-    value.extend(9999u16.to_le_bytes());
-    value.resize(260, 0);
-    args.extend(["value".to_owned(), "hex".to_owned()]);
-    args.extend(value.iter().map(|b| format!("{b:02x}")));
-    wgfence_tests::net::run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    stranger_trie(&other, 9999);
     std::fs::rename(&other, tries.join("2")).unwrap();
     assert_eq!(
         read(&dp),
