@@ -407,16 +407,16 @@ impl<F: Family> Tries<F> {
         Ok(missing)
     }
 
-    /// Frees the empty tries of the policy ids that neither `in_use` (every id a peer entry
-    /// or a trie entry uses) nor the [`SPARE`] lowest ids after it hold: the planner hands
-    /// out the lowest free ids, so those are the spares it fills next, and a state with
+    /// Frees the empty tries of the policy ids that are neither in `in_use` (every id a peer
+    /// entry or a trie entry uses) nor among the [`SPARE`] lowest ids outside it: the planner
+    /// hands out the lowest free ids, so those are the spares it fills next, and a state with
     /// fewer policies than an earlier one leaves the rest empty for good. At most `budget` a
     /// call, the highest ids first. One new empty trie, unpinned, takes all their slots in
     /// one batch (the kernel has no batch delete for an array of maps, and each call that
     /// changes a map of maps waits for an RCU grace period; without a batch update either,
     /// [`ONE_BY_ONE`] a call), and their pins go: the kernel frees each with its last
-    /// reference, so the slots given back cost one trie among them.
-    /// An empty trie matches nothing, as the shared one does, so no packet's verdict changes;
+    /// reference, so the slots given back cost one trie among them. An empty trie matches
+    /// nothing, as the shared one does, so no packet's verdict changes;
     /// a policy later given such an id gets a trie of its own, as in a fresh slot (the shared
     /// one has no pin, so it is never taken for the policy's). A slot whose pin names another
     /// trie (a pin swapped by hand, or left by an interrupted agent) is given back too, and
